@@ -1,0 +1,1 @@
+// Instruction-set variant of attention_kernel.h (flags by file suffix in setup.py / CMakeLists.txt).

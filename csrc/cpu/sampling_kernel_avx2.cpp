@@ -1,0 +1,1 @@
+// Instruction-set variant of sampling_kernel.h (flags by file suffix in setup.py / CMakeLists.txt).

@@ -1,0 +1,1 @@
+// CPU kernel of sbd::mask_scatter_ (to be written).

@@ -1,0 +1,31 @@
+"""Loads the compiled `sbd` operator library, or says exactly what failed and how to rebuild it."""
+from __future__ import annotations
+
+import importlib
+
+REBUILD_HINT = (
+    "Rebuild it against the installed torch from the repository root:\n"
+    "    pip install --no-build-isolation -e .\n"
+    "(the extension must be compiled against the same torch version that imports it)."
+)
+
+
+class SbdLibraryLoadError(ImportError):
+    """The compiled extension `sbd_kernels._C` is missing or does not match the installed torch."""
+
+
+def load_extension() -> None:
+    """Import `sbd_kernels._C`, which registers every `torch.ops.sbd` schema and the CPU kernels."""
+    import torch
+
+    try:
+        importlib.import_module("sbd_kernels._C")
+    except ImportError as err:  # missing file, undefined symbol from a torch ABI mismatch, ...
+        raise SbdLibraryLoadError(
+            f"sbd_kernels: could not load the compiled library sbd_kernels._C "
+            f"(torch {torch.__version__}): {err}\n{REBUILD_HINT}"
+        ) from err
+    if not hasattr(torch.ops.sbd, "entropy_sample"):
+        raise SbdLibraryLoadError(
+            "sbd_kernels: sbd_kernels._C loaded but registered no `sbd` ops.\n" + REBUILD_HINT
+        )

@@ -1,0 +1,5 @@
+import torch
+
+
+def block_attention_with_kvcache(*args, **kwargs):
+    return torch.ops.sbd.block_attention_with_kvcache(*args, **kwargs)

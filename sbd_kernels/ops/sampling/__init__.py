@@ -1,0 +1,5 @@
+import torch
+
+
+def entropy_sample(*args, **kwargs):
+    return torch.ops.sbd.entropy_sample(*args, **kwargs)

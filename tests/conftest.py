@@ -1,0 +1,42 @@
+"""Test set-up: Triton kernels run on CPU tensors through the interpreter.
+
+TRITON_INTERPRET must be set before any Triton kernel module is imported.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import sbd_kernels  # noqa: E402,F401
+
+
+def supported_cpu_isas() -> list[str]:
+    """Instruction-set variants of the CPU kernels that this machine can run."""
+    names = []
+    for name in ("default", "avx2", "avx512"):
+        try:
+            torch.ops.sbd._set_cpu_isa(name)
+            names.append(name)
+        except RuntimeError:
+            pass
+    return names
+
+
+_BEST_ISA = torch.ops.sbd._cpu_isa()
+CPU_ISAS = supported_cpu_isas()
+torch.ops.sbd._set_cpu_isa(_BEST_ISA)
+
+
+@pytest.fixture(params=CPU_ISAS)
+def cpu_isa(request):
+    """Runs a test once per instruction-set variant of the CPU kernels this machine supports."""
+    torch.ops.sbd._set_cpu_isa(request.param)
+    yield request.param
+    torch.ops.sbd._set_cpu_isa(_BEST_ISA)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
