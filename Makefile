@@ -1,0 +1,41 @@
+# Fresh machine: `make test` (or `make bench`) creates .venv, installs the pinned dependencies, builds the
+# extension and runs. torch is installed first and pinned (2.13.0, CPU wheel): an unpinned torch, also
+# inside an isolated build environment, would pull a CUDA build of several GB.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DEPS := $(VENV)/.deps-installed
+BUILT := $(VENV)/.extension-built
+CPP_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py
+
+.PHONY: test bench aot lint build clean
+
+test: $(BUILT)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests -q
+
+bench: $(BUILT)
+	$(BIN)/python -m bench.report
+
+aot: $(BUILT)
+	$(BIN)/python -m sbd_kernels.aot
+
+lint: $(DEPS)
+	$(BIN)/ruff check sbd_kernels tests bench
+
+build: $(BUILT)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(DEPS): $(BIN)/python requirements-dev.txt
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements-dev.txt
+	touch $@
+
+$(BUILT): $(DEPS) $(CPP_SOURCES)
+	$(BIN)/pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+clean:
+	rm -rf build sbd_kernels/_C*.so $(BUILT)
