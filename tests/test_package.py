@@ -1,0 +1,59 @@
+"""Package-level guarantees: the public schemas, the extension loader, the CPU instruction-set switch."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# The op contracts of DESIGN.md, as the dispatcher prints them. Other codebases call these exact names.
+EXPECTED_SCHEMAS = {
+    "block_attention_with_kvcache": (
+        "sbd::block_attention_with_kvcache(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor cache_seqlens, Tensor num_causal, int block_size, "
+        "Tensor? block_table=None, float? softmax_scale=None) -> (Tensor out, Tensor lse)"
+    ),
+    "entropy_sample": (
+        "sbd::entropy_sample(Tensor logits, Tensor seed, Tensor offset, Tensor? temperature=None, "
+        "float temperature_val=0., Tensor? compute_mask=None, int mask_token_id=-1) "
+        "-> (Tensor tokens, Tensor entropy, Tensor logprob, Tensor valid)"
+    ),
+    "mask_scatter_": (
+        "sbd::mask_scatter_(Tensor(a!) block_tokens, Tensor(b!) is_masked, Tensor sampled, "
+        "Tensor entropy, Tensor? gamma=None, float gamma_val=0.10000000000000001, str rule=\"eb\", "
+        "Tensor? valid=None) -> (Tensor accepted, Tensor num_accepted, Tensor block_done)"
+    ),
+}
+
+
+@pytest.mark.parametrize("op", sorted(EXPECTED_SCHEMAS))
+def test_schema_is_the_contract(op):
+    """Guards against a schema drifting from the published contract (names, defaults, aliasing)."""
+    assert str(getattr(torch.ops.sbd, op).default._schema) == EXPECTED_SCHEMAS[op]
+
+
+def test_missing_extension_names_the_cause_and_the_fix():
+    """Guards against a silent or cryptic failure when the compiled library cannot load."""
+    code = (
+        "import sys; sys.modules['sbd_kernels._C'] = None\n"
+        "import sbd_kernels\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "could not load the compiled library sbd_kernels._C" in proc.stderr
+    assert "pip install --no-build-isolation -e ." in proc.stderr
+
+
+def test_cpu_isa_switch_rejects_unknown_names():
+    """Guards against a typo in SBD_CPU_ISA silently running another kernel variant."""
+    with pytest.raises(RuntimeError, match="unknown CPU instruction set 'avx9'"):
+        torch.ops.sbd._set_cpu_isa("avx9")
+    assert torch.ops.sbd._cpu_isa() in ("default", "avx2", "avx512")
+
+
+def test_cpu_isa_environment_variable_is_honoured():
+    """Guards against SBD_CPU_ISA being ignored (benchmarks use it to time each variant)."""
+    code = "import torch, sbd_kernels; print(torch.ops.sbd._cpu_isa())"
+    env = {**__import__("os").environ, "SBD_CPU_ISA": "default"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "default"
