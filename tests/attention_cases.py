@@ -1,0 +1,156 @@
+"""Test cases of `sbd.block_attention_with_kvcache`, shared by the CPU and Triton test files.
+
+`make_case` builds one call with ragged lengths: sequence b has L_b cache slots filled and c_b causal rows,
+every other cache slot (beyond L_b, spare pages) is NaN, so a kernel that reads or writes the wrong slot
+fails. `assert_matches_oracle` runs an implementation and the oracle on copies of the same caches.
+The shape grid (`BASE`, `AXES`) varies one axis at a time around a small base case.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from sbd_kernels.ops.attention import naive
+from sbd_kernels.testing import assert_close, noncontiguous
+
+# Base case and the values of each axis (one axis varied at a time). "C": "K" means C = block_size.
+BASE = dict(B=3, C=4, K=4, L=37, Hq=8, Hkv=2, D=64, dtype=torch.float32, paged=False, page_size=16)
+AXES = {
+    "B": [1, 3],
+    "C": [0, 1, "K"],
+    "L": [0, 1, 127, 4099],
+    "K": [0, 1, 4, 16, 32],
+    "gqa": [(4, 4), (8, 2), (8, 1)],  # (Hq, Hkv): ratios 1, 4, 8
+    "D": [64, 128],
+    "dtype": [torch.float32, torch.float16, torch.bfloat16],
+    "paged": [(True, 1), (True, 16), (True, 48)],  # (paged, page_size)
+}
+SLACK_SLOTS = 3  # NaN-poisoned slots past the largest L_b + c_b, to catch writes past the end
+
+
+def axis_params() -> list[tuple[str, dict]]:
+    """(id, shape kwargs for make_case) for every value of every axis in AXES, around BASE."""
+    params = []
+    for axis, values in AXES.items():
+        for value in values:
+            kw = dict(BASE)
+            if axis == "gqa":
+                kw["Hq"], kw["Hkv"] = value
+            elif axis == "paged":
+                kw["paged"], kw["page_size"] = value
+            elif axis == "C" and value == "K":
+                kw["C"] = kw["K"]
+            else:
+                kw[axis] = value
+            label = str(value).replace("torch.", "").replace(" ", "")
+            params.append((f"{axis}={label}", kw))
+    return params
+
+
+@dataclass
+class AttentionCase:
+    """Arguments of one call (the caches are modified in place by the op)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cache_seqlens: torch.Tensor
+    num_causal: torch.Tensor
+    block_size: int
+    block_table: Optional[torch.Tensor] = None
+    softmax_scale: Optional[float] = None
+
+    def args(self) -> tuple:
+        return (self.q, self.k, self.v, self.k_cache, self.v_cache, self.cache_seqlens, self.num_causal,
+                self.block_size, self.block_table, self.softmax_scale)
+
+    def with_cache_copies(self) -> "AttentionCase":
+        """The same call on fresh copies of the caches (for running two implementations side by side)."""
+        return dataclasses.replace(self, k_cache=self.k_cache.clone(), v_cache=self.v_cache.clone())
+
+
+def ragged_lengths(B: int, C: int, L: int) -> tuple[list[int], list[int]]:
+    """L_b and c_b per sequence: sequence 0 has the full L and C; the others are shorter or empty."""
+    lengths = [L - (37 * b) % (L + 1) for b in range(B)]
+    causal = [(C, 0, (C + 1) // 2)[b % 3] for b in range(B)]
+    return lengths, causal
+
+
+def _fill_cache(cache: torch.Tensor, lengths: list[int], page_size: int, table: Optional[torch.Tensor]):
+    """NaN everywhere, then random values in slots [0, L_b) of every sequence."""
+    cache.fill_(float("nan"))
+    for b, length in enumerate(lengths):
+        for start in range(0, length, page_size):
+            n = min(page_size, length - start)
+            page = b if table is None else int(table[b, start // page_size])
+            offset = start if table is None else 0
+            cache[page, offset:offset + n] = torch.randn(n, *cache.shape[2:]).to(cache.dtype)
+
+
+def make_case(B: int, C: int, K: int, L: int, Hq: int, Hkv: int, D: int, dtype: torch.dtype,
+              paged: bool = False, page_size: int = 16, contiguous: bool = True,
+              softmax_scale: Optional[float] = None, device: str = "cpu") -> AttentionCase:
+    """One call with ragged L_b <= L and c_b <= C; caches NaN outside the filled slots.
+
+    Contiguous cache: [B, max(L_b + c_b) + SLACK_SLOTS, Hkv, D]. Paged: each sequence gets enough pages for
+    the same capacity, shuffled over a pool with 2 spare pages. `contiguous=False` gives q, k, v a strided
+    last dimension.
+    """
+    S = C + K
+    lengths, causal = ragged_lengths(B, C, L)
+    capacity = max(l + c for l, c in zip(lengths, causal)) + SLACK_SLOTS
+    q = torch.randn(B, S, Hq, D).to(dtype)
+    k = torch.randn(B, S, Hkv, D).to(dtype)
+    v = torch.randn(B, S, Hkv, D).to(dtype)
+    if paged:
+        pages_per_seq = -(-capacity // page_size)
+        num_pages = B * pages_per_seq + 2
+        table = torch.randperm(num_pages)[: B * pages_per_seq].view(B, pages_per_seq).to(torch.int32)
+        cache_shape, fill_page = (num_pages, page_size, Hkv, D), page_size
+    else:
+        table = None
+        cache_shape, fill_page = (B, capacity, Hkv, D), capacity
+    k_cache = torch.empty(cache_shape, dtype=dtype)
+    v_cache = torch.empty(cache_shape, dtype=dtype)
+    _fill_cache(k_cache, lengths, fill_page, table)
+    _fill_cache(v_cache, lengths, fill_page, table)
+    if not contiguous:
+        q, k, v = noncontiguous(q), noncontiguous(k), noncontiguous(v)
+    case = AttentionCase(q, k, v, k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32),
+                         torch.tensor(causal, dtype=torch.int32), K, table, softmax_scale)
+    return case if device == "cpu" else _to_device(case, device)
+
+
+def _to_device(case: AttentionCase, device: str) -> AttentionCase:
+    moved = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)}
+    for name, value in moved.items():
+        if isinstance(value, torch.Tensor):
+            moved[name] = value.to(device)
+    return AttentionCase(**moved)
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """Equal bit patterns (NaN poison included): cache writes are copies, never arithmetic."""
+    int_dtype = {4: torch.int32, 2: torch.int16}[actual.element_size()]
+    a, e = actual.cpu().view(int_dtype), expected.cpu().view(int_dtype)
+    if not torch.equal(a, e):
+        diff = (a != e).nonzero()
+        raise AssertionError(f"{name}: {diff.shape[0]} elements differ, first at {diff[:5].tolist()}")
+
+
+def assert_matches_oracle(case: AttentionCase, fn: Callable, atol_scale: float = 1.0) -> None:
+    """Run `fn` (an implementation of the op) and the oracle on copies of the same caches; compare
+    out and lse under the tolerance table and the caches bit for bit."""
+    expected_case = case.with_cache_copies()
+    out, lse = fn(*case.args())
+    expected_out, expected_lse = naive.block_attention_with_kvcache(*expected_case.args())
+    assert out.dtype == case.q.dtype and lse.dtype == torch.float32
+    assert_close(out, expected_out, name="out", atol_scale=atol_scale)
+    assert_close(lse, expected_lse, dtype=torch.float32, name="lse", atol_scale=atol_scale)
+    assert_bitwise_equal(case.k_cache, expected_case.k_cache, "k_cache")
+    assert_bitwise_equal(case.v_cache, expected_case.v_cache, "v_cache")
