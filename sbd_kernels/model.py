@@ -1,0 +1,353 @@
+"""Reference Llama-style decoder (RMSNorm, RoPE, SwiGLU, GQA) with the three forward modes SBD needs.
+
+One set of weights serves:
+- `Transformer.forward`: no cache, causal by default or any boolean mask. Used by NTP training, the SBD
+  training forward over the doubled sequence `[clean ; noisy]` (SBD_SPEC 2.3-2.4) and the full-recompute
+  oracle decode (SBD_SPEC 3.10).
+- `Transformer.sbd_train_forward`: builds `[clean ; noisy]`, equal position ids and the SBD_SPEC 2.4 mask.
+- `Transformer.decode_pass`: one cached pass with the row layout of `sbd::block_attention_with_kvcache`
+  (causal rows appended to the cache, block rows never cached).
+
+Checkpoints (`save_checkpoint` / `load_checkpoint`) hold the config as a plain dict beside the fp32
+weights, so loading needs nothing but this file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# Reserved id of the mask token m in the character vocabulary of `sbd_kernels.tasks` (pad 0, eos 1,
+# mask 2, separator 3): SBD_SPEC 2.7, the mask is an ordinary vocabulary entry.
+CHAR_MASK_TOKEN_ID = 2
+
+
+@dataclass
+class ModelConfig:
+    """Shapes of the decoder. `preset(name)` gives the named configurations."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    mask_token_id: int = CHAR_MASK_TOKEN_ID
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"ModelConfig: dim ({self.dim}) must divide by n_heads ({self.n_heads}) and n_heads by "
+                f"n_kv_heads ({self.n_kv_heads})"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"ModelConfig: mask_token_id {self.mask_token_id} outside the vocabulary")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelConfig":
+        """`tiny` (tests), `small` (the bundled demo checkpoints), `llama3.1-8b`, `qwen3-8b` (benchmark
+        shapes with random weights; Qwen3's q/k norms are not modelled, only its shapes)."""
+        if name not in PRESETS:
+            raise ValueError(f"ModelConfig.preset: unknown name {name!r}; choose from {sorted(PRESETS)}")
+        return cls(**PRESETS[name])
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # 48 ids cover the 41-character task vocabulary with room to spare; max_seq_len covers the longest
+    # task sequence (97) plus a full overhanging block of 16 at the end of decoding.
+    "tiny": dict(vocab_size=48, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=160),
+    # 0.8M parameters: the size FINDINGS.md showed learns reversed-digit addition for NTP and SBD on
+    # this CPU within the training budget (d 256 cost 3-6x more per step).
+    "small": dict(vocab_size=48, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=160),
+    "llama3.1-8b": dict(
+        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+        max_seq_len=131072, rope_theta=500000.0, norm_eps=1e-5, mask_token_id=128255,
+    ),
+    "qwen3-8b": dict(
+        vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288,
+        max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, mask_token_id=151935,
+    ),
+}
+
+
+class KVCache(nn.Module):
+    """Per-layer contiguous K/V `[B, S_max, Hkv, D]` and `seqlens [B]` int32 (tokens cached per row).
+
+    The attention op writes the causal rows' K/V into slots `[seqlens[b], seqlens[b] + c_b)`; the model
+    then calls `advance(num_causal)` once per pass, after the last layer.
+    """
+
+    def __init__(self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        super().__init__()
+        shape = (batch, max_len, n_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
+
+    @classmethod
+    def for_model(cls, model: "Transformer", batch: int, max_len: int | None = None) -> "KVCache":
+        """A cache shaped for `model`, in its dtype and on its device."""
+        cfg = model.config
+        weight = model.tok_embeddings.weight
+        return cls(cfg.n_layers, batch, max_len or cfg.max_seq_len, cfg.n_kv_heads, cfg.head_dim,
+                   weight.dtype, weight.device)
+
+    def reset(self) -> None:
+        self.seqlens.zero_()
+
+    def advance(self, num_causal: Tensor) -> None:
+        # num_causal: [B] int32, rows appended by this pass; an in-place device op, no host sync.
+        self.seqlens.add_(num_causal.to(self.seqlens.dtype))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin `[B, T, 1, D]` fp32 for integer positions `[B, T]` (rotate-half layout)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
+                               / head_dim)
+    angles = positions.float()[..., None] * inv_freq  # [B, T, D/2]
+    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x `[B, T, H, D]` rotated by its position: x * cos + rotate_half(x) * sin, computed in fp32."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable[..., Tensor]:
+    # FlexAttention is only fast compiled (eager materialises the full score matrix); compiled once.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+AttentionOp = Callable[..., tuple[Tensor, Tensor]]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q `[B, T, Hq, D]`, k, v `[B, T, Hkv, D]`, RoPE applied to q and k."""
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Any = None) -> Tensor:
+        """No cache. attn_mask: None (causal), bool `[B or 1, T, T]` (True = may attend), or a
+        FlexAttention `BlockMask` (training on a GPU)."""
+        b, t, _ = x.shape
+        q, k, v = (y.transpose(1, 2) for y in self.qkv(x, cos, sin))  # [B, H, T, D]
+        if attn_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif isinstance(attn_mask, Tensor):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, None], enable_gqa=True)
+        else:
+            out = _compiled_flex_attention()(q, k, v, block_mask=attn_mask, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward_cached(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       cache_seqlens: Tensor, num_causal: Tensor, block_size: int,
+                       attention_op: AttentionOp) -> Tensor:
+        """One decode pass of this layer; attention_op appends the causal rows' K/V to the cache."""
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
+        out, _ = attention_op(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size)
+        return self.wo(out.reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Any = None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, attn_mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def forward_cached(self, x: Tensor, cos: Tensor, sin: Tensor, *cache_args: Any) -> Tensor:
+        x = x + self.attention.forward_cached(self.attention_norm(x), cos, sin, *cache_args)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+def sbd_attention_mask(n: int, block_size: int, device: torch.device | str | None = None) -> Tensor:
+    """SBD_SPEC 2.4 training mask `[2n, 2n]` bool over `[clean ; noisy]` (True = query may attend key).
+
+    clean q < n:  clean keys kv <= q; no noisy key.
+    noisy q >= n: clean keys of strictly earlier blocks ((q-n)//k > kv//k) and every noisy key of its
+                  own block ((q-n)//k == (kv-n)//k), blocks aligned at 0, k, 2k, ... .
+    """
+    if n < 1 or block_size < 1:
+        raise ValueError(f"sbd_attention_mask: n ({n}) and block_size ({block_size}) must be >= 1")
+    pos = torch.arange(n, device=device)
+    blk = pos // block_size
+    clean_clean = pos[None, :] <= pos[:, None]
+    noisy_clean = blk[:, None] > blk[None, :]
+    noisy_noisy = blk[:, None] == blk[None, :]
+    top = torch.cat([clean_clean, torch.zeros_like(clean_clean)], dim=1)
+    bottom = torch.cat([noisy_clean, noisy_noisy], dim=1)
+    return torch.cat([top, bottom], dim=0)
+
+
+def sbd_train_inputs(clean: Tensor, noisy: Tensor, block_size: int, attn_mask: Any = None
+                     ) -> tuple[Tensor, Tensor, Any]:
+    """(tokens `[B, 2n]` = [clean ; noisy], positions `[B, 2n]` = [0..n-1 ; 0..n-1], mask) for
+    `Transformer.forward`; a separate function so a DistributedDataParallel wrapper can be called."""
+    b, n = clean.shape
+    positions = torch.arange(n, device=clean.device).repeat(2).expand(b, 2 * n)
+    if attn_mask is None:
+        attn_mask = sbd_attention_mask(n, block_size, clean.device)[None]
+    return torch.cat([clean, noisy], dim=1), positions, attn_mask
+
+
+def decode_positions(seqlens: Tensor, num_causal: Tensor, num_slots: int, block_size: int) -> Tensor:
+    """Positions `[B, C+K]` int64 of one decode pass: causal/padding row i at L_b + i, block row j at
+    L_b + c_b + j (padding rows' outputs are discarded by the op)."""
+    start = seqlens.long()[:, None]
+    causal = start + torch.arange(num_slots, device=seqlens.device)
+    block = start + num_causal.long()[:, None] + torch.arange(block_size, device=seqlens.device)
+    return torch.cat([causal, block], dim=1)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        # std 0.02 (GPT-2 / Llama); keeps the initial logits near uniform for any vocabulary.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+
+    def _logits(self, x: Tensor) -> Tensor:
+        return self.output(self.norm(x)).float()
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, attn_mask: Any = None) -> Tensor:
+        """tokens `[B, T]` int64 -> logits `[B, T, V]` fp32, no cache.
+
+        positions `[B, T]` int64 (None = arange(T)); attn_mask bool `[B or 1, T, T]`, True = may attend
+        (None = causal), or a FlexAttention BlockMask.
+        """
+        b, t = tokens.shape
+        if positions is None:
+            positions = torch.arange(t, device=tokens.device).expand(b, t)
+        cos, sin = self._cos_sin(positions)
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn_mask)
+        return self._logits(x)
+
+    def sbd_train_forward(self, clean: Tensor, noisy: Tensor, block_size: int, attn_mask: Any = None) -> Tensor:
+        """SBD training forward (SBD_SPEC 2.3-2.4): clean, noisy `[B, n]` -> logits `[B, 2n, V]` fp32.
+
+        Input `[clean ; noisy]`, noisy token i at the same position id as clean token i. attn_mask
+        defaults to `sbd_attention_mask(n, block_size)`; a caller may pass the same mask as a
+        FlexAttention BlockMask.
+        """
+        return self.forward(*sbd_train_inputs(clean, noisy, block_size, attn_mask))
+
+    def decode_pass(self, tokens: Tensor, num_causal: Tensor, block_size: int, cache: KVCache,
+                    attention_op: AttentionOp | None = None) -> Tensor:
+        """One cached pass: tokens `[B, C+K]` int64, num_causal `[B]` int32 -> logits `[B, C+K, V]` fp32.
+
+        Rows `[0, c_b)` are causal tokens at positions L_b + i (L_b = cache.seqlens[b]), rows `[c_b, C)`
+        padding, rows `[C, C+K)` the block at L_b + c_b + j. Every layer calls attention_op (default
+        `torch.ops.sbd.block_attention_with_kvcache`), which appends the causal rows' K/V; afterwards
+        cache.seqlens += num_causal on the device.
+        """
+        if attention_op is None:
+            attention_op = torch.ops.sbd.block_attention_with_kvcache
+        num_slots = tokens.shape[1] - block_size
+        positions = decode_positions(cache.seqlens, num_causal, num_slots, block_size)
+        cos, sin = self._cos_sin(positions)
+        x = self.tok_embeddings(tokens)
+        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+            x = layer.forward_cached(x, cos, sin, k_cache, v_cache, cache.seqlens, num_causal, block_size,
+                                     attention_op)
+        cache.advance(num_causal)
+        return self._logits(x)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def save_checkpoint(model: Transformer, path: str | os.PathLike, **meta: Any) -> None:
+    """Writes `{"config": dict, "state_dict": fp32 weights, "meta": meta}` with torch.save, atomically
+    (a stopped run never leaves a truncated file). meta: plain Python values (numbers, strings, lists)."""
+    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    payload = {"config": dataclasses.asdict(model.config), "state_dict": state, "meta": meta}
+    tmp = f"{os.fspath(path)}.tmp"
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu"
+                    ) -> tuple[Transformer, dict[str, Any]]:
+    """(model in eval mode, meta) from a file written by `save_checkpoint`; needs no training code."""
+    payload = torch.load(path, map_location=map_location, weights_only=True)
+    model = Transformer(ModelConfig(**payload["config"]))
+    model.load_state_dict(payload["state_dict"])
+    return model.to(map_location).eval(), payload["meta"]

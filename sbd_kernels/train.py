@@ -1,0 +1,369 @@
+"""SBD training (SBD_SPEC 2) and plain NTP training of the reference model on the synthetic tasks.
+
+SBD objective, per step:
+- k ~ U{2..16}, one per step (drawn from the step number, so every data-parallel rank agrees);
+- per sequence eta ~ U(0, 1); every token of the noisy copy is replaced by the mask id with prob. eta;
+- input [clean ; noisy] (length 2n), noisy token i at the same position id as clean token i, attention
+  mask of SBD_SPEC 2.4 (`sbd_attention_mask`): dense boolean mask + SDPA on CPU, FlexAttention BlockMask
+  on a GPU;
+- loss = one mean over every counted target of both halves: NTP (clean half, shifted labels) and MATP
+  (noisy half, masked positions, unshifted labels). Targets are counted on answer + EOS positions only
+  (the prompts are random digits/letters nobody can predict); the noise is applied everywhere.
+With `--objective ntp` the loss is the NTP term alone over the clean sequence (the baseline).
+
+Run: `python -m sbd_kernels.train --objective ntp --steps 1500 --out ntp.pt`, then
+`python -m sbd_kernels.train --objective sbd --init_from ntp.pt --lr 5e-4 --out sbd.pt`.
+Data parallel: `torchrun --nproc_per_node 2 -m sbd_kernels.train ...` (gloo on CPU, nccl on CUDA);
+each rank draws its own batch, gradients are averaged (so the loss is a mean of per-rank means).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sbd_kernels.model import (
+    ModelConfig, Transformer, load_checkpoint, save_checkpoint, sbd_attention_mask, sbd_train_inputs,
+)
+from sbd_kernels.tasks import TOKENIZER, TrainStream, collate, exact_match, get_task, make_examples, \
+    sequence_length
+
+__all__ = ["TrainConfig", "sbd_attention_mask", "add_noise", "sbd_labels", "ntp_labels", "sbd_loss",
+           "ntp_loss", "lr_at", "evaluate", "train", "add_arguments", "main"]
+
+IGNORE = -100  # cross-entropy ignore_index for positions that are not counted
+
+
+@dataclass
+class TrainConfig:
+    """Every training option; each field is also a command-line flag `--<field>`."""
+
+    preset: str = "small"
+    tasks: str = "add,rot13"            # comma-separated task names (sbd_kernels.tasks.TASKS)
+    objective: str = "sbd"              # "sbd" (NTP + MATP) or "ntp" (baseline)
+    steps: int = 2000
+    batch_size: int = 32                # sequences per rank per step
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1           # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    block_min: int = 2                  # k ~ U{block_min..block_max} (SBD_SPEC 2.2)
+    block_max: int = 16
+    eval_every: int = 250
+    eval_examples: int = 64             # held-out examples per task at each evaluation
+    checkpoint_every: int = 100
+    log_every: int = 10
+    out: str = "model.pt"
+    init_from: str = ""                 # start from these weights (e.g. SBD after NTP), fresh optimizer
+    resume: bool = False                # continue from <out>.state (weights, optimizer, step)
+    seed: int = 0
+    threads: int = 1
+    device: str = "cpu"
+
+    def task_list(self) -> list[str]:
+        return [t for t in self.tasks.split(",") if t]
+
+
+# ---------------------------------------------------------------- SBD objective (SBD_SPEC 2)
+
+def block_size_for_step(step: int, cfg: TrainConfig) -> int:
+    """k ~ U{block_min..block_max}, one per step, the same on every rank (seeded by the step)."""
+    rng = torch.Generator().manual_seed(zlib.crc32(f"k/{cfg.seed}/{step}".encode()))
+    return int(torch.randint(cfg.block_min, cfg.block_max + 1, (1,), generator=rng))
+
+
+def add_noise(tokens: Tensor, mask_token_id: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Noisy copy (SBD_SPEC 2.1): eta `[B]` ~ U(0,1) per sequence, each token -> mask id w.p. eta.
+    Returns (noisy `[B, n]` int64, eta `[B]` fp32). generator lives on the device of tokens."""
+    b, n = tokens.shape
+    eta = torch.rand(b, generator=generator, device=tokens.device)
+    masked = torch.rand(b, n, generator=generator, device=tokens.device) < eta[:, None]
+    return torch.where(masked, torch.full_like(tokens, mask_token_id), tokens), eta
+
+
+def ntp_labels(tokens: Tensor, target_mask: Tensor) -> Tensor:
+    """labels `[B, n]`: position i predicts tokens[i+1] where target_mask[i+1]; IGNORE elsewhere."""
+    labels = torch.full_like(tokens, IGNORE)
+    labels[:, :-1] = torch.where(target_mask[:, 1:], tokens[:, 1:], IGNORE)
+    return labels
+
+
+def sbd_labels(tokens: Tensor, target_mask: Tensor, noisy: Tensor, mask_token_id: int) -> Tensor:
+    """labels `[B, 2n]` for [clean ; noisy]: NTP labels on the clean half; on the noisy half the
+    original token at the same position where it was masked and is a target; IGNORE elsewhere."""
+    matp = torch.where((noisy == mask_token_id) & target_mask, tokens, IGNORE)
+    return torch.cat([ntp_labels(tokens, target_mask), matp], dim=1)
+
+
+def _summed_cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(sum of CE over counted positions, count) for logits `[B, T, V]`, labels `[B, T]`."""
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    return loss, (labels != IGNORE).sum()
+
+
+def sbd_loss(model: nn.Module, tokens: Tensor, target_mask: Tensor, block_size: int, mask_token_id: int,
+             generator: torch.Generator, attn_mask: Any = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """SBD loss (SBD_SPEC 2.5): one mean of CE over NTP targets (clean half) and MATP targets (noisy
+    half). model: a Transformer or its DDP wrapper. Returns (loss, detached per-term means)."""
+    noisy, _ = add_noise(tokens, mask_token_id, generator)
+    labels = sbd_labels(tokens, target_mask, noisy, mask_token_id)
+    logits = model(*sbd_train_inputs(tokens, noisy, block_size, attn_mask))
+    n = tokens.shape[1]
+    ntp_sum, ntp_count = _summed_cross_entropy(logits[:, :n], labels[:, :n])
+    matp_sum, matp_count = _summed_cross_entropy(logits[:, n:], labels[:, n:])
+    loss = (ntp_sum + matp_sum) / (ntp_count + matp_count).clamp(min=1)
+    stats = {"ntp": ntp_sum.detach() / ntp_count.clamp(min=1), "matp": matp_sum.detach() / matp_count.clamp(min=1)}
+    return loss, stats
+
+
+def ntp_loss(model: nn.Module, tokens: Tensor, target_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """NTP-only loss: mean CE of the causal forward over answer + EOS targets."""
+    total, count = _summed_cross_entropy(model(tokens), ntp_labels(tokens, target_mask))
+    loss = total / count.clamp(min=1)
+    return loss, {"ntp": loss.detach()}
+
+
+def flex_block_mask(n: int, block_size: int, device: torch.device) -> Any:
+    """The SBD_SPEC 2.4 mask as a FlexAttention BlockMask over 2n positions (GPU training)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q, kv):
+        q_noisy, kv_noisy = q >= n, kv >= n
+        qi, ki = q - n * q_noisy, kv - n * kv_noisy
+        clean = ~q_noisy & ~kv_noisy & (kv <= q)
+        earlier = q_noisy & ~kv_noisy & (qi // block_size > ki // block_size)
+        same_block = q_noisy & kv_noisy & (qi // block_size == ki // block_size)
+        return clean | earlier | same_block
+
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=2 * n, KV_LEN=2 * n, device=device)
+
+
+# ---------------------------------------------------------------- schedule
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over warmup_steps, then cosine from lr down to lr * min_lr_ratio at cfg.steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def greedy_ntp_answers(model: Transformer, prompts: Tensor, answer_tokens: int) -> Tensor:
+    """Greedy NTP continuation without a cache: prompts `[B, P]` -> `[B, answer_tokens]` int64."""
+    seq = prompts
+    for _ in range(answer_tokens):
+        nxt = model(seq)[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], dim=1)
+    return seq[:, prompts.shape[1]:]
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, tasks: list[str], count: int, seed: int = 0, block_size: int = 16
+             ) -> dict[str, float]:
+    """Held-out metrics per task: NTP loss, greedy NTP exact match (no cache), and MATP loss / token
+    accuracy at masked answer positions (eta ~ U(0,1) from a fixed seed, k = block_size)."""
+    model.eval()
+    device = next(model.parameters()).device
+    mask_id = model.config.mask_token_id
+    out: dict[str, float] = {}
+    for name in tasks:
+        task, examples = get_task(name), make_examples(name, "held_out", count, seed)
+        tokens, target_mask = (t.to(device) for t in collate(examples, task.prompt_tokens + task.answer_tokens))
+        out[f"{name}/ntp_loss"] = float(ntp_loss(model, tokens, target_mask)[0])
+        gen = torch.Generator(device=device).manual_seed(seed)
+        noisy, _ = add_noise(tokens, mask_id, gen)
+        labels = sbd_labels(tokens, target_mask, noisy, mask_id)[:, tokens.shape[1]:]
+        logits = model.sbd_train_forward(tokens, noisy, block_size)[:, tokens.shape[1]:]
+        matp_sum, matp_count = _summed_cross_entropy(logits, labels)
+        counted = labels != IGNORE
+        out[f"{name}/matp_loss"] = float(matp_sum / matp_count.clamp(min=1))
+        out[f"{name}/matp_acc"] = float((logits.argmax(-1) == labels)[counted].float().mean())
+        answers = greedy_ntp_answers(model, tokens[:, : task.prompt_tokens], task.answer_tokens)
+        hits = [exact_match(pred, TOKENIZER.encode_answer(ex.answer)) for pred, ex in zip(answers, examples)]
+        out[f"{name}/ntp_exact_match"] = sum(hits) / len(hits)
+    model.train()
+    return out
+
+
+# ---------------------------------------------------------------- distributed set-up
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """(rank, world size); joins the torchrun process group when WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), world
+
+
+class Progress:
+    """One-line progress: a bar with step, loss terms, lr and tokens/s; redrawn in place on a terminal,
+    one line per `every` steps otherwise (log files)."""
+
+    def __init__(self, total: int, start: int, every: int, enabled: bool):
+        self.total, self.every, self.enabled = total, every, enabled
+        self.tty = sys.stderr.isatty()
+        self.t0, self.step0 = time.time(), start
+
+    def update(self, step: int, tokens_per_step: int, values: dict[str, float]) -> None:
+        done = step + 1
+        if not self.enabled or (not self.tty and done % self.every and done != self.total):
+            return
+        elapsed = time.time() - self.t0
+        rate = (done - self.step0) / max(elapsed, 1e-9)
+        filled = int(30 * done / self.total)
+        terms = " ".join(f"{k} {v:.4g}" for k, v in values.items())
+        eta_s = (self.total - done) / max(rate, 1e-9)
+        line = (f"[{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} {terms} "
+                f"tok/s {rate * tokens_per_step:,.0f} elapsed {elapsed / 60:.1f}m eta {eta_s / 60:.1f}m")
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- training loop
+
+def _log(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _build_model(cfg: TrainConfig, device: torch.device) -> Transformer:
+    if cfg.init_from:
+        model, _ = load_checkpoint(cfg.init_from)
+    else:
+        torch.manual_seed(cfg.seed)
+        model = Transformer(ModelConfig.preset(cfg.preset))
+    return model.to(device).train()
+
+
+def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    # No weight decay on norms (1-d parameters), as in nanoGPT / Llama.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def _save(model: Transformer, opt: torch.optim.Optimizer, cfg: TrainConfig, step: int, seconds: float,
+          history: list[dict[str, Any]]) -> None:
+    meta = {"train_config": dataclasses.asdict(cfg), "steps_done": step, "train_seconds": round(seconds, 1),
+            "eval": history, "torch": torch.__version__}
+    save_checkpoint(model, cfg.out, **meta)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                "seconds": seconds, "eval": history}, f"{cfg.out}.state.tmp")
+    os.replace(f"{cfg.out}.state.tmp", f"{cfg.out}.state")
+
+
+def train(cfg: TrainConfig) -> Transformer:
+    """Runs the whole training described by cfg; returns the trained model (rank 0 writes cfg.out)."""
+    # config
+    if cfg.objective not in ("sbd", "ntp"):
+        raise ValueError(f"train: objective must be 'sbd' or 'ntp', got {cfg.objective!r}")
+    if not 1 <= cfg.block_min <= cfg.block_max:
+        raise ValueError(f"train: need 1 <= block_min <= block_max, got {cfg.block_min}, {cfg.block_max}")
+    torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.device)
+    rank, world = init_distributed(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+
+    # data
+    tasks = cfg.task_list()
+    n = sequence_length(tasks)
+
+    # model
+    model = _build_model(cfg, device)
+    mask_id = model.config.mask_token_id
+    opt = _optimizer(model, cfg)
+    start, seconds_before, history = 0, 0.0, []
+    if cfg.resume and os.path.exists(f"{cfg.out}.state"):
+        state = torch.load(f"{cfg.out}.state", map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start, seconds_before, history = state["step"], state["seconds"], state["eval"]
+        _log(rank, f"resumed from {cfg.out}.state at step {start}")
+    ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    _log(rank, f"model {cfg.preset if not cfg.init_from else cfg.init_from}: {model.num_parameters():,} "
+               f"parameters; objective {cfg.objective}; tasks {tasks}; n = {n}; world {world}")
+
+    # loop: (eval + checkpoint), batch, loss, step, log
+    tokens_per_step = cfg.batch_size * n * world * (2 if cfg.objective == "sbd" else 1)
+    progress = Progress(cfg.steps, start, cfg.log_every, rank == 0)
+    flex_masks: dict[int, Any] = {}
+    t0 = time.time()
+    for step in range(start, cfg.steps):
+        if rank == 0 and step > start and step % cfg.eval_every == 0:
+            history.append({"step": step, **evaluate(model, tasks, cfg.eval_examples, cfg.seed)})
+            _log(rank, "eval " + " ".join(f"{k} {v:.4f}" for k, v in history[-1].items()))
+        if rank == 0 and step > start and step % cfg.checkpoint_every == 0:
+            _save(model, opt, cfg, step, seconds_before + time.time() - t0, history)
+
+        data_seed = zlib.crc32(f"data/{cfg.seed}/{rank}/{step}".encode())
+        examples = TrainStream(tasks, data_seed).next_batch(cfg.batch_size)
+        tokens, target_mask = (t.to(device) for t in collate(examples, n))
+        if cfg.objective == "sbd":
+            k = block_size_for_step(step, cfg)
+            gen = torch.Generator(device=device).manual_seed(data_seed)
+            attn_mask = None
+            if device.type == "cuda":
+                attn_mask = flex_masks.setdefault(k, flex_block_mask(n, k, device))
+            loss, stats = sbd_loss(ddp, tokens, target_mask, k, mask_id, gen, attn_mask)
+        else:
+            loss, stats = ntp_loss(ddp, tokens, target_mask)
+
+        lr = lr_at(step, cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        progress.update(step, tokens_per_step,
+                        {"loss": float(loss.detach()), **{k: float(v) for k, v in stats.items()}, "lr": lr})
+
+    if rank == 0:
+        history.append({"step": cfg.steps, **evaluate(model, tasks, cfg.eval_examples, cfg.seed)})
+        _log(rank, "\nfinal eval " + " ".join(f"{k} {v:.4f}" for k, v in history[-1].items()))
+        _save(model, opt, cfg, cfg.steps, seconds_before + time.time() - t0, history)
+    if world > 1:
+        dist.destroy_process_group()
+    return model
+
+
+# ---------------------------------------------------------------- command line
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """One `--<field>` flag per TrainConfig field, with its default."""
+    for field in dataclasses.fields(TrainConfig):
+        default = field.default
+        if isinstance(default, bool):
+            parser.add_argument(f"--{field.name}", action=argparse.BooleanOptionalAction, default=default)
+        else:
+            parser.add_argument(f"--{field.name}", type=type(default), default=default,
+                                help=f"default: {default!r}")
+    return parser
+
+
+def main(args: argparse.Namespace) -> None:
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main(add_arguments(argparse.ArgumentParser(description="Train the reference model (SBD or NTP).")).parse_args())
