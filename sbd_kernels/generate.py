@@ -1,0 +1,554 @@
+"""Autoregressive (NTP) and Set Block Decoding (SBD) with a KV cache and the `sbd` ops, plus the
+full-recompute oracle decode that checks them (SBD_SPEC.md section 3).
+
+NTP: prefill the prompt causally, then one token per forward pass from the causal logits.
+
+SBD with block size K (SBD_SPEC 3): the answer is cut into blocks of K positions aligned to the start of
+generation. A block starts as K mask tokens `m` and is filled in over a few passes:
+- the first pass of the first block is fused with the prefill: rows `[prompt (causal) ; K masks]`;
+- the first pass of every later block is `[previous block (K causal rows, appended to the cache) ; block]`;
+- later passes of a block are `[block]` only (nothing is written to the cache);
+each pass computes the entropy of every still-masked position (`sbd::entropy_sample`) and reveals the set
+chosen by the entropy-bounded rule (`sbd::mask_scatter_`):
+    sort masked positions by entropy H ascending, reveal the first s >= 1 with H(i_1)+...+H(i_{s-1}) <= gamma.
+EOS (SBD_SPEC 3.8): once an EOS is revealed and every position before it in its block is revealed, the
+sequence is finished and later positions are dropped.
+NFE (SBD_SPEC 3.9): every forward pass counts 1 for every sequence still running in it (the fused prefill
+included, as the NTP prefill that yields the first token is); a finished sequence stops counting.
+
+Batching: sequences of one batch move through their blocks at different speeds, so one pass mixes rows
+on the first pass of a new block (`num_causal = K`) with rows on a later pass (`num_causal = 0`) through
+the per-row `num_causal` of `sbd::block_attention_with_kvcache`. The step functions (`ntp_prefill`,
+`ntp_decode_step`, `sbd_prefill`, `sbd_block_step`) have no host sync and compile with
+`torch.compile(fullgraph=True)`; the outer loop reads two flags once per pass (see `_decode_sbd_batch`).
+
+Oracle (`oracle_decode`): no cache and the naive ops. For every pass it recomputes the whole sequence
+`[prompt ; answer so far ; block]` with `Transformer.forward` under the mask of SBD_SPEC 3.10 (causal up to
+the block, block rows see everything) and applies the EOS rule in plain Python, one sequence at a time.
+With temperature 0 it must give the same tokens as the cached decode.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from sbd_kernels.model import KVCache, Transformer
+
+METHODS = ("ntp", "sbd")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configuration, kernels, results
+# ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How to decode.
+
+    method: "ntp" (one token per pass) or "sbd" (blocks of `block_size` positions).
+    gamma: entropy budget of the EB rule (SBD only; paper: 0.1 reasoning, 0.35 faster).
+    temperature: 0 = greedy; T > 0 samples from softmax(logits / T) (the EB entropy stays at T = 1).
+    max_new_tokens: answer budget per sequence, EOS included; tokens past it are dropped.
+    seed: sequence i of a `generate` call samples with seed `seed + i`, whatever its batch.
+    """
+
+    method: str = "sbd"
+    block_size: int = 16
+    gamma: float = 0.1
+    temperature: float = 0.0
+    max_new_tokens: int = 64
+    seed: int = 0
+    rule: str = "eb"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"DecodeConfig: method must be one of {METHODS}, got {self.method!r}")
+        if self.block_size < 1:
+            raise ValueError(f"DecodeConfig: block_size must be >= 1, got {self.block_size}")
+        if self.gamma < 0:
+            raise ValueError(f"DecodeConfig: gamma must be >= 0, got {self.gamma}")
+        if self.temperature < 0:
+            raise ValueError(f"DecodeConfig: temperature must be >= 0, got {self.temperature}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"DecodeConfig: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class DecodeOps:
+    """The three kernels a decode calls: the fused `torch.ops.sbd` ops or their pure-PyTorch oracles."""
+
+    attention: Callable
+    entropy_sample: Callable
+    mask_scatter_: Callable
+
+
+def fused_ops() -> DecodeOps:
+    """The `torch.ops.sbd` kernels (C++ on CPU tensors, Triton on CUDA tensors)."""
+    return DecodeOps(torch.ops.sbd.block_attention_with_kvcache, torch.ops.sbd.entropy_sample,
+                     torch.ops.sbd.mask_scatter_)
+
+
+def naive_ops() -> DecodeOps:
+    """The pure-PyTorch oracles of the three ops (same names and signatures)."""
+    from sbd_kernels.ops.attention.naive import block_attention_with_kvcache
+    from sbd_kernels.ops.sampling.naive import entropy_sample
+    from sbd_kernels.ops.scatter.naive import mask_scatter_
+
+    return DecodeOps(block_attention_with_kvcache, entropy_sample, mask_scatter_)
+
+
+@dataclass
+class DecodeResult:
+    """Tokens and statistics of one decode of N prompts.
+
+    answers: N token lists, EOS and everything after it removed.
+    nfe: [N] int64, forward passes each sequence took part in (SBD_SPEC 3.9).
+    generated: [N] int64, tokens each sequence produced, EOS included (what the passes paid for).
+    accepted_hist: [K + 1] int64, accepted_hist[a] = passes (per sequence) that revealed a tokens
+        (NTP: K = 1, every pass reveals 1).
+    wall_s: seconds spent decoding (prefill included), summed over batches.
+    """
+
+    answers: list[list[int]]
+    nfe: torch.Tensor
+    generated: torch.Tensor
+    accepted_hist: torch.Tensor
+    wall_s: float = 0.0
+
+    @property
+    def total_nfe(self) -> int:
+        return int(self.nfe.sum())
+
+    @property
+    def total_generated(self) -> int:
+        return int(self.generated.sum())
+
+    @property
+    def nfe_per_token(self) -> float:
+        """Forward passes per generated token: 1 for NTP, 1 / (tokens revealed per pass) for SBD."""
+        return self.total_nfe / max(self.total_generated, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.total_generated / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @staticmethod
+    def concat(parts: list["DecodeResult"]) -> "DecodeResult":
+        """One result for prompts decoded in several batches (in order)."""
+        return DecodeResult(
+            answers=[a for p in parts for a in p.answers],
+            nfe=torch.cat([p.nfe for p in parts]),
+            generated=torch.cat([p.generated for p in parts]),
+            accepted_hist=torch.stack([p.accepted_hist for p in parts]).sum(0),
+            wall_s=sum(p.wall_s for p in parts),
+        )
+
+
+@dataclass(frozen=True)
+class _Special:
+    """Token ids and scalars the step functions need (Python values: constants under torch.compile)."""
+
+    eos_id: int
+    pad_id: int
+    mask_id: int
+    block_size: int
+    max_new_tokens: int
+    gamma: float
+    temperature: float
+    rule: str
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shared helpers
+# ----------------------------------------------------------------------------------------------------
+def pad_prompts(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists: returns tokens [B, P] int64 (P = longest prompt) and lengths [B] int32."""
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.as_tensor(p, dtype=torch.int64)
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+    return tokens.to(device), lengths.to(device)
+
+
+def new_cache(model: Transformer, batch: int, max_len: int) -> KVCache:
+    """An empty KV cache for `batch` sequences of up to `max_len` cached tokens, in the model's dtype."""
+    cfg = model.config
+    weight = next(model.parameters())
+    return KVCache(cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim, weight.dtype, weight.device)
+
+
+def _sample(ops: DecodeOps, logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
+            compute: torch.Tensor, sp: _Special) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """entropy_sample over logits [B, K, V] -> (tokens [B, K] int64, entropy [B, K] fp32, valid [B, K])."""
+    tokens, entropy, _, valid = ops.entropy_sample(
+        logits, seed, offset, temperature_val=sp.temperature, compute_mask=compute, mask_token_id=sp.mask_id)
+    return tokens, entropy, valid
+
+
+def _strip_after_eos(tokens: list[int], eos_id: int) -> list[int]:
+    return tokens[: tokens.index(eos_id)] if eos_id in tokens else tokens
+
+
+def _answers(buffer: torch.Tensor, generated: torch.Tensor, eos_id: int) -> list[list[int]]:
+    """Host copy of the answers: the first `generated[b]` tokens of each row, cut at the first EOS."""
+    rows = buffer.cpu().tolist()
+    lengths = generated.cpu().tolist()
+    return [_strip_after_eos(row[:n], eos_id) for row, n in zip(rows, lengths)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# NTP decoding
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class NtpState:
+    """Per-sequence NTP decode state, all on the model's device (B sequences, W = max_new_tokens + 1).
+
+    last: [B] int64 token to feed next. answer: [B, W] int64 tokens so far (slot W-1 absorbs the pad
+    writes of finished rows). generated: [B] int64 tokens produced (EOS included). finished: [B] bool.
+    nfe: [B] int64. seed, offset: [B] int64 sampling keys (offset = passes done so far).
+    """
+
+    last: torch.Tensor
+    answer: torch.Tensor
+    generated: torch.Tensor
+    finished: torch.Tensor
+    nfe: torch.Tensor
+    seed: torch.Tensor
+    offset: torch.Tensor
+
+    @staticmethod
+    def empty(batch: int, sp: _Special, seed: torch.Tensor) -> "NtpState":
+        dev = seed.device
+        zeros = torch.zeros(batch, dtype=torch.int64, device=dev)
+        return NtpState(
+            last=zeros.clone(),
+            answer=torch.full((batch, sp.max_new_tokens + 1), sp.pad_id, dtype=torch.int64, device=dev),
+            generated=zeros.clone(), finished=torch.zeros(batch, dtype=torch.bool, device=dev),
+            nfe=zeros.clone(), seed=seed, offset=zeros.clone())
+
+
+def _ntp_accept(state: NtpState, logits: torch.Tensor, ops: DecodeOps, sp: _Special) -> None:
+    """Sample one token per running row from logits [B, 1, V] and append it to the answer."""
+    running = ~state.finished
+    tokens, _, _ = _sample(ops, logits, state.seed, state.offset, running[:, None], sp)
+    token = torch.where(running, tokens[:, 0], sp.pad_id)                          # [B]
+    state.answer.scatter_(1, state.generated[:, None], token[:, None])
+    step = running.long()
+    state.nfe.add_(step)
+    state.offset.add_(step)
+    state.generated.add_(step)
+    state.finished.logical_or_(running & ((token == sp.eos_id) | (state.generated >= sp.max_new_tokens)))
+    state.last.copy_(torch.where(running, token, state.last))
+
+
+def ntp_prefill(model: Transformer, cache: KVCache, state: NtpState, prompt: torch.Tensor,
+                prompt_lens: torch.Tensor, ops: DecodeOps, sp: _Special) -> None:
+    """Pass 1: prompt [B, P] (right-padded, lengths [B] int32) into the cache; first token from row len-1."""
+    logits = model.decode_pass(prompt, prompt_lens, 0, cache, attention_op=ops.attention)   # [B, P, V]
+    last_row = (prompt_lens.long() - 1)[:, None, None].expand(-1, 1, logits.shape[-1])
+    _ntp_accept(state, logits.gather(1, last_row), ops, sp)
+
+
+def ntp_decode_step(model: Transformer, cache: KVCache, state: NtpState, ops: DecodeOps, sp: _Special) -> None:
+    """One pass: the last token of every running row is appended to the cache and predicts the next."""
+    num_causal = (~state.finished).int()                       # finished rows: padding, nothing cached
+    logits = model.decode_pass(state.last[:, None], num_causal, 0, cache, attention_op=ops.attention)
+    _ntp_accept(state, logits, ops, sp)
+
+
+def _decode_ntp_batch(model: Transformer, prompts: list[list[int]], seed: torch.Tensor, ops: DecodeOps,
+                      sp: _Special, steps: dict[str, Callable]) -> DecodeResult:
+    device = seed.device
+    prompt, prompt_lens = pad_prompts(prompts, sp.pad_id, device)
+    cache = new_cache(model, len(prompts), prompt.shape[1] + sp.max_new_tokens)
+    state = NtpState.empty(len(prompts), sp, seed)
+    start = time.perf_counter()
+    steps["ntp_prefill"](model, cache, state, prompt, prompt_lens, ops, sp)
+    for _ in range(sp.max_new_tokens - 1):
+        # The loop's only host sync, one bool per pass: stop as soon as every sequence has finished
+        # (running up to max_new_tokens passes instead would waste most of them on short answers).
+        if bool(state.finished.all()):
+            break
+        steps["ntp_decode_step"](model, cache, state, ops, sp)
+    _sync(device)
+    wall = time.perf_counter() - start
+    hist = torch.tensor([0, state.nfe.sum().item()], dtype=torch.int64)
+    return DecodeResult(_answers(state.answer, state.generated, sp.eos_id), state.nfe.cpu(),
+                        state.generated.cpu(), hist, wall)
+
+
+# ----------------------------------------------------------------------------------------------------
+# SBD decoding
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class SbdState:
+    """Per-sequence SBD decode state, all on the model's device (B sequences, K = block size,
+    W = K * ceil(max_new_tokens / K)).
+
+    block: [B, K] int64 current block, mask id where still masked. is_masked: [B, K] bool.
+    pending: [B, K] int64 the last completed block, appended to the cache by the next pass.
+    num_pending: [B] int32, K right after a block completed, else 0 (the next pass's num_causal).
+    answer: [B, W] int64 answer tokens. block_start: [B] int64 answer index of block[:, 0].
+    generated: [B] int64 tokens produced (EOS included), set when the row finishes. finished: [B] bool.
+    nfe: [B] int64. accepted_hist: [K + 1] int64. seed, offset: [B] int64 (offset = passes done so far).
+    """
+
+    block: torch.Tensor
+    is_masked: torch.Tensor
+    pending: torch.Tensor
+    num_pending: torch.Tensor
+    answer: torch.Tensor
+    block_start: torch.Tensor
+    generated: torch.Tensor
+    finished: torch.Tensor
+    nfe: torch.Tensor
+    accepted_hist: torch.Tensor
+    seed: torch.Tensor
+    offset: torch.Tensor
+
+    @staticmethod
+    def empty(batch: int, sp: _Special, seed: torch.Tensor) -> "SbdState":
+        dev, k = seed.device, sp.block_size
+        width = k * math.ceil(sp.max_new_tokens / k)
+        zeros = torch.zeros(batch, dtype=torch.int64, device=dev)
+        return SbdState(
+            block=torch.full((batch, k), sp.mask_id, dtype=torch.int64, device=dev),
+            is_masked=torch.ones(batch, k, dtype=torch.bool, device=dev),
+            pending=torch.full((batch, k), sp.pad_id, dtype=torch.int64, device=dev),
+            num_pending=torch.zeros(batch, dtype=torch.int32, device=dev),
+            answer=torch.full((batch, width), sp.pad_id, dtype=torch.int64, device=dev),
+            block_start=zeros.clone(), generated=zeros.clone(),
+            finished=torch.zeros(batch, dtype=torch.bool, device=dev), nfe=zeros.clone(),
+            accepted_hist=torch.zeros(k + 1, dtype=torch.int64, device=dev), seed=seed, offset=zeros.clone())
+
+
+def _sbd_accept(state: SbdState, block_logits: torch.Tensor, ops: DecodeOps, sp: _Special) -> None:
+    """Reveal a set of block positions from block_logits [B, K, V], then apply the EOS rule and move rows
+    whose block is complete to a fresh block. Everything is batched tensor math: no host sync."""
+    k = sp.block_size
+    running = ~state.finished
+    sampled, entropy, valid = _sample(ops, block_logits, state.seed, state.offset,
+                                      state.is_masked & running[:, None], sp)
+    _, num_accepted, _ = ops.mask_scatter_(state.block, state.is_masked, sampled, entropy,
+                                           gamma_val=sp.gamma, rule=sp.rule, valid=valid)
+    step = running.long()
+    state.nfe.add_(step)
+    state.offset.add_(step)
+    state.accepted_hist.index_add_(0, num_accepted.long(), step)
+    cols = state.block_start[:, None] + torch.arange(k, device=state.block.device)          # [B, K]
+    state.answer.scatter_(1, cols, state.block)
+
+    # EOS rule: a revealed EOS whose block prefix is fully revealed ends the sequence.
+    prefix_revealed = (~state.is_masked).int().cumprod(1).bool()                           # [B, K]
+    eos_hit = (state.block == sp.eos_id) & prefix_revealed
+    has_eos = eos_hit.any(1)
+    first_eos = eos_hit.int().argmax(1)                                                     # [B]
+    block_full = prefix_revealed[:, -1]
+    end = torch.where(has_eos, state.block_start + first_eos + 1, state.block_start + k)
+    finishing = running & (has_eos | (block_full & (state.block_start + k >= sp.max_new_tokens)))
+    completing = running & block_full & ~finishing
+    state.generated.copy_(torch.where(finishing, end.clamp(max=sp.max_new_tokens), state.generated))
+    state.finished.logical_or_(finishing)
+
+    # A completed block becomes the causal prefix of the next pass; its slot restarts as K masks.
+    state.pending.copy_(torch.where(completing[:, None], state.block, state.pending))
+    state.num_pending.copy_(completing.int() * k)
+    state.block_start.add_(completing.long() * k)
+    state.block.copy_(torch.where(completing[:, None], sp.mask_id, state.block))
+    state.is_masked.copy_((state.is_masked | completing[:, None]) & ~state.finished[:, None])
+
+
+def sbd_prefill(model: Transformer, cache: KVCache, state: SbdState, prompt: torch.Tensor,
+                prompt_lens: torch.Tensor, ops: DecodeOps, sp: _Special) -> None:
+    """Pass 1, fused: rows [prompt [B, P] causal (lengths [B] int32) ; first block of K masks]."""
+    tokens = torch.cat([prompt, state.block], dim=1)                                        # [B, P + K]
+    logits = model.decode_pass(tokens, prompt_lens, sp.block_size, cache, attention_op=ops.attention)
+    _sbd_accept(state, logits[:, prompt.shape[1]:], ops, sp)
+
+
+def sbd_block_step(model: Transformer, cache: KVCache, state: SbdState, ops: DecodeOps, sp: _Special,
+                   causal_slots: int) -> None:
+    """One pass over every row's current block.
+
+    causal_slots = K: rows [pending block (num_pending[b] = K or 0 causal rows) ; block], 2K tokens, for a
+    batch where some row starts a new block; its previous block's K/V are appended to the cache.
+    causal_slots = 0: rows [block] only, K tokens, when no row has a pending block.
+    """
+    if causal_slots:
+        tokens = torch.cat([state.pending, state.block], dim=1)                             # [B, 2K]
+        num_causal = state.num_pending
+    else:
+        tokens = state.block                                                                # [B, K]
+        num_causal = torch.zeros_like(state.num_pending)
+    logits = model.decode_pass(tokens, num_causal, sp.block_size, cache, attention_op=ops.attention)
+    _sbd_accept(state, logits[:, causal_slots:], ops, sp)
+
+
+def _decode_sbd_batch(model: Transformer, prompts: list[list[int]], seed: torch.Tensor, ops: DecodeOps,
+                      sp: _Special, steps: dict[str, Callable]) -> DecodeResult:
+    device, k = seed.device, sp.block_size
+    prompt, prompt_lens = pad_prompts(prompts, sp.pad_id, device)
+    state = SbdState.empty(len(prompts), sp, seed)
+    cache = new_cache(model, len(prompts), prompt.shape[1] + state.answer.shape[1])
+    # Every pass of a row with valid logits reveals >= 1 token, so W passes finish every row; the bound
+    # only matters for rows whose logits are all NaN (nothing is ever valid, nothing is revealed).
+    max_passes = state.answer.shape[1]
+    start = time.perf_counter()
+    steps["sbd_prefill"](model, cache, state, prompt, prompt_lens, ops, sp)
+    for _ in range(max_passes - 1):
+        # The loop's only host sync, two bools per pass: stop once every row has finished, and run the
+        # 2K-row layout only when some row has a completed block to append (otherwise K rows: half the
+        # tokens, and at batch 1 most passes are later passes of a block). On a GPU this read costs tens
+        # of microseconds against a forward pass of milliseconds.
+        all_done, any_pending = torch.stack([state.finished.all(), (state.num_pending > 0).any()]).tolist()
+        if all_done:
+            break
+        steps["sbd_block_step"](model, cache, state, ops, sp, k if any_pending else 0)
+    _sync(device)
+    wall = time.perf_counter() - start
+    return DecodeResult(_answers(state.answer, state.generated, sp.eos_id), state.nfe.cpu(),
+                        state.generated.cpu(), state.accepted_hist.cpu(), wall)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public entry points
+# ----------------------------------------------------------------------------------------------------
+EAGER_STEPS: dict[str, Callable] = {
+    "ntp_prefill": ntp_prefill, "ntp_decode_step": ntp_decode_step,
+    "sbd_prefill": sbd_prefill, "sbd_block_step": sbd_block_step,
+}
+
+
+def compiled_steps() -> dict[str, Callable]:
+    """The step functions under `torch.compile(fullgraph=True)` (one graph per shape and layout)."""
+    return {name: torch.compile(fn, fullgraph=True) for name, fn in EAGER_STEPS.items()}
+
+
+def _special(model: Transformer, cfg: DecodeConfig, eos_id: int, pad_id: int) -> _Special:
+    k = cfg.block_size if cfg.method == "sbd" else 1
+    return _Special(eos_id=eos_id, pad_id=pad_id, mask_id=model.config.mask_token_id, block_size=k,
+                    max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma, temperature=cfg.temperature,
+                    rule=cfg.rule)
+
+
+@torch.inference_mode()
+def generate(model: Transformer, prompts: list[list[int]], cfg: DecodeConfig, *, eos_id: int, pad_id: int,
+             batch_size: int | None = None, ops: DecodeOps | None = None,
+             steps: dict[str, Callable] | None = None) -> DecodeResult:
+    """Decode every prompt (token-id lists) with the KV cache, `batch_size` prompts per batch (default all).
+
+    ops: the kernels (default `fused_ops()`; `naive_ops()` runs the same loop on the oracles).
+    steps: the step functions (default eager; `compiled_steps()` for torch.compile).
+    Prompt i samples with seed `cfg.seed + i` so that results do not depend on the batching.
+
+    >>> from sbd_kernels.model import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig.preset("tiny")).eval()
+    >>> out = generate(model, [[5, 6, 7]], DecodeConfig(method="sbd", block_size=4, max_new_tokens=8),
+    ...                eos_id=2, pad_id=0, ops=naive_ops())
+    >>> len(out.answers), int(out.nfe[0]) <= 8
+    (1, True)
+    """
+    ops = ops or fused_ops()
+    steps = steps or EAGER_STEPS
+    sp = _special(model, cfg, eos_id, pad_id)
+    device = next(model.parameters()).device
+    batch_size = batch_size or len(prompts)
+    decode_batch = _decode_sbd_batch if cfg.method == "sbd" else _decode_ntp_batch
+    parts = []
+    for first in range(0, len(prompts), batch_size):
+        chunk = prompts[first: first + batch_size]
+        seed = torch.arange(cfg.seed + first, cfg.seed + first + len(chunk), dtype=torch.int64, device=device)
+        parts.append(decode_batch(model, chunk, seed, ops, sp, steps))
+    return DecodeResult.concat(parts)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Full-recompute oracle decode (SBD_SPEC 3.10)
+# ----------------------------------------------------------------------------------------------------
+def block_recompute_mask(prefix_len: int, block_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """[L + K, L + K] bool (True = may attend): causal over the L prefix rows; the K block rows see all."""
+    n = prefix_len + block_size
+    mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    mask[prefix_len:, :] = True
+    return mask
+
+
+def _oracle_logits(model: Transformer, sequence: list[int], block_size: int) -> torch.Tensor:
+    """Logits [1, T, V] of `sequence` (T tokens, the last block_size of them a block) without a cache."""
+    device = next(model.parameters()).device
+    tokens = torch.tensor([sequence], dtype=torch.int64, device=device)
+    positions = torch.arange(len(sequence), device=device)[None]
+    mask = block_recompute_mask(len(sequence) - block_size, block_size, device)[None]
+    return model(tokens, positions, mask)
+
+
+def _oracle_ntp(model: Transformer, prompt: list[int], seed: int, ops: DecodeOps, sp: _Special):
+    device = next(model.parameters()).device
+    seq, answer = list(prompt), []
+    while len(answer) < sp.max_new_tokens:
+        logits = _oracle_logits(model, seq, 0)[:, -1:]                                    # [1, 1, V]
+        key = torch.tensor([seed], device=device), torch.tensor([len(answer)], device=device)
+        token = int(_sample(ops, logits, *key, torch.ones(1, 1, dtype=torch.bool, device=device), sp)[0])
+        answer.append(token)
+        seq.append(token)
+        if token == sp.eos_id:
+            break
+    return answer, len(answer), [0, len(answer)]
+
+
+def _oracle_sbd(model: Transformer, prompt: list[int], seed: int, ops: DecodeOps, sp: _Special):
+    device, k = next(model.parameters()).device, sp.block_size
+    answer, nfe, hist = [], 0, [0] * (k + 1)
+    while True:
+        block = torch.full((1, k), sp.mask_id, dtype=torch.int64, device=device)
+        is_masked = torch.ones(1, k, dtype=torch.bool, device=device)
+        while bool(is_masked.any()):
+            logits = _oracle_logits(model, list(prompt) + answer + block[0].tolist(), k)[:, -k:]
+            key = torch.tensor([seed], device=device), torch.tensor([nfe], device=device)
+            sampled, entropy, valid = _sample(ops, logits, *key, is_masked.clone(), sp)
+            _, num_accepted, _ = ops.mask_scatter_(block, is_masked, sampled, entropy, gamma_val=sp.gamma,
+                                                   rule=sp.rule, valid=valid)
+            nfe += 1
+            hist[int(num_accepted[0])] += 1
+            revealed = block[0].tolist()
+            for j in range(k):                                   # EOS rule, literally
+                if bool(is_masked[0, j]):
+                    break
+                if revealed[j] == sp.eos_id:
+                    answer += revealed[: j + 1]
+                    return answer[: sp.max_new_tokens], nfe, hist
+        answer += block[0].tolist()
+        if len(answer) >= sp.max_new_tokens:
+            return answer[: sp.max_new_tokens], nfe, hist
+
+
+@torch.inference_mode()
+def oracle_decode(model: Transformer, prompts: list[list[int]], cfg: DecodeConfig, *, eos_id: int,
+                  pad_id: int, ops: DecodeOps | None = None) -> DecodeResult:
+    """Reference decode: no KV cache, every pass recomputes the whole sequence (SBD_SPEC 3.10 mask), one
+    prompt at a time, with the naive ops by default. Same seeds, NFE accounting and EOS rule as `generate`."""
+    ops = ops or naive_ops()
+    sp = _special(model, cfg, eos_id, pad_id)
+    decode_one = _oracle_sbd if cfg.method == "sbd" else _oracle_ntp
+    answers, nfes, generated = [], [], []
+    hist = torch.zeros(sp.block_size + 1, dtype=torch.int64)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        tokens, nfe, counts = decode_one(model, prompt, cfg.seed + i, ops, sp)
+        answers.append(_strip_after_eos(tokens, eos_id))
+        nfes.append(nfe)
+        generated.append(len(tokens))
+        hist += torch.tensor(counts, dtype=torch.int64)
+    return DecodeResult(answers, torch.tensor(nfes, dtype=torch.int64),
+                        torch.tensor(generated, dtype=torch.int64), hist, time.perf_counter() - start)
