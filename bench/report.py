@@ -1,0 +1,180 @@
+"""Run the benchmark suite and write one report: Markdown tables + JSON + CSV, headed by the machine.
+
+    python -m bench.report                       # every bench/bench_*.py
+    python -m bench.report --only sampling -k "V=128256"   # one family, a subset of cases
+    python -m bench.report --from-json bench/results/raw.json   # rebuild the report without re-timing
+
+For each case the table lists every provider with its median time and p20-p80 spread, achieved GB/s and
+its fraction of the measured copy bandwidth (ops that stream memory), achieved GFLOP/s and its fraction of
+the measured matmul peak (ops with flops), and the speedup against the case's baseline provider measured in
+the same run. A provider that failed its oracle check on the benchmark inputs gets no speedup: the cell
+says so instead.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from bench.common import PEAK_DTYPE_FOR, REPO_ROOT, machine_header
+
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+COLUMNS = ["case", "provider", "median_ms", "p20_ms", "p80_ms", "gbs", "pct_copy", "gflops", "pct_peak",
+           "speedup", "oracle"]
+
+
+def run_benchmarks(raw_json: Path, only: list[str], keyword: str | None, rounds: int | None) -> int:
+    """Run the bench files with pytest-benchmark in a child process; raw timings go to `raw_json`."""
+    files = sorted(str(p) for p in (REPO_ROOT / "bench").glob("bench_*.py")
+                   if not only or p.stem.removeprefix("bench_") in only)
+    if not files:
+        raise SystemExit(f"bench: no benchmark files match --only {only}")
+    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider",
+           f"--benchmark-json={raw_json}", "--benchmark-save-data", "--benchmark-disable-gc",
+           "--benchmark-columns=median,iqr,rounds"]
+    if keyword:
+        cmd += ["-k", keyword]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if rounds:
+        env["SBD_BENCH_ROUNDS"] = str(rounds)
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=env).returncode
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated percentile of already sorted values, q in [0, 1]."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def case_dtype(case: str) -> str:
+    """The dtype named in a case label ("... bf16"); fp32 when none is named."""
+    for name in ("bf16", "fp16", "fp32"):
+        if name in case.split():
+            return name
+    return "fp32"
+
+
+def rows_from_raw(raw: dict, ceilings: dict) -> dict[str, list[dict]]:
+    """One row per (family, case, provider), grouped by family, with ratios against the case's baseline."""
+    by_case: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for bench in raw["benchmarks"]:
+        info = bench.get("extra_info", {})
+        if "family" not in info:
+            continue
+        times = sorted(bench["stats"].get("data") or [bench["stats"]["median"]])
+        median = bench["stats"]["median"]
+        row = {
+            "family": info["family"], "case": info["case"], "provider": info["provider"],
+            "baseline": info["baseline"], "median_ms": median * 1e3,
+            "p20_ms": percentile(times, 0.2) * 1e3, "p80_ms": percentile(times, 0.8) * 1e3,
+            "gbs": None, "pct_copy": None, "gflops": None, "pct_peak": None, "speedup": None,
+            "oracle": {True: "pass", False: "FAIL", None: "-"}[info.get("correct")],
+        }
+        if info.get("bytes_moved"):
+            row["gbs"] = info["bytes_moved"] / median / 1e9
+            row["pct_copy"] = 100 * row["gbs"] / ceilings["copy_gbs"]
+        if info.get("flops"):
+            row["gflops"] = info["flops"] / median / 1e9
+            peak = ceilings["matmul_gflops"][PEAK_DTYPE_FOR[case_dtype(info["case"])]]
+            row["pct_peak"] = 100 * row["gflops"] / peak
+        by_case[(info["family"], info["case"])].append(row)
+
+    families: dict[str, list[dict]] = defaultdict(list)
+    for (family, _case), rows in by_case.items():
+        base = next((r for r in rows if r["provider"] == r["baseline"]), None)
+        for row in rows:
+            if base is not None and row["oracle"] != "FAIL":
+                row["speedup"] = base["median_ms"] / row["median_ms"]
+        families[family].extend(sorted(rows, key=lambda r: r["provider"] != "sbd"))
+    return families
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(header: dict, families: dict[str, list[dict]]) -> str:
+    """The report: a header with the machine and its ceilings, then one table per family."""
+    gpu = header["gpu"]
+    gpu_line = ("none (CPU kernels timed; Triton kernels are not timed without an NVIDIA GPU)" if gpu is None
+                else ", ".join(f"{k} {v}" for k, v in gpu.items()))
+    peaks = ", ".join(f"{k} {v:.0f}" for k, v in header["matmul_gflops"].items())
+    lines = [
+        "# sbd_kernels benchmark report",
+        "",
+        f"- machine: {header['cpu']}, {header['cores']} cores, torch threads {header['torch_threads']}, "
+        f"CPU kernels {header['cpu_isa']}",
+        f"- GPU: {gpu_line}",
+        f"- measured ceilings: copy bandwidth {header['copy_gbs']:.1f} GB/s (read + write), "
+        f"torch.mm peak GFLOP/s: {peaks}",
+        f"- torch {header['torch']}, triton {header['triton']}, python {header['python']}, "
+        f"commit {header['commit']}, {header['date']}",
+        "",
+        "Times are medians with the p20-p80 spread; speedup = baseline median / provider median, same run. "
+        "A provider whose outputs failed the oracle check on these inputs gets no speedup.",
+    ]
+    for family, rows in families.items():
+        lines += ["", f"## {family}", "",
+                  "| case | provider | median ms | p20-p80 ms | GB/s | % copy BW | GFLOP/s | % matmul peak "
+                  "| speedup vs baseline | oracle |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            speed = ("oracle check FAILED" if r["oracle"] == "FAIL"
+                     else f"{fmt(r['speedup'], '.2f')}x vs {r['baseline']}" if r["speedup"] else "-")
+            lines.append(
+                f"| {r['case']} | {r['provider']} | {r['median_ms']:.3f} | {r['p20_ms']:.3f}-{r['p80_ms']:.3f} "
+                f"| {fmt(r['gbs'], '.1f')} | {fmt(r['pct_copy'], '.0f')} | {fmt(r['gflops'], '.1f')} "
+                f"| {fmt(r['pct_peak'], '.0f')} | {speed} | {r['oracle']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out_dir: Path, header: dict, families: dict[str, list[dict]]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = out_dir / "report.md"
+    report.write_text(markdown(header, families))
+    (out_dir / "report.json").write_text(json.dumps({"machine": header, "results": families}, indent=1))
+    with open(out_dir / "report.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["family", *COLUMNS, "baseline"], extrasaction="ignore")
+        writer.writeheader()
+        for rows in families.values():
+            writer.writerows(rows)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="comma-separated families, e.g. sampling,attention")
+    parser.add_argument("-k", dest="keyword", help="pytest -k expression selecting cases")
+    parser.add_argument("--rounds", type=int, help="timed rounds per provider and case (default 20)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
+    parser.add_argument("--from-json", type=Path, help="build the report from an earlier raw.json")
+    args = parser.parse_args(argv)
+
+    import sbd_kernels  # noqa: F401  (the header names the active CPU kernel variant)
+
+    raw_json = args.from_json or args.out / "raw.json"
+    status = 0
+    if args.from_json is None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        only = [f for f in args.only.split(",") if f]
+        status = run_benchmarks(raw_json, only, args.keyword, args.rounds)
+        if not raw_json.exists():
+            return status or 1
+    header = machine_header()
+    families = rows_from_raw(json.loads(raw_json.read_text()), header)
+    report = write_outputs(args.out, header, families)
+    print(report.read_text())
+    print(f"written: {report}, {report.with_suffix('.json')}, {report.with_suffix('.csv')}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
