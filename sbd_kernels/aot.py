@@ -1,0 +1,144 @@
+"""GPU compile check: compile every Triton kernel configuration for real GPUs, with no GPU present.
+
+    python -m sbd_kernels.aot                 # sm_80 and sm_90, table on stdout
+    python -m sbd_kernels.aot --json out.json --arch 90
+
+Each `sbd_kernels/ops/<family>/triton.py` lists in `aot_specs()` every configuration its launcher can pick.
+Each is compiled to PTX and cubin for the target (what the interpreter cannot catch: tl.dot shape limits,
+shared memory overflow, unsupported ops, register pressure), then `ptxas -v` is run on the PTX with the
+flags Triton uses to read registers and spill bytes, and the theoretical occupancy is derived from
+registers, shared memory and warps. Exits 1 if any configuration fails to compile or spills registers.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+FAMILIES = ("sampling", "scatter", "attention")
+DEFAULT_ARCHS = (80, 90)
+
+# Per-SM limits used for theoretical occupancy (CUDA C Programming Guide, compute capabilities table):
+# registers, max resident warps, max resident blocks, shared memory usable by blocks (bytes), and the
+# shared memory the runtime reserves per block (1 KiB on sm_80+).
+SM_LIMITS = {
+    80: {"regs": 65536, "warps": 64, "blocks": 32, "smem": 164 * 1024, "smem_reserved": 1024},
+    90: {"regs": 65536, "warps": 64, "blocks": 32, "smem": 228 * 1024, "smem_reserved": 1024},
+}
+REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
+
+
+@dataclass
+class CompileResult:
+    kernel: str
+    arch: int
+    num_warps: int
+    ok: bool
+    regs: int | None = None
+    spill_bytes: int | None = None
+    shared_bytes: int | None = None
+    occupancy: float | None = None
+    error: str | None = None
+
+
+def theoretical_occupancy(arch: int, regs: int, shared: int, num_warps: int) -> float:
+    """Resident warps / max warps per SM, limited by registers, shared memory, warps and blocks."""
+    lim = SM_LIMITS[arch]
+    regs_per_warp = -(-max(regs, 1) * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    by_regs = lim["regs"] // (regs_per_warp * num_warps)
+    by_smem = lim["smem"] // (shared + lim["smem_reserved"]) if shared else lim["blocks"]
+    by_warps = lim["warps"] // num_warps
+    blocks = min(by_regs, by_smem, by_warps, lim["blocks"])
+    return blocks * num_warps / lim["warps"]
+
+
+def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers, spill store + load bytes) from `ptxas -v`, run with the flags Triton uses."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run(
+            [get_ptxas(arch).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(arch)}",
+             src, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True, text=True, check=True,
+        )
+    log = proc.stderr + proc.stdout
+    regs = max(int(m) for m in re.findall(r"Used (\d+) registers", log))
+    spills = sum(int(m) for m in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return regs, spills
+
+
+def compile_spec(spec, arch: int) -> CompileResult:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    result = CompileResult(kernel=spec.name, arch=arch, num_warps=spec.num_warps, ok=False)
+    try:
+        src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+        result.regs, result.spill_bytes = ptxas_usage(compiled.asm["ptx"], arch)
+        result.shared_bytes = compiled.metadata.shared
+        result.occupancy = theoretical_occupancy(arch, result.regs, result.shared_bytes, spec.num_warps)
+        result.ok = True
+    except Exception as err:  # report every failing configuration, not just the first
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        result.error = f"{type(err).__name__}: {lines[-1] if lines else ''}"
+    return result
+
+
+def collect_specs(families=FAMILIES) -> list:
+    specs = []
+    for family in families:
+        module = importlib.import_module(f"sbd_kernels.ops.{family}.triton")
+        specs.extend(module.aot_specs())
+    return specs
+
+
+def format_table(results: list[CompileResult]) -> str:
+    lines = [f"{'kernel configuration':<64} {'arch':>5} {'warps':>5} {'regs':>5} {'spill B':>8} "
+             f"{'smem B':>8} {'occup.':>6}  status"]
+    for r in results:
+        if r.ok:
+            lines.append(f"{r.kernel:<64} sm_{r.arch:<2} {r.num_warps:>5} {r.regs:>5} {r.spill_bytes:>8} "
+                         f"{r.shared_bytes:>8} {r.occupancy:>6.0%}  {'SPILLS' if r.spill_bytes else 'ok'}")
+        else:
+            lines.append(f"{r.kernel:<64} sm_{r.arch:<2} {r.num_warps:>5} {'-':>5} {'-':>8} {'-':>8} "
+                         f"{'-':>6}  FAILED {r.error}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, action="append", choices=sorted(SM_LIMITS),
+                        help="compute capability (repeatable); default 80 and 90")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    # The interpreter replaces @triton.jit functions with Python ones that cannot be compiled.
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("unset TRITON_INTERPRET: interpreted kernels cannot be compiled for a GPU")
+
+    results = [compile_spec(spec, arch) for spec in collect_specs() for arch in (args.arch or DEFAULT_ARCHS)]
+    print(format_table(results))
+    failed = [r for r in results if not r.ok]
+    spilled = [r for r in results if r.ok and r.spill_bytes]
+    print(f"\n{len(results)} compiles: {len(results) - len(failed)} ok, {len(failed)} failed, "
+          f"{len(spilled)} with register spills")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+    return 1 if failed or spilled else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
