@@ -122,7 +122,7 @@ def test_nothing_masked_accepts_nothing_and_is_done(backend, rule):
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_all_masked_accepts_the_whole_block_with_huge_gamma(backend):
     """Guards against block_done being computed before the update instead of after."""
-    positions, tokens, masked, n, done = run_hand_case(backend, [0.1, 0.2, 0.3, 0.4], gamma=100.0)
+    positions, _, masked, n, done = run_hand_case(backend, [0.1, 0.2, 0.3, 0.4], gamma=100.0)
     assert (positions, n, done) == ([0, 1, 2, 3], 4, True)
     assert masked == [False] * 4
 
@@ -131,8 +131,8 @@ def test_all_masked_accepts_the_whole_block_with_huge_gamma(backend):
 def test_invalid_positions_are_skipped(backend):
     """Guards against revealing a position whose prediction is invalid (NaN logits, not computed)."""
     entropy = [0.01, 0.3, 0.02, 0.04]
-    positions, tokens, masked, n, done = run_hand_case(backend, entropy, valid=[False, True, True, True],
-                                                       gamma=0.05)
+    positions, _, masked, n, done = run_hand_case(backend, entropy, valid=[False, True, True, True],
+                                                  gamma=0.05)
     assert positions == [2, 3]  # position 0 has the lowest entropy but is invalid: ranks 2, 3, 1
     assert masked == [True, True, False, False]
     assert (n, done) == (2, False)
@@ -263,7 +263,7 @@ def test_cpu_handles_blocks_beyond_the_triton_limit():
 
 def test_triton_rejects_blocks_beyond_its_limit():
     """Guards against the Triton kernel silently truncating a row longer than its block."""
-    tokens, masked, sampled, entropy, gamma, valid = random_inputs(1, 257, 0, True, True)
+    tokens, masked, sampled, entropy, gamma, _ = random_inputs(1, 257, 0, True, True)
     with pytest.raises(RuntimeError, match="block_tokens has K = 257 positions"):
         _triton_op()(tokens, masked, sampled, entropy, gamma)
 

@@ -51,7 +51,8 @@ def _scatter_accept_kernel(
         candidate = candidate & (valid != 0)
     entropy = tl.load(entropy_ptr + row * stride_entropy_b + offs * stride_entropy_k, mask=in_row,
                       other=float("inf")).to(tl.float32)
-    entropy = tl.where(entropy != entropy, float("inf"), entropy)  # NaN ranks as +inf
+    is_nan = entropy != entropy  # noqa: PLR0124 (the one value unequal to itself)
+    entropy = tl.where(is_nan, float("inf"), entropy)  # NaN ranks as +inf
     if HAS_GAMMA:
         gamma = tl.load(gamma_ptr + row * stride_gamma).to(tl.float32)
     else:
@@ -62,7 +63,7 @@ def _scatter_accept_kernel(
         remaining = candidate
         before = tl.zeros((), dtype=tl.float32)  # fp32 sum of the entropies ranked before
         num_candidates = tl.sum(candidate.to(tl.int32), axis=0)
-        for rank in range(0, num_candidates):
+        for rank in range(num_candidates):
             smallest = tl.min(tl.where(remaining, entropy, float("inf")), axis=0)
             first = tl.min(tl.where(remaining & (entropy == smallest), offs, BLOCK_K), axis=0)
             take = (rank == 0) | (before <= gamma)
