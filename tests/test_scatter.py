@@ -303,6 +303,10 @@ def bad_input_cases():
     return [
         ("tokens dtype", {"block_tokens": torch.zeros(2, 3, dtype=torch.int32)}, "block_tokens must be int64"),
         ("tokens 1-D", {"block_tokens": torch.zeros(6, dtype=torch.int64)}, "block_tokens must be a 2-D"),
+        ("tokens expanded", {"block_tokens": torch.zeros(1, 3, dtype=torch.int64).expand(2, 3)},
+         "block_tokens is written in place and must not have elements sharing memory"),
+        ("masked expanded", {"is_masked": torch.ones(2, 1, dtype=torch.bool).expand(2, 3)},
+         "is_masked is written in place and must not have elements sharing memory"),
         ("masked dtype", {"is_masked": torch.ones(2, 3, dtype=torch.uint8)}, "is_masked must be bool"),
         ("masked shape", {"is_masked": torch.ones(2, 4, dtype=torch.bool)}, "is_masked must have shape"),
         ("sampled dtype", {"sampled": torch.zeros(2, 3, dtype=torch.float32)}, "sampled must be int64"),

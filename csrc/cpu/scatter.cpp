@@ -5,12 +5,14 @@
 // Triton kernel use, so all three agree exactly at the gamma boundary), write accepted positions.
 // A row is a few dozen scalars, so the kernel is scalar; rows run in parallel when there are many.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -142,6 +144,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mask_scatter_cpu(
   check_tensor(is_masked, "is_masked", at::kBool, {batch, k}, device);
   check_tensor(sampled, "sampled", at::kLong, {batch, k}, device);
   check_tensor(entropy, "entropy", at::kFloat, {batch, k}, device);
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"block_tokens", &block_tokens},
+                                 {"is_masked", &is_masked}}) {
+    // Rows run in parallel: two rows sharing memory (an expanded view) would race.
+    TORCH_CHECK(at::has_internal_overlap(*t) != at::MemOverlap::Yes, kOp, ": ", name,
+                " is written in place and must not have elements sharing memory (expanded view?)");
+  }
   if (valid.has_value()) check_tensor(*valid, "valid", at::kBool, {batch, k}, device);
   const Rule rule = parse_rule(std::string(rule_name));
   if (gamma.has_value()) check_tensor(*gamma, "gamma", at::kFloat, {batch}, device);

@@ -26,15 +26,17 @@ def mask_scatter_(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampled: 
       the first s candidates, s >= 1 the largest with ``H(i_1) + ... + H(i_{s-1}) <= g``.
     - ``rule="threshold"``: the candidate of rank r is accepted iff r == 0 or ``H(i_r) < g``.
 
-    The lowest-ranked candidate is always accepted, even with an +inf entropy; an +inf entropy before it
-    in rank order blocks every later candidate under "eb" (unless g = +inf). Rows without candidates
-    (nothing masked, or every masked position invalid) accept nothing.
-    Positions from ``entropy_sample`` that were not computed (``valid`` False, entropy +inf) are thus
-    never revealed if ``valid`` is passed.
+    +inf is an ordinary value of these formulas: it ranks after every finite entropy; under "eb" an
+    +inf candidate is accepted when the entropies ranked before it sum to <= g, and it blocks every
+    candidate ranked after it (their sums are +inf) unless g = +inf; under "threshold" it is accepted
+    only as the forced first. The lowest-ranked candidate is always accepted, even with an +inf entropy.
+    Rows without candidates (nothing masked, or every masked position invalid) accept nothing. Pass the
+    ``valid`` output of ``entropy_sample`` so that positions it did not compute (entropy +inf) are
+    never revealed.
 
     Args:
         block_tokens: ``[B, K]`` int64, updated in place: accepted positions get ``sampled``.
-            May be a non-contiguous view.
+            May be a non-contiguous view, not one whose elements share memory (expanded).
         is_masked: ``[B, K]`` bool, updated in place: accepted positions become False.
         sampled: ``[B, K]`` int64 token chosen at each position.
         entropy: ``[B, K]`` float32 entropy of each position's predictive distribution.
@@ -47,7 +49,8 @@ def mask_scatter_(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampled: 
         ``accepted [B, K]`` bool (positions revealed by this call), ``num_accepted [B]`` int32,
         ``block_done [B]`` bool (no position of the row is still masked after the update).
 
-    Errors (RuntimeError naming the argument): wrong dtype, shape or device; ``rule`` not in
+    Errors (RuntimeError naming the argument): wrong dtype, shape or device; an in-place argument whose
+    elements share memory; ``rule`` not in
     {"eb", "threshold"}; gamma < 0 or NaN (on CUDA checked without a host sync, raised at the next sync).
 
     Example:

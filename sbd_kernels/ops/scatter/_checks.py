@@ -47,6 +47,9 @@ def check_mask_scatter_args(block_tokens: torch.Tensor, is_masked: torch.Tensor,
     _check_tensor(is_masked, "is_masked", torch.bool, (batch, k), device)
     _check_tensor(sampled, "sampled", torch.int64, (batch, k), device)
     _check_tensor(entropy, "entropy", torch.float32, (batch, k), device)
+    for name, t in (("block_tokens", block_tokens), ("is_masked", is_masked)):
+        if torch._debug_has_internal_overlap(t) == 1:  # 1: MemOverlap::Yes, e.g. an expanded view
+            _fail(f"{name} is written in place and must not have elements sharing memory (expanded view?)")
     if valid is not None:
         _check_tensor(valid, "valid", torch.bool, (batch, k), device)
     if rule not in RULES:

@@ -16,16 +16,14 @@ import torch
 from sbd_kernels.ops.scatter._checks import check_mask_scatter_args
 
 
-def _ranked_candidates(masked: torch.Tensor, valid: torch.Tensor, entropy: torch.Tensor) -> list[int]:
-    """Positions of one row's candidates, sorted by (entropy with NaN as +inf, position)."""
+def _ranked_candidates(masked: torch.Tensor, valid: torch.Tensor, key: torch.Tensor) -> list[int]:
+    """Positions of one row's candidates, sorted by (key, position)."""
     candidates = [j for j in range(masked.numel()) if bool(masked[j]) and bool(valid[j])]
-    key = torch.nan_to_num(entropy, nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
     return sorted(candidates, key=lambda j: (float(key[j]), j))
 
 
-def _accept_row(ranked: list[int], entropy: torch.Tensor, gamma: torch.Tensor, rule: str) -> list[int]:
-    """Accepted positions of one row; `gamma` is a 0-d fp32 tensor."""
-    key = torch.nan_to_num(entropy, nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
+def _accept_row(ranked: list[int], key: torch.Tensor, gamma: torch.Tensor, rule: str) -> list[int]:
+    """Accepted positions of one row; `key` is its fp32 entropy with NaN as +inf, `gamma` a 0-d fp32."""
     accepted = []
     before = torch.zeros((), dtype=torch.float32)  # fp32 sum of the entropies ranked before
     for rank, j in enumerate(ranked):
@@ -49,13 +47,14 @@ def mask_scatter_(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampled: 
     masked_cpu = is_masked.cpu()
     valid_cpu = torch.ones(batch, k, dtype=torch.bool) if valid is None else valid.cpu()
     entropy_cpu = entropy.cpu().to(torch.float32)
+    key = torch.where(entropy_cpu.isnan(), float("inf"), entropy_cpu)  # NaN ranks as +inf
     gammas = (torch.full((batch,), gamma_val, dtype=torch.float32) if gamma is None
               else gamma.cpu().to(torch.float32))
 
     accepted = torch.zeros(batch, k, dtype=torch.bool)
     for b in range(batch):
-        ranked = _ranked_candidates(masked_cpu[b], valid_cpu[b], entropy_cpu[b])
-        for j in _accept_row(ranked, entropy_cpu[b], gammas[b], rule):
+        ranked = _ranked_candidates(masked_cpu[b], valid_cpu[b], key[b])
+        for j in _accept_row(ranked, key[b], gammas[b], rule):
             accepted[b, j] = True
 
     accepted = accepted.to(device)
