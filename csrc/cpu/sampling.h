@@ -1,0 +1,38 @@
+// Declarations shared by the dispatch file csrc/cpu/sampling.cpp and the per-ISA kernel copies of
+// csrc/cpu/sampling_kernel.h (one in each of the namespaces DEFAULT, AVX2, AVX512).
+#pragma once
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+
+namespace sbd::cpu {
+
+// Validated arguments of sbd::entropy_sample. `logits` is [B, K, V] with stride(2) == 1; per-row inputs
+// are read as ptr[b * stride] (stride 0 broadcasts one element); outputs are contiguous [B, K].
+struct EntropySampleArgs {
+  at::Tensor logits;
+  const int64_t* seed;
+  int64_t seed_stride;
+  const int64_t* offset;
+  int64_t offset_stride;
+  const float* temperature;  // [B] with temperature_stride, or nullptr: temperature_val for every row
+  int64_t temperature_stride;
+  float temperature_val;
+  const bool* compute_mask;  // contiguous [B, K], or nullptr: every position
+  int64_t mask_token_id;     // -1: none
+  int64_t* tokens;
+  float* entropy;
+  float* logprob;
+  bool* valid;
+};
+
+#define SBD_DECLARE_ENTROPY_SAMPLE_KERNEL(isa) \
+  namespace isa {                              \
+  void entropy_sample_kernel(const EntropySampleArgs& args); \
+  }
+SBD_DECLARE_ENTROPY_SAMPLE_KERNEL(DEFAULT)
+SBD_DECLARE_ENTROPY_SAMPLE_KERNEL(AVX2)
+SBD_DECLARE_ENTROPY_SAMPLE_KERNEL(AVX512)
+#undef SBD_DECLARE_ENTROPY_SAMPLE_KERNEL
+
+}  // namespace sbd::cpu

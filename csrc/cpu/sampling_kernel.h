@@ -1,0 +1,459 @@
+// CPU kernel of sbd::entropy_sample, compiled once per instruction set (sampling_kernel_<isa>.cpp) inside
+// namespace sbd::cpu::CPU_CAPABILITY. Math and random generator: sbd_kernels/ops/sampling/naive.py.
+//
+// One pass over the vocabulary per row. Work items are (row, vocabulary chunk); each item walks its chunk
+// in tiles of kTile entries converted to fp32 into an L1-resident buffer, then:
+//   pass 1 over the tile: max (NaN-propagating, so NaN / +inf rows are caught and abandoned at once);
+//   pass 2 over the tile: online sum exp(x - m) and sum exp(x - m) (x - m) (entropy), and the Gumbel-max
+//   race. Items of a row are combined afterwards in vocabulary order (lowest index wins ties).
+//
+// Gumbel-max without computing most of the noise: u <= 1 - 2^-24 bounds g <= 24 ln 2 = 16.64, and per
+// entry g = -log(-log u) <= -log(1 - u) <= ln 2 * (24 - floor(log2(2^24 (1 - u)))), an exponent read off
+// the integer. A block of 64 entries whose max logit / T + 16.64 is below the best score so far skips the
+// Philox draws; an entry whose logit / T + its bound is below the best skips the two logs. The skips only
+// drop entries that provably cannot win, so the token is exactly the full argmax. After a few hundred
+// entries the best score is far above typical bounds (for N(0, 1) logits at T = 1 it is ~ ln(n) + 1 after
+// n entries), so the logs run on a handful of entries per row.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+#include "cpu/sampling.h"
+
+namespace sbd::cpu {
+namespace CPU_CAPABILITY {
+namespace sampling_detail {
+
+using Vec = at::vec::Vectorized<float>;
+
+// Entries per Philox block: 16 consecutive counters x 4 output words (see naive.py).
+constexpr int64_t kGroup = 64;
+// Entries converted per tile: 2048 fp32 = 8 KB, so both passes over a tile hit L1 (32-64 KB here).
+constexpr int64_t kTile = 2048;
+// Smallest vocabulary chunk worth a work item of its own: 16384 entries (64 KB of fp32) amortise the
+// per-item set-up and the combine; a [1, 1, 128256] row then still splits over 8 items.
+constexpr int64_t kMinChunk = 16384;
+// Items per thread aimed at, so that uneven rows (masked positions, NaN rows stopping early) balance.
+constexpr int64_t kItemsPerThread = 8;
+// Largest Gumbel noise any u can give, -log(-log(1 - 2^-24)) = 16.6355, plus a margin for rounding.
+constexpr float kGumbelMax = 16.64f;
+// Margin added to the per-entry bound: the computed g is within a few ulp (< 1e-5) of the exact value.
+constexpr float kBoundMargin = 1e-3f;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+constexpr uint32_t kPhiloxM0 = 0xD2511F53u;
+constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;
+constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
+constexpr int kPhiloxRounds = 10;
+
+// Per-row constants of the generator: the 10 round keys and the counter words c1..c3.
+struct PhiloxRow {
+  uint32_t k0[kPhiloxRounds];
+  uint32_t k1[kPhiloxRounds];
+  uint32_t c1, c2, c3;
+};
+
+inline PhiloxRow make_philox_row(int64_t seed, int64_t offset, int64_t position) {
+  PhiloxRow row;
+  uint32_t k0 = static_cast<uint32_t>(static_cast<uint64_t>(seed));
+  uint32_t k1 = static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32);
+  for (int r = 0; r < kPhiloxRounds; ++r) {
+    row.k0[r] = k0;
+    row.k1[r] = k1;
+    k0 += kPhiloxW0;
+    k1 += kPhiloxW1;
+  }
+  row.c1 = static_cast<uint32_t>(position);
+  row.c2 = static_cast<uint32_t>(static_cast<uint64_t>(offset));
+  row.c3 = static_cast<uint32_t>(static_cast<uint64_t>(offset) >> 32);
+  return row;
+}
+
+// words[16 w + l] = word w of Philox4x32-10 at counter (c0_base + l, c1, c2, c3), l = 0..15: the raw
+// random bits of the 64 entries starting at vocabulary index 4 * c0_base.
+#if defined(CPU_CAPABILITY_AVX512)
+// (hi, lo) 32-bit halves of m * c lane by lane, m a broadcast constant: two 32x32->64 products (even and
+// odd lanes) and blends, cheaper on Zen 4 than vpmulld for the low half.
+inline void mulhilo_epu32(__m512i m, __m512i c, __m512i& hi, __m512i& lo) {
+  const __m512i even = _mm512_mul_epu32(m, c);
+  const __m512i odd = _mm512_mul_epu32(m, _mm512_srli_epi64(c, 32));
+  hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+  lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+}
+
+inline void philox_block(const PhiloxRow& row, uint32_t c0_base, uint32_t* words) {
+  const __m512i m0 = _mm512_set1_epi32(static_cast<int>(kPhiloxM0));
+  const __m512i m1 = _mm512_set1_epi32(static_cast<int>(kPhiloxM1));
+  __m512i c0 = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(c0_base)),
+                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  __m512i c1 = _mm512_set1_epi32(static_cast<int>(row.c1));
+  __m512i c2 = _mm512_set1_epi32(static_cast<int>(row.c2));
+  __m512i c3 = _mm512_set1_epi32(static_cast<int>(row.c3));
+  for (int r = 0; r < kPhiloxRounds; ++r) {
+    __m512i hi0, lo0, hi1, lo1;
+    mulhilo_epu32(m0, c0, hi0, lo0);
+    mulhilo_epu32(m1, c2, hi1, lo1);
+    // 0x96: three-way xor.
+    c0 = _mm512_ternarylogic_epi32(hi1, c1, _mm512_set1_epi32(static_cast<int>(row.k0[r])), 0x96);
+    c2 = _mm512_ternarylogic_epi32(hi0, c3, _mm512_set1_epi32(static_cast<int>(row.k1[r])), 0x96);
+    c1 = lo1;
+    c3 = lo0;
+  }
+  _mm512_storeu_si512(words, c0);
+  _mm512_storeu_si512(words + 16, c1);
+  _mm512_storeu_si512(words + 32, c2);
+  _mm512_storeu_si512(words + 48, c3);
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+// As the AVX-512 version, 8 lanes at a time.
+inline void mulhilo_epu32(__m256i m, __m256i c, __m256i& hi, __m256i& lo) {
+  const __m256i even = _mm256_mul_epu32(m, c);
+  const __m256i odd = _mm256_mul_epu32(m, _mm256_srli_epi64(c, 32));
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+  lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+}
+
+inline void philox_block(const PhiloxRow& row, uint32_t c0_base, uint32_t* words) {
+  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(kPhiloxM0));
+  const __m256i m1 = _mm256_set1_epi32(static_cast<int>(kPhiloxM1));
+  for (int half = 0; half < 2; ++half) {
+    __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(c0_base + 8 * half)),
+                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i c1 = _mm256_set1_epi32(static_cast<int>(row.c1));
+    __m256i c2 = _mm256_set1_epi32(static_cast<int>(row.c2));
+    __m256i c3 = _mm256_set1_epi32(static_cast<int>(row.c3));
+    for (int r = 0; r < kPhiloxRounds; ++r) {
+      __m256i hi0, lo0, hi1, lo1;
+      mulhilo_epu32(m0, c0, hi0, lo0);
+      mulhilo_epu32(m1, c2, hi1, lo1);
+      c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32(static_cast<int>(row.k0[r])));
+      c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(static_cast<int>(row.k1[r])));
+      c1 = lo1;
+      c3 = lo0;
+    }
+    uint32_t* out = words + 8 * half;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), c0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), c1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), c2);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 48), c3);
+  }
+}
+#else
+inline void philox_block(const PhiloxRow& row, uint32_t c0_base, uint32_t* words) {
+  for (uint32_t l = 0; l < 16; ++l) {
+    uint32_t c0 = c0_base + l, c1 = row.c1, c2 = row.c2, c3 = row.c3;
+    for (int r = 0; r < kPhiloxRounds; ++r) {
+      const uint64_t p0 = static_cast<uint64_t>(kPhiloxM0) * c0;
+      const uint64_t p1 = static_cast<uint64_t>(kPhiloxM1) * c2;
+      c0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ row.k0[r];
+      c2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ row.k1[r];
+      c1 = static_cast<uint32_t>(p1);
+      c3 = static_cast<uint32_t>(p0);
+    }
+    words[l] = c0;
+    words[16 + l] = c1;
+    words[32 + l] = c2;
+    words[48 + l] = c3;
+  }
+}
+#endif
+
+// u = (2 (r >> 9) + 1) 2^-24 (exact in fp32), and an upper bound of g = -log(-log u) from the exponent
+// of n = 2^24 (1 - u): g <= -log(1 - u) = ln 2 (24 - log2 n) <= ln 2 (24 - floor(log2 n)).
+inline void uniforms_and_bounds(const uint32_t* words, float* u, float* bound) {
+  for (int i = 0; i < kGroup; ++i) {
+    const int32_t k = static_cast<int32_t>(2 * (words[i] >> 9) + 1);
+    u[i] = static_cast<float>(k) * 0x1p-24f;
+    const float n = static_cast<float>((1 << 24) - k);  // exact: an odd integer < 2^24
+    uint32_t bits;
+    std::memcpy(&bits, &n, sizeof(bits));
+    const int32_t floor_log2_n = static_cast<int32_t>(bits >> 23) - 127;
+    bound[i] = static_cast<float>(24 - floor_log2_n) * 0.69314718f + kBoundMargin;
+  }
+}
+
+// Result of one work item (a vocabulary chunk of one row); combined over items in vocabulary order.
+struct Partial {
+  float max = -kInf;        // max of the chunk's logits
+  float sum_exp = 0.f;      // sum exp(x - max)
+  float sum_xexp = 0.f;     // sum exp(x - max) (x - max)
+  bool bad = false;         // a NaN or +inf logit was seen
+  float greedy = -kInf;     // first maximum and its index
+  int64_t greedy_idx = -1;
+  float best = -kInf;       // best Gumbel score x / T + g and its index (-1: none above -inf)
+  int64_t best_idx = -1;
+};
+
+template <typename scalar_t>
+inline void load_tile(const scalar_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+    i = n;
+  } else {
+    for (; i + Vec::size() <= n; i += Vec::size()) {
+      Vec v;
+      at::vec::load_to_float<scalar_t>(src + i, v);
+      v.store(dst + i);
+    }
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline float reduce_max(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); },
+                                        v);
+}
+
+// Max of buf[0, n) (n a multiple of kGroup), NaN if any entry is NaN (at::vec::maximum propagates NaN).
+// Four accumulators: one chain of dependent vmaxps runs at its 2-cycle latency, not the unit's rate.
+inline float tile_max(const float* buf, int64_t n) {
+  constexpr int64_t W = Vec::size();
+  Vec a(-kInf), b(-kInf), c(-kInf), d(-kInf);
+  for (int64_t i = 0; i < n; i += 4 * W) {
+    a = at::vec::maximum(a, Vec::loadu(buf + i));
+    b = at::vec::maximum(b, Vec::loadu(buf + i + W));
+    c = at::vec::maximum(c, Vec::loadu(buf + i + 2 * W));
+    d = at::vec::maximum(d, Vec::loadu(buf + i + 3 * W));
+  }
+  return reduce_max(at::vec::maximum(at::vec::maximum(a, b), at::vec::maximum(c, d)));
+}
+
+// Online entropy sums of one item: lane-wise accumulators relative to the running max.
+struct EntropySums {
+  float max = -kInf;
+  Vec sum_exp = Vec(0.f);
+  Vec sum_xexp = Vec(0.f);
+
+  // Moves the reference to new_max >= max: sum' = e^(max - new_max) (sum + sum_exp (max - new_max)).
+  void rebase(float new_max) {
+    if (max != -kInf) {
+      const Vec shift(max - new_max);
+      const Vec scale = shift.exp();
+      sum_xexp = (sum_xexp + sum_exp * shift) * scale;
+      sum_exp = sum_exp * scale;
+    }
+    max = new_max;
+  }
+
+  // -inf entries: exp = 0 and (x - max) clamped to -FLT_MAX, so they add exactly 0 (never NaN).
+  // Two vectors per step into two pairs of sums: halves the dependent add / fma chains.
+  void add(const float* buf, int64_t n) {
+    constexpr int64_t W = Vec::size();
+    const Vec m(max), lowest(std::numeric_limits<float>::lowest());
+    Vec exp_b(0.f), xexp_b(0.f);
+    for (int64_t i = 0; i < n; i += 2 * W) {
+      const Vec da = at::vec::maximum(Vec::loadu(buf + i) - m, lowest);
+      const Vec db = at::vec::maximum(Vec::loadu(buf + i + W) - m, lowest);
+      const Vec ea = da.exp_u20(), eb = db.exp_u20();
+      sum_exp = sum_exp + ea;
+      exp_b = exp_b + eb;
+      sum_xexp = at::vec::fmadd(ea, da, sum_xexp);
+      xexp_b = at::vec::fmadd(eb, db, xexp_b);
+    }
+    sum_exp = sum_exp + exp_b;
+    sum_xexp = sum_xexp + xexp_b;
+  }
+};
+
+// First index of `value` in buf[0, n).
+inline int64_t first_index_of(const float* buf, int64_t n, float value) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (buf[i] == value) return i;
+  }
+  return n;
+}
+
+// Gumbel-max race over one tile (n a multiple of kGroup, padded with -inf): updates best / best_idx.
+inline void gumbel_race_tile(const float* buf, int64_t n, int64_t start, float temperature,
+                             const PhiloxRow& row, float& best, int64_t& best_idx) {
+  alignas(64) uint32_t words[kGroup];
+  alignas(64) float u[kGroup];
+  alignas(64) float bound[kGroup];
+  alignas(64) float score[kGroup];
+  const Vec t(temperature);
+  for (int64_t g = 0; g < n; g += kGroup) {
+    Vec group_max = Vec::loadu(buf + g);
+    for (int64_t i = Vec::size(); i < kGroup; i += Vec::size()) {
+      group_max = at::vec::maximum(group_max, Vec::loadu(buf + g + i));
+    }
+    if (reduce_max(group_max) / temperature + kGumbelMax < best) continue;
+    philox_block(row, static_cast<uint32_t>((start + g) / 4), words);
+    uniforms_and_bounds(words, u, bound);
+    for (int64_t i = 0; i < kGroup; i += Vec::size()) {
+      const Vec scaled = Vec::loadu(buf + g + i) / t;
+      const Vec reach = scaled + Vec::loadu(bound + i);
+      // zero_mask: bit l set when lane l of (reach >= best) is all-zero, i.e. the lane cannot win.
+      if ((reach >= Vec(best)).zero_mask() == (1 << Vec::size()) - 1) continue;
+      const Vec gumbel = Vec::loadu(u + i).log().neg().log().neg();
+      (scaled + gumbel).store(score + i);
+      for (int64_t l = 0; l < Vec::size(); ++l) {
+        if (score[i + l] > best) {
+          best = score[i + l];
+          best_idx = start + g + i + l;
+        }
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+Partial process_chunk(const scalar_t* row_ptr, int64_t begin, int64_t end, int64_t mask_token_id,
+                      float temperature, const PhiloxRow& row) {
+  alignas(64) float buf[kTile];
+  Partial out;
+  EntropySums sums;
+  for (int64_t start = begin; start < end; start += kTile) {
+    const int64_t n = std::min(kTile, end - start);
+    const int64_t padded = (n + kGroup - 1) / kGroup * kGroup;
+    load_tile(row_ptr + start, n, buf);
+    std::fill(buf + n, buf + padded, -kInf);
+    if (mask_token_id >= start && mask_token_id < start + n) buf[mask_token_id - start] = -kInf;
+
+    const float m = tile_max(buf, padded);
+    if (std::isnan(m) || m == kInf) {
+      out.bad = true;
+      return out;
+    }
+    if (m == -kInf) continue;  // nothing but -inf: no probability mass, never drawn
+    if (m > out.greedy) {
+      out.greedy = m;
+      out.greedy_idx = start + first_index_of(buf, n, m);
+    }
+    if (m > sums.max) sums.rebase(m);
+    sums.add(buf, padded);
+    if (temperature > 0.f) gumbel_race_tile(buf, padded, start, temperature, row, out.best, out.best_idx);
+  }
+  out.max = sums.max;
+  out.sum_exp = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; },
+                                               sums.sum_exp);
+  out.sum_xexp = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; },
+                                                sums.sum_xexp);
+  return out;
+}
+
+// Row outputs from its items' partials, combined in vocabulary order.
+template <typename scalar_t>
+void finish_row(const Partial* parts, int64_t n_parts, const scalar_t* row_ptr, float temperature,
+                int64_t& token, float& entropy, float& logprob, bool& valid) {
+  float m = -kInf;
+  bool bad = false;
+  for (int64_t p = 0; p < n_parts; ++p) {
+    bad |= parts[p].bad;
+    m = std::max(m, parts[p].max);
+  }
+  if (bad || m == -kInf) {
+    token = 0;
+    entropy = kInf;
+    logprob = -kInf;
+    valid = false;
+    return;
+  }
+  float sum_exp = 0.f, sum_xexp = 0.f, greedy = -kInf, best = -kInf;
+  int64_t greedy_idx = -1, best_idx = -1;
+  for (int64_t p = 0; p < n_parts; ++p) {
+    const Partial& part = parts[p];
+    if (part.max != -kInf) {
+      const float shift = part.max - m;
+      const float scale = std::exp(shift);
+      sum_exp += part.sum_exp * scale;
+      sum_xexp += (part.sum_xexp + part.sum_exp * shift) * scale;
+    }
+    if (part.greedy > greedy) {
+      greedy = part.greedy;
+      greedy_idx = part.greedy_idx;
+    }
+    if (part.best_idx >= 0 && part.best > best) {
+      best = part.best;
+      best_idx = part.best_idx;
+    }
+  }
+  const float log_z = std::log(sum_exp);
+  token = (temperature > 0.f && best_idx >= 0) ? best_idx : greedy_idx;
+  entropy = log_z - sum_xexp / sum_exp;
+  logprob = static_cast<float>(row_ptr[token]) - m - log_z;
+  valid = true;
+}
+
+template <typename scalar_t>
+void entropy_sample_typed(const EntropySampleArgs& args) {
+  const at::Tensor& logits = args.logits;
+  const int64_t batch = logits.size(0), positions = logits.size(1), vocab = logits.size(2);
+  const int64_t rows = batch * positions;
+  const scalar_t* base = logits.const_data_ptr<scalar_t>();
+  const int64_t stride_b = logits.stride(0), stride_k = logits.stride(1);
+
+  const int64_t threads = at::get_num_threads();
+  const int64_t max_splits = std::max<int64_t>(1, vocab / kMinChunk);
+  const int64_t splits = std::clamp<int64_t>((kItemsPerThread * threads + rows - 1) / rows, 1, max_splits);
+  // Chunk bounds on kGroup multiples, so that every Philox block lies inside one chunk.
+  const int64_t chunk = ((vocab + splits - 1) / splits + kGroup - 1) / kGroup * kGroup;
+
+  auto row_ptr = [&](int64_t r) { return base + (r / positions) * stride_b + (r % positions) * stride_k; };
+  auto row_temperature = [&](int64_t b) {
+    return args.temperature != nullptr ? args.temperature[b * args.temperature_stride] : args.temperature_val;
+  };
+  auto computed = [&](int64_t r) { return args.compute_mask == nullptr || args.compute_mask[r]; };
+
+  std::vector<Partial> parts(rows * splits);
+  at::parallel_for(0, rows * splits, 1, [&](int64_t item_begin, int64_t item_end) {
+    for (int64_t item = item_begin; item < item_end; ++item) {
+      const int64_t r = item / splits, s = item % splits, b = r / positions;
+      const int64_t begin = s * chunk, end = std::min(vocab, begin + chunk);
+      if (!computed(r) || begin >= end) continue;
+      const PhiloxRow philox = make_philox_row(args.seed[b * args.seed_stride],
+                                               args.offset[b * args.offset_stride], r % positions);
+      parts[item] = process_chunk(row_ptr(r), begin, end, args.mask_token_id, row_temperature(b), philox);
+    }
+  });
+  at::parallel_for(0, rows, 256, [&](int64_t row_begin, int64_t row_end) {
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      if (!computed(r)) {
+        args.tokens[r] = -1;
+        args.entropy[r] = kInf;
+        args.logprob[r] = -kInf;
+        args.valid[r] = false;
+        continue;
+      }
+      finish_row(parts.data() + r * splits, splits, row_ptr(r), row_temperature(r / positions),
+                 args.tokens[r], args.entropy[r], args.logprob[r], args.valid[r]);
+    }
+  });
+}
+
+}  // namespace sampling_detail
+
+void entropy_sample_kernel(const EntropySampleArgs& args) {
+  switch (args.logits.scalar_type()) {
+    case at::kFloat:
+      sampling_detail::entropy_sample_typed<float>(args);
+      break;
+    case at::kHalf:
+      sampling_detail::entropy_sample_typed<c10::Half>(args);
+      break;
+    case at::kBFloat16:
+      sampling_detail::entropy_sample_typed<c10::BFloat16>(args);
+      break;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "sbd.entropy_sample: unexpected logits dtype ", args.logits.scalar_type());
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace sbd::cpu

@@ -1,0 +1,138 @@
+"""Pure-PyTorch oracle of `sbd.entropy_sample`, and the public definition of its random generator.
+
+Math (per computed position (b, j), x = logits[b, j, :] in fp32, the entry `mask_token_id` set to -inf):
+
+    valid   = no x_v is NaN or +inf, and some x_v is finite
+    p       = softmax(x)                       (temperature 1, fp64 here)
+    entropy = -sum_v p_v log p_v               (terms with p_v = 0 count 0)
+    token   = argmax_v x_v                                   if T == 0 (lowest index on ties)
+              argmax_v (x_v / T + g_v)  (fp32, lowest index on ties)   if T > 0
+    logprob = log p_token
+
+If every x_v / T + g_v is -inf (finite logits so negative that x / T overflows) the token is the T == 0
+one. Invalid positions: token 0, entropy +inf, logprob -inf, valid False. Positions not computed
+(compute_mask False): token -1, entropy +inf, logprob -inf, valid False.
+
+Random generator (a public contract: every backend draws these exact numbers, so tokens can be reproduced
+from (seed, offset) alone, whatever the batch around a row):
+
+    Philox4x32-10 (Salmon et al. 2011; cuRAND's and Triton's `tl.philox`), multipliers 0xD2511F53 and
+    0xCD9E8D57, key increments 0x9E3779B9 and 0xBB67AE85.
+    key     = (s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF)           s = seed[b] as 64 bits
+    counter = (c0, j, o & 0xFFFFFFFF, (o >> 32) & 0xFFFFFFFF)    o = offset[b] as 64 bits, j = position
+    c0      = (v >> 6) * 16 + (v & 15)                           v = vocabulary index
+    r       = word (v >> 4) & 3 of Philox4x32-10(counter, key)   (words 0..3 in output order)
+    u       = (2 * (r >> 9) + 1) * 2^-24                         fp32, exact, in [2^-24, 1 - 2^-24]
+    g_v     = -log(-log(u))                                      fp32 (Gumbel(0, 1))
+
+One Philox call yields the noise of 4 vocabulary entries, 16 apart, so a block of 64 consecutive entries
+takes 16 calls on consecutive counters (one SIMD register of counters on AVX-512). u keeps 23 random bits
+so that 2 * (r >> 9) + 1 < 2^24 converts to fp32 exactly on every backend and u is never 0 or 1.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from sbd_kernels.ops.sampling._checks import (
+    TEMPERATURE_VALUE_MESSAGE,
+    check_entropy_sample_args,
+    temperature_is_valid,
+)
+
+MASK32 = 0xFFFFFFFF
+PHILOX_M0 = 0xD2511F53
+PHILOX_M1 = 0xCD9E8D57
+PHILOX_W0 = 0x9E3779B9
+PHILOX_W1 = 0xBB67AE85
+PHILOX_ROUNDS = 10
+
+
+def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit words of a * b for a uint32 constant a and int64 tensor b < 2^32, without overflow.
+
+    b is split in 16-bit halves so that every partial product stays below 2^49.
+    """
+    low = a * (b & 0xFFFF)
+    high = a * (b >> 16)
+    mid = low + ((high & 0xFFFF) << 16)
+    return (high >> 16) + (mid >> 32), mid & MASK32
+
+
+def philox4x32_10(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor]
+                  ) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-10 on int64 tensors holding uint32 values (broadcast together); returns 4 words."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(PHILOX_ROUNDS):
+        hi0, lo0 = _mulhilo32(PHILOX_M0, c0)
+        hi1, lo1 = _mulhilo32(PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + PHILOX_W0) & MASK32
+        k1 = (k1 + PHILOX_W1) & MASK32
+    return c0, c1, c2, c3
+
+
+def philox_uniform(seed: torch.Tensor, offset: torch.Tensor, positions: int, vocab: int) -> torch.Tensor:
+    """u[b, j, v] in (0, 1), fp32, as defined in the module docstring; seed, offset: int64 [B]."""
+    v = torch.arange(vocab, dtype=torch.int64, device=seed.device)
+    c0 = (((v >> 6) << 4) | (v & 15)).view(1, 1, -1)
+    c1 = torch.arange(positions, dtype=torch.int64, device=seed.device).view(1, -1, 1)
+    c2 = (offset & MASK32).view(-1, 1, 1)
+    c3 = ((offset >> 32) & MASK32).view(-1, 1, 1)
+    key = ((seed & MASK32).view(-1, 1, 1), ((seed >> 32) & MASK32).view(-1, 1, 1))
+    words = philox4x32_10((c0, c1, c2, c3), key)
+    word_of_v = ((v >> 4) & 3).view(1, 1, -1)
+    r = torch.zeros(torch.broadcast_shapes(*(w.shape for w in words)), dtype=torch.int64, device=seed.device)
+    for w, word in enumerate(words):
+        r = torch.where(word_of_v == w, word.expand_as(r), r)
+    return (2 * (r >> 9) + 1).to(torch.float32) * 2.0**-24
+
+
+def gumbel_noise(seed: torch.Tensor, offset: torch.Tensor, positions: int, vocab: int) -> torch.Tensor:
+    """g[b, j, v] = -log(-log(u)) in fp32, shape [B, K, V]."""
+    u = philox_uniform(seed, offset, positions, vocab)
+    return -torch.log(-torch.log(u))
+
+
+def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
+                   temperature: Optional[torch.Tensor] = None, temperature_val: float = 0.0,
+                   compute_mask: Optional[torch.Tensor] = None, mask_token_id: int = -1
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Oracle of `sbd.entropy_sample` (same arguments, same returns; see the module docstring)."""
+    batch, positions, vocab = check_entropy_sample_args(logits, seed, offset, temperature, temperature_val,
+                                                        compute_mask, mask_token_id)
+    if temperature is not None and not bool(temperature_is_valid(temperature)):
+        raise RuntimeError(TEMPERATURE_VALUE_MESSAGE)
+    device = logits.device
+    seed = seed.reshape(-1).expand(batch)
+    offset = offset.reshape(-1).expand(batch)
+    if temperature is None:
+        temperature = torch.full((batch,), temperature_val, dtype=torch.float32, device=device)
+    if compute_mask is None:
+        compute_mask = torch.ones(batch, positions, dtype=torch.bool, device=device)
+
+    x = logits.to(torch.float32).clone()                       # [B, K, V]
+    if mask_token_id >= 0:
+        x[..., mask_token_id] = float("-inf")
+    valid = compute_mask & ~(torch.isnan(x) | (x == float("inf"))).any(-1) & torch.isfinite(x).any(-1)
+
+    # Entropy and log-probabilities at temperature 1, in fp64; invalid rows are zeroed to keep NaN out.
+    x64 = torch.where(valid.unsqueeze(-1), x.double(), torch.zeros((), dtype=torch.float64))
+    logp = torch.log_softmax(x64, dim=-1)                      # [B, K, V]
+    p = logp.exp()
+    entropy = -torch.where(p > 0, p * logp, torch.zeros((), dtype=torch.float64)).sum(-1)
+
+    greedy = torch.where(valid.unsqueeze(-1), x, torch.zeros(())).argmax(-1)  # first maximum
+    t = temperature.view(-1, 1, 1)
+    scores = x / t + gumbel_noise(seed, offset, positions, vocab)        # fp32 [B, K, V]
+    sampled = scores.argmax(-1)
+    sampled = torch.where(scores.amax(-1) == float("-inf"), greedy, sampled)
+    tokens = torch.where(temperature.view(-1, 1) > 0, sampled, greedy)
+    logprob = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+    tokens = torch.where(valid, tokens, torch.where(compute_mask, 0, -1))
+    entropy = torch.where(valid, entropy, float("inf")).to(torch.float32)
+    logprob = torch.where(valid, logprob, float("-inf")).to(torch.float32)
+    return tokens, entropy, logprob, valid

@@ -1,0 +1,397 @@
+"""sbd.entropy_sample: both backends (C++ CPU, Triton under the interpreter) against the oracle, the
+generator's contract and statistics, sentinels, bad inputs, opcheck and torch.compile."""
+import math
+
+import pytest
+import torch
+
+from sbd_kernels.ops.sampling import naive
+from sbd_kernels.testing import FLOAT_DTYPES, assert_close, noncontiguous
+
+BACKENDS = ("cpu",)
+TEMPERATURE_MODES = ("greedy", "sample", "per_row")
+
+
+def backend_op(backend):
+    """The op under test: the C++ kernel through the dispatcher, or the Triton launcher on CPU tensors."""
+    if backend == "cpu":
+        return torch.ops.sbd.entropy_sample
+    if backend == "triton":
+        from sbd_kernels.ops.sampling import triton as sampling_triton
+        return sampling_triton.entropy_sample
+    return naive.entropy_sample
+
+
+def make_logits(batch, positions, vocab, dtype=torch.float32, scale=3.0):
+    return (torch.randn(batch, positions, vocab) * scale).to(dtype)
+
+
+def make_seeds(batch):
+    """Full-range int64 seeds and offsets, so both 32-bit halves of key and counter are exercised."""
+    seed = torch.randint(-2**62, 2**62, (batch,), dtype=torch.int64)
+    offset = torch.randint(0, 2**40, (batch,), dtype=torch.int64)
+    return seed, offset
+
+
+def temperature_args(mode, batch):
+    if mode == "greedy":
+        return {"temperature_val": 0.0}
+    if mode == "sample":
+        return {"temperature_val": 1.0}
+    cycle = torch.tensor([0.0, 1.0, 0.5, 2.0], dtype=torch.float32)
+    return {"temperature": cycle.repeat(batch)[:batch].contiguous()}
+
+
+def assert_matches_oracle(out, ref):
+    tokens, entropy, logprob, valid = out
+    assert tokens.dtype == torch.int64 and entropy.dtype == torch.float32
+    assert logprob.dtype == torch.float32 and valid.dtype == torch.bool
+    assert torch.equal(valid, ref[3]), "valid differs"
+    mismatch = (tokens != ref[0]).nonzero().tolist()
+    assert not mismatch, f"tokens differ at {mismatch[:5]}: {tokens[tuple(zip(*mismatch[:5]))]} " \
+                         f"vs {ref[0][tuple(zip(*mismatch[:5]))]}"
+    assert_close(entropy, ref[1], dtype=torch.float32, name="entropy")
+    assert_close(logprob, ref[2], dtype=torch.float32, name="logprob")
+
+
+def check_backend(backend, logits, seed, offset, **kwargs):
+    ref = naive.entropy_sample(logits, seed, offset, **kwargs)
+    out = backend_op(backend)(logits, seed, offset, **kwargs)
+    assert_matches_oracle(out, ref)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- oracle
+def test_philox_known_answers():
+    """Guards against a generator that is not Philox4x32-10 (Random123 known-answer vectors)."""
+    cases = [
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    ]
+    for counter, key, expected in cases:
+        words = naive.philox4x32_10(tuple(torch.tensor([c]) for c in counter), tuple(torch.tensor([k]) for k in key))
+        assert tuple(int(w) for w in words) == expected
+
+
+def test_uniform_is_open_interval_and_exact():
+    """Guards against u == 0 or 1 (infinite Gumbel noise) and against a non-exact float conversion."""
+    seed, offset = torch.tensor([7]), torch.tensor([3])
+    u = naive.philox_uniform(seed, offset, 4, 4096)
+    assert u.dtype == torch.float32
+    assert float(u.min()) >= 2.0**-24 and float(u.max()) <= 1 - 2.0**-24
+    assert torch.equal(u * 2**24 % 2, torch.ones_like(u))  # odd multiples of 2^-24: exact conversions
+    assert abs(float(u.mean()) - 0.5) < 0.01
+
+
+def test_oracle_entropy_extremes():
+    """Guards against an entropy formula off by a constant: uniform logits give log V, a spike gives 0."""
+    seed, offset = make_seeds(1)
+    logits = torch.zeros(1, 2, 1000)
+    logits[0, 1, 5] = 200.0
+    _, entropy, logprob, valid = naive.entropy_sample(logits, seed, offset)
+    assert valid.all()
+    assert_close(entropy[0, 0], torch.tensor(math.log(1000)), dtype=torch.float32)
+    assert_close(entropy[0, 1], torch.tensor(0.0), dtype=torch.float32)
+    assert_close(logprob[0, 1], torch.tensor(0.0), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------- against the oracle
+@pytest.mark.parametrize("shape", [(1, 1, 1), (1, 1, 7), (3, 5, 1000), (2, 32, 7), (1, 3, 50257),
+                                   (5, 1, 4099), (1, 1, 100003)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mode", TEMPERATURE_MODES)
+def test_cpu_matches_oracle_shapes(cpu_isa, shape, mode):
+    """Guards against wrong tile / vector tails, chunk splits and their combine, on every ISA variant."""
+    logits = make_logits(*shape)
+    seed, offset = make_seeds(shape[0])
+    check_backend("cpu", logits, seed, offset, **temperature_args(mode, shape[0]))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dtypes(backend, dtype):
+    """Guards against fp16 / bf16 logits read with the wrong width or rounded before the fp32 math."""
+    logits = make_logits(3, 4, 300, dtype)
+    seed, offset = make_seeds(3)
+    check_backend(backend, logits, seed, offset, **temperature_args("per_row", 3))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_cpu_dtypes_every_isa(cpu_isa, dtype):
+    """Guards against the per-ISA fp16 / bf16 to fp32 conversion in the vectorised loads."""
+    logits = make_logits(2, 3, 5003, dtype)
+    seed, offset = make_seeds(2)
+    check_backend("cpu", logits, seed, offset, **temperature_args("per_row", 2))
+
+
+@pytest.mark.parametrize("layout", ["strided_vocab", "transposed", "sliced_rows"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_noncontiguous_logits(backend, layout):
+    """Guards against kernels that assume contiguous logits (wrong rows read, or a stride ignored)."""
+    base = make_logits(2, 3, 257)
+    if layout == "strided_vocab":
+        logits = noncontiguous(base)
+    elif layout == "transposed":
+        logits = base.transpose(1, 2).contiguous().transpose(1, 2)
+    else:
+        logits = make_logits(2, 3, 300)[:, :, 20:277]
+    assert not logits.is_contiguous()
+    seed, offset = make_seeds(2)
+    check_backend(backend, logits, seed, offset, **temperature_args("per_row", 2))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_noncontiguous_per_row_inputs(backend):
+    """Guards against seed / offset / temperature / compute_mask read as if contiguous."""
+    batch, positions = 3, 4
+    logits = make_logits(batch, positions, 130)
+    seed, offset = make_seeds(2 * batch)
+    temperature = torch.tensor([1.0, 9.0, 0.0, 9.0, 0.7, 9.0])[::2]
+    compute_mask = torch.rand(positions, batch) > 0.3
+    check_backend(backend, logits, seed[::2], offset[::2], temperature=temperature,
+                  compute_mask=compute_mask.t())
+
+
+# ---------------------------------------------------------------------------------- sampling behaviour
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frequencies_match_softmax(backend, temperature):
+    """Guards against a biased sampler (wrong noise, wrong temperature scaling, reused random numbers)."""
+    batch, positions, vocab = 32, 32, 10
+    row = torch.linspace(-2.0, 2.0, vocab)
+    logits = row.expand(batch, positions, vocab).contiguous()
+    seed = torch.full((batch,), 1234, dtype=torch.int64)
+    offset = torch.arange(batch, dtype=torch.int64)  # one step counter per row: fresh noise everywhere
+    tokens, *_ = backend_op(backend)(logits, seed, offset, temperature_val=temperature)
+    freq = torch.bincount(tokens.flatten(), minlength=vocab).double()
+    expected = torch.softmax(row.double() / temperature, dim=0)
+    cosine = torch.nn.functional.cosine_similarity(freq, expected, dim=0)
+    assert cosine > 0.99, (freq / freq.sum(), expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seed_reproduces_and_seeds_differ(backend):
+    """Guards against hidden state (global RNG, call counters) and against a key that ignores the seed."""
+    logits = make_logits(2, 16, 64, scale=0.1)  # nearly flat: every token is a plausible draw
+    seed, offset = make_seeds(2)
+    op = backend_op(backend)
+    first = op(logits, seed, offset, temperature_val=1.0)[0]
+    again = op(logits, seed, offset, temperature_val=1.0)[0]
+    other_seed = op(logits, seed + 1, offset, temperature_val=1.0)[0]
+    other_offset = op(logits, seed, offset + 1, temperature_val=1.0)[0]
+    assert torch.equal(first, again)
+    assert (first != other_seed).float().mean() > 0.5
+    assert (first != other_offset).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_row_seeds_and_batch_invariance(backend):
+    """Guards against noise keyed on the batch index or on the launch shape instead of (seed, offset, j, v)."""
+    batch, positions, vocab = 4, 3, 1000
+    logits = make_logits(batch, positions, vocab, scale=0.5)
+    seed, offset = make_seeds(batch)
+    temperature = torch.tensor([1.0, 0.7, 1.3, 1.0])
+    op = backend_op(backend)
+    together = op(logits, seed, offset, temperature=temperature)
+    for b in range(batch):
+        alone = op(logits[b:b + 1], seed[b:b + 1], offset[b:b + 1], temperature=temperature[b:b + 1])
+        for got, want in zip(alone, together):
+            assert torch.equal(got[0], want[b]), f"row {b} differs alone and inside the batch"
+    swapped = op(logits.flip(0), seed.flip(0), offset.flip(0), temperature=temperature.flip(0))
+    assert torch.equal(swapped[0].flip(0), together[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seed_and_offset_broadcast(backend):
+    """Guards against a one-element seed / offset ([] or [1]) read beyond its single element."""
+    logits = make_logits(3, 2, 100)
+    op = backend_op(backend)
+    full = op(logits, torch.full((3,), 99), torch.full((3,), 5), temperature_val=1.0)
+    for seed, offset in [(torch.tensor(99), torch.tensor(5)), (torch.tensor([99]), torch.tensor([5]))]:
+        assert torch.equal(op(logits, seed, offset, temperature_val=1.0)[0], full[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_is_first_argmax(backend):
+    """Guards against T == 0 sampling, and against ties broken towards a higher index."""
+    logits = make_logits(2, 3, 500)
+    logits[0, 0, [17, 300, 499]] = 50.0
+    logits[1, 2, [0, 1]] = 50.0
+    seed, offset = make_seeds(2)
+    tokens, _, logprob, valid = backend_op(backend)(logits, seed, offset, temperature_val=0.0)
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert tokens[0, 0] == 17 and tokens[1, 2] == 0
+    assert valid.all()
+    assert_close(logprob, torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0],
+                 dtype=torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mask_token_never_drawn(backend, mode):
+    """Guards against the mask token being drawn or counted in the entropy when it has the largest logit."""
+    batch, positions, vocab, mask_id = 2, 16, 50, 7
+    logits = make_logits(batch, positions, vocab, scale=0.3)
+    logits[..., mask_id] = 30.0
+    seed, offset = make_seeds(batch)
+    args = temperature_args(mode, batch)
+    tokens, entropy, _, valid = backend_op(backend)(logits, seed, offset, mask_token_id=mask_id, **args)
+    assert valid.all() and (tokens != mask_id).all()
+    without = torch.cat([logits[..., :mask_id], logits[..., mask_id + 1:]], dim=-1)
+    p = torch.softmax(without.double(), -1)
+    assert_close(entropy, -(p * p.log()).sum(-1), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_neg_inf_logits_never_drawn(backend):
+    """Guards against -inf logits drawn, or turning the entropy / log-prob into NaN."""
+    logits = make_logits(2, 8, 300, scale=0.1)
+    logits[..., ::2] = float("-inf")
+    seed, offset = make_seeds(2)
+    out = check_backend(backend, logits, seed, offset, temperature_val=1.0)
+    assert (out[0] % 2 == 1).all() and torch.isfinite(out[1]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compute_mask_positions_untouched(backend):
+    """Guards against positions outside compute_mask returning a token or a finite entropy."""
+    batch, positions = 3, 6
+    logits = make_logits(batch, positions, 120)
+    logits[0, 1] = float("nan")  # never read: must not matter
+    compute_mask = torch.rand(batch, positions) > 0.5
+    compute_mask[0, 1] = False
+    seed, offset = make_seeds(batch)
+    tokens, entropy, logprob, valid = check_backend(backend, logits, seed, offset, temperature_val=1.0,
+                                                    compute_mask=compute_mask)
+    off = ~compute_mask
+    assert (tokens[off] == -1).all() and (entropy[off] == float("inf")).all()
+    assert (logprob[off] == float("-inf")).all() and not valid[off].any()
+    assert valid[compute_mask].all()
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_invalid_rows_flagged(backend, mode):
+    """Guards against NaN / +inf / all -inf rows reported valid, or with an out-of-range token."""
+    logits = make_logits(1, 6, 90)
+    logits[0, 0, 33] = float("nan")
+    logits[0, 1, 89] = float("inf")
+    logits[0, 2] = float("-inf")
+    logits[0, 3, :] = float("nan")
+    logits[0, 5, 7] = float("nan")  # the mask token: excluded, so the row stays valid
+    seed, offset = make_seeds(1)
+    tokens, entropy, logprob, valid = check_backend(backend, logits, seed, offset, mask_token_id=7,
+                                                    **temperature_args(mode, 1))
+    assert valid[0].tolist() == [False, False, False, False, True, True]
+    assert (tokens[0, :4] == 0).all() and (entropy[0, :4] == float("inf")).all()
+    assert (logprob[0, :4] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_single_entry_vocabulary(backend):
+    """Guards against V == 1: the only token has entropy 0, and is invalid once it is the mask token."""
+    logits = make_logits(2, 3, 1)
+    seed, offset = make_seeds(2)
+    tokens, entropy, logprob, valid = check_backend(backend, logits, seed, offset, temperature_val=1.0)
+    assert valid.all() and (tokens == 0).all() and (entropy == 0).all() and (logprob == 0).all()
+    tokens, entropy, _, valid = check_backend(backend, logits, seed, offset, temperature_val=1.0,
+                                              mask_token_id=0)
+    assert not valid.any() and (tokens == 0).all() and (entropy == float("inf")).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scores_overflowing_to_neg_inf_fall_back_to_greedy(backend):
+    """Guards against no token (or a -inf one) when every logit / T overflows to -inf."""
+    logits = torch.full((1, 2, 40), -1e30)
+    logits[0, :, 13] = -9e29
+    seed, offset = make_seeds(1)
+    tokens, *_ = check_backend(backend, logits, seed, offset, temperature_val=1e-10)
+    assert (tokens == 13).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch(backend):
+    """Guards against launches or allocations that fail on B == 0 or K == 0."""
+    for shape in [(0, 3, 10), (2, 0, 10)]:
+        logits = torch.randn(*shape)
+        seed, offset = make_seeds(shape[0])
+        tokens, entropy, logprob, valid = backend_op(backend)(logits, seed, offset)
+        assert tokens.shape == entropy.shape == logprob.shape == valid.shape == shape[:2]
+
+
+# ------------------------------------------------------------------------------------------- bad inputs
+def _bad_cases():
+    logits = torch.randn(2, 3, 10)
+    seed, offset = torch.tensor([1, 2]), torch.tensor([0, 0])
+    good = dict(logits=logits, seed=seed, offset=offset)
+    return [
+        ("logits_rank", dict(good, logits=torch.randn(2, 10)), "logits must be a 3-D tensor"),
+        ("logits_dtype", dict(good, logits=logits.double()), "logits must be float32, float16 or bfloat16"),
+        ("empty_vocab", dict(good, logits=torch.randn(2, 3, 0)), "vocabulary dimension V >= 1"),
+        ("seed_dtype", dict(good, seed=seed.int()), "seed must be an int64 tensor"),
+        ("seed_shape", dict(good, seed=torch.tensor([1, 2, 3])), "seed must have shape"),
+        ("offset_dtype", dict(good, offset=offset.float()), "offset must be an int64 tensor"),
+        ("offset_shape", dict(good, offset=torch.zeros(2, 1, dtype=torch.int64)), "offset must have shape"),
+        ("temperature_dtype", dict(good, temperature=torch.ones(2, dtype=torch.float64)),
+         "temperature must be a float32 tensor"),
+        ("temperature_shape", dict(good, temperature=torch.ones(3)), "temperature must have shape"),
+        ("temperature_negative", dict(good, temperature=torch.tensor([1.0, -0.5])),
+         "temperature must be finite and >= 0"),
+        ("temperature_nan", dict(good, temperature=torch.tensor([float("nan"), 1.0])),
+         "temperature must be finite and >= 0"),
+        ("temperature_val_negative", dict(good, temperature_val=-1.0), "temperature_val must be finite"),
+        ("compute_mask_dtype", dict(good, compute_mask=torch.ones(2, 3, dtype=torch.int32)),
+         "compute_mask must be a bool tensor"),
+        ("compute_mask_shape", dict(good, compute_mask=torch.ones(3, 2, dtype=torch.bool)),
+         "compute_mask must have shape"),
+        ("mask_token_id_too_large", dict(good, mask_token_id=10), "mask_token_id must be -1"),
+        ("mask_token_id_negative", dict(good, mask_token_id=-2), "mask_token_id must be -1"),
+    ]
+
+
+BAD_CASES = _bad_cases()
+
+
+@pytest.mark.parametrize("case", BAD_CASES, ids=[c[0] for c in BAD_CASES])
+@pytest.mark.parametrize("backend", BACKENDS + ("naive",))
+def test_bad_inputs_name_the_argument(backend, case):
+    """Guards against bad inputs silently producing garbage, or errors that do not name the argument."""
+    _, kwargs, message = case
+    with pytest.raises(RuntimeError, match=message):
+        backend_op(backend)(**kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_device_mismatch_names_the_argument(backend):
+    """Guards against per-row tensors on another device than logits (a meta tensor stands in)."""
+    logits = torch.randn(2, 3, 10)
+    with pytest.raises(RuntimeError, match="seed must be on the device of logits"):
+        backend_op(backend)(logits, torch.tensor([1, 2], device="meta"), torch.tensor([0, 0]))
+
+
+# ----------------------------------------------------------------------------------- torch integration
+def test_opcheck():
+    """Guards against a fake kernel or schema that disagrees with the real kernel (shapes, dtypes)."""
+    logits = make_logits(2, 5, 300)
+    seed, offset = make_seeds(2)
+    args = (logits, seed, offset, torch.tensor([0.0, 1.0]), 0.0, torch.rand(2, 5) > 0.3, 4)
+    torch.library.opcheck(torch.ops.sbd.entropy_sample.default, args)
+    torch.library.opcheck(torch.ops.sbd.entropy_sample.default, (logits.half(), seed, offset, None, 0.8))
+
+
+def test_torch_compile_fullgraph():
+    """Guards against a graph break (missing or wrong fake kernel) in a compiled decode step."""
+    import sbd_kernels
+
+    def step(logits, seed, offset):
+        tokens, entropy, logprob, valid = sbd_kernels.entropy_sample(logits * 2.0, seed, offset,
+                                                                     temperature_val=0.7)
+        return tokens, entropy.sum(), valid
+
+    logits = make_logits(2, 4, 100)
+    seed, offset = make_seeds(2)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(logits, seed, offset)
+    want = step(logits, seed, offset)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
