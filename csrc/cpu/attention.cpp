@@ -1,1 +1,146 @@
-// CPU kernels of the attention family (to be written).
+// CPU kernel of sbd::block_attention_with_kvcache: argument checks, output allocation and the ISA dispatch
+// into csrc/cpu/attention_kernel.h. The math is defined in sbd_kernels/ops/attention/naive.py; the checks
+// word for word match sbd_kernels/ops/attention/_checks.py. Value checks (lengths, page ids) are free on
+// the CPU, so they run here before the kernel touches memory.
+#include <cmath>
+#include <limits>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+
+#include "cpu/attention.h"
+#include "cpu/isa.h"
+
+namespace sbd::cpu {
+namespace {
+
+constexpr const char* kOp = "sbd.block_attention_with_kvcache";
+constexpr int64_t kMaxHeadDim = 256;
+
+void check_cache(const char* name, const at::Tensor& cache, const at::Tensor& q, int64_t kv_heads) {
+  TORCH_CHECK(cache.dim() == 4, kOp, ": ", name, " must be 4-D, got shape ", cache.sizes());
+  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), kOp, ": ", name, " must have the dtype of q (",
+              q.scalar_type(), "), got ", cache.scalar_type());
+  TORCH_CHECK(cache.device() == q.device(), kOp, ": ", name, " must be on the device of q (", q.device(),
+              "), got ", cache.device());
+  TORCH_CHECK(cache.size(2) == kv_heads && cache.size(3) == q.size(3), kOp, ": ", name, " must have ",
+              kv_heads, " heads of dim ", q.size(3), ", got shape ", cache.sizes());
+  TORCH_CHECK(cache.stride(3) == 1, kOp, ": ", name, " must have a contiguous last dimension (stride 1)");
+}
+
+void check_int32_vector(const char* name, const at::Tensor& t, int64_t batch, const at::Tensor& q) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, kOp, ": ", name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, kOp, ": ", name, " must have shape [", batch, "], got ",
+              t.sizes());
+  TORCH_CHECK(t.device() == q.device(), kOp, ": ", name, " must be on the device of q (", q.device(),
+              "), got ", t.device());
+}
+
+// Shapes, dtypes, devices (same order and wording as _checks.check_block_attention_args).
+void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                const at::Tensor& v_cache, const at::Tensor& cache_seqlens, const at::Tensor& num_causal,
+                int64_t block_size, const c10::optional<at::Tensor>& block_table) {
+  TORCH_CHECK(q.dim() == 4, kOp, ": q must be 4-D [B, S, Hq, D], got shape ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+              kOp, ": q must be float32, float16 or bfloat16, got ", q.scalar_type());
+  const int64_t batch = q.size(0), seq = q.size(1), q_heads = q.size(2), dim = q.size(3);
+  TORCH_CHECK(dim > 0 && dim <= kMaxHeadDim, kOp, ": q head dim must be in [1, ", kMaxHeadDim, "], got ", dim);
+  TORCH_CHECK(k.dim() == 4 && k.size(0) == batch && k.size(1) == seq && k.size(3) == dim, kOp,
+              ": k must have shape [", batch, ", ", seq, ", Hkv, ", dim, "], got ", k.sizes());
+  const int64_t kv_heads = k.size(2);
+  TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, kOp, ": q heads (", q_heads,
+              ") must be a multiple of k heads (", kv_heads, ")");
+  TORCH_CHECK(v.sizes() == k.sizes(), kOp, ": v shape ", v.sizes(), " must equal k shape ", k.sizes());
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"k", k}, {"v", v}}) {
+    TORCH_CHECK(t.scalar_type() == q.scalar_type(), kOp, ": ", name, " must have the dtype of q (",
+                q.scalar_type(), "), got ", t.scalar_type());
+    TORCH_CHECK(t.device() == q.device(), kOp, ": ", name, " must be on the device of q (", q.device(),
+                "), got ", t.device());
+  }
+  TORCH_CHECK(block_size >= 0 && block_size <= seq, kOp, ": block_size must be in [0, S=", seq, "], got ",
+              block_size);
+  check_cache("k_cache", k_cache, q, kv_heads);
+  check_cache("v_cache", v_cache, q, kv_heads);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), kOp, ": v_cache shape ", v_cache.sizes(),
+              " must equal k_cache shape ", k_cache.sizes());
+  check_int32_vector("cache_seqlens", cache_seqlens, batch, q);
+  check_int32_vector("num_causal", num_causal, batch, q);
+  if (!block_table.has_value()) {
+    TORCH_CHECK(k_cache.size(0) == batch, kOp, ": k_cache must have batch size ", batch,
+                " (contiguous cache), got ", k_cache.size(0));
+    return;
+  }
+  const at::Tensor& table = *block_table;
+  TORCH_CHECK(table.scalar_type() == at::kInt, kOp, ": block_table must be int32, got ", table.scalar_type());
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == batch, kOp, ": block_table must have shape [", batch,
+              ", max_pages], got ", table.sizes());
+  TORCH_CHECK(table.device() == q.device(), kOp, ": block_table must be on the device of q (", q.device(),
+              "), got ", table.device());
+  TORCH_CHECK(k_cache.size(1) > 0, kOp, ": k_cache page size must be positive");
+}
+
+// Values (same wording as _checks.assert_block_attention_values): 0 <= c <= C, L >= 0, L + c <= capacity,
+// page ids of the pages holding slots [0, L + c) in [0, num_pages).
+void check_values(const int32_t* lengths, const int32_t* causal, const int32_t* table, int64_t table_stride,
+                  int64_t batch, int64_t causal_slots, int64_t page_size, int64_t capacity, int64_t num_pages) {
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lengths[b] >= 0, kOp, ": cache_seqlens must be >= 0");
+    TORCH_CHECK(causal[b] >= 0 && causal[b] <= causal_slots, kOp, ": num_causal must be in [0, C=",
+                causal_slots, "]");
+    const int64_t end = static_cast<int64_t>(lengths[b]) + causal[b];
+    TORCH_CHECK(end <= capacity, kOp, ": cache_seqlens + num_causal exceeds the cache capacity (", capacity,
+                " slots)");
+    if (table == nullptr) continue;
+    for (int64_t p = 0; p < (end + page_size - 1) / page_size; ++p) {
+      const int32_t page = table[b * table_stride + p];
+      TORCH_CHECK(page >= 0 && page < num_pages, kOp, ": block_table holds a page id outside [0, ", num_pages,
+                  ") for a used page");
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> block_attention_with_kvcache_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+    const at::Tensor& cache_seqlens, const at::Tensor& num_causal, int64_t block_size,
+    const c10::optional<at::Tensor>& block_table, c10::optional<double> softmax_scale) {
+  check_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size, block_table);
+  const int64_t batch = q.size(0), seq = q.size(1), q_heads = q.size(2), dim = q.size(3);
+  const at::Tensor lengths = cache_seqlens.contiguous();
+  const at::Tensor causal = num_causal.contiguous();
+  const at::Tensor table = block_table.has_value() ? block_table->contiguous() : at::Tensor();
+  const bool paged = table.defined();
+  const int64_t page_size = k_cache.size(1);
+  const int64_t capacity = paged ? table.size(1) * page_size : page_size;
+  check_values(lengths.data_ptr<int32_t>(), causal.data_ptr<int32_t>(), paged ? table.data_ptr<int32_t>() : nullptr,
+               paged ? table.size(1) : 0, batch, seq - block_size, paged ? page_size : capacity, capacity,
+               k_cache.size(0));
+
+  BlockAttentionArgs args;
+  args.q = q.contiguous();
+  args.k = k.contiguous();
+  args.v = v.contiguous();
+  args.k_cache = k_cache;
+  args.v_cache = v_cache;
+  // Padding rows keep these values (out = 0, lse = -inf); the kernel writes every other row.
+  args.out = at::zeros({batch, seq, q_heads, dim}, q.options());
+  args.lse = at::full({batch, q_heads, seq}, -std::numeric_limits<float>::infinity(), q.options().dtype(at::kFloat));
+  args.cache_seqlens = lengths.data_ptr<int32_t>();
+  args.num_causal = causal.data_ptr<int32_t>();
+  args.block_table = paged ? table.data_ptr<int32_t>() : nullptr;
+  args.table_stride = paged ? table.size(1) : 0;
+  args.num_causal_slots = seq - block_size;
+  args.block_size = block_size;
+  args.scale = static_cast<float>(softmax_scale.has_value() ? *softmax_scale : 1.0 / std::sqrt(double(dim)));
+  if (batch > 0 && seq > 0) SBD_ISA_DISPATCH(block_attention_kernel, args);
+  return {args.out, args.lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(sbd, CPU, m) {
+  m.impl("block_attention_with_kvcache", &block_attention_with_kvcache_cpu);
+}
+
+}  // namespace sbd::cpu

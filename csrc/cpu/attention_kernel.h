@@ -1,0 +1,493 @@
+// CPU kernel of sbd::block_attention_with_kvcache, compiled once per instruction set
+// (attention_kernel_<isa>.cpp) inside namespace sbd::cpu::CPU_CAPABILITY. Math: sbd_kernels/ops/attention/naive.py.
+//
+// One matrix per (sequence b, KV head g): the G = Hq / Hkv query heads of the group times the c_b + K
+// active rows (padding rows are skipped), M = G (c_b + K) rows, row m = t G + h for active token t (causal
+// tokens first, then the block). Keys are indexed j in [0, N), N = L + c + K: cache slots, then the new
+// causal rows, then the block rows, read in place from the cache / k / v (no concatenation). Token t sees
+// keys [0, limit_t), limit_t = L + t + 1 for a causal token and N for a block token: the mask is a per-row
+// prefix, so it is never materialised and masked keys are never touched (a NaN in an unused cache slot
+// cannot leak: 0 * NaN would be NaN).
+//
+// Keys are walked in tiles of kKeyTile: K^T and V of the tile are gathered (contiguous or paged cache, or
+// new rows) into packed operands, S = Q K^T and O += P V run on ATen's batch-reduce GEMM
+// (at::native::cpublas::brgemm, oneDNN micro-kernels), with an online softmax per row in between.
+// bf16 runs bf16 x bf16 -> fp32 GEMMs (VNNI-packed operands, vdpbf16ps on AVX512-BF16, tiles on AMX);
+// fp16 and fp32 run fp32 GEMMs (fp16 products have no fast path on CPUs without AVX512-FP16).
+// Work items are (b, g, split of the keys), split only when B * Hkv is too small to keep every thread
+// busy; splits are merged by log-sum-exp. Split 0 of each (b, g) copies the causal rows' K/V into cache
+// slots [L, L + c); no item reads those slots (keys j >= L come from k / v), so items need no ordering.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include "cpu/attention.h"
+
+namespace sbd::cpu::CPU_CAPABILITY {
+namespace {
+
+using at::vec::Vectorized;
+using fVec = Vectorized<float>;
+
+// Keys per tile. 512 keys x D=128 fp32 is 256 KiB per operand, K^T and V together fit the 1-2 MiB L2 of
+// current x86 cores; PyTorch's own CPU flash attention uses the same kv split (512).
+constexpr int64_t kKeyTile = 512;
+// A split of the keys below this many is not worth its share of the log-sum-exp merge (M x D per split).
+constexpr int64_t kMinKeysPerSplit = 1024;
+// Aim for this many work items per thread, so that ragged sequences still balance.
+constexpr int64_t kItemsPerThread = 4;
+
+// ---------------------------------------------------------------------------------------------------
+// GEMM operands. `op_t` is the GEMM input type: float (fp32 / fp16 inputs) or BFloat16 (bf16 inputs).
+// B operands are row-major for fp32 and VNNI-2 for bf16 (rows paired: element (r, c) at
+// ((r / 2) * ld + c) * 2 + r % 2), which is what the bf16 micro-kernels read; bf16 pads K to even.
+
+template <typename op_t>
+constexpr bool kVnni = std::is_same_v<op_t, c10::BFloat16>;
+
+template <typename op_t>
+inline int64_t b_index(int64_t row, int64_t col, int64_t ld) {
+  if constexpr (kVnni<op_t>) {
+    return ((row >> 1) * ld + col) * 2 + (row & 1);
+  } else {
+    return row * ld + col;
+  }
+}
+
+template <typename op_t>
+inline int64_t gemm_pad(int64_t n) {
+  return kVnni<op_t> ? (n + 1) / 2 * 2 : n;
+}
+
+// C[M, N] (+)= A[M, K] B[K, N] in fp32.
+inline void gemm(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+                 const float* a, const float* b, float* c) {
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add_c, a, b, c, /*is_vnni=*/false);
+}
+
+inline void gemm(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+                 const c10::BFloat16* a, const c10::BFloat16* b, float* c) {
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add_c, a, b, c, /*is_vnni=*/true);
+}
+
+// Whether ATen's bf16 brgemm with VNNI operands runs on this machine (oneDNN micro-kernels built in and
+// enabled, CPU with at least AVX512). Probed once on a 1 x 16 x 2 product with a known result.
+bool bf16_gemm_probe() {
+  try {
+    c10::BFloat16 a[2] = {1.0f, 2.0f};
+    c10::BFloat16 b[2 * 16];
+    for (int64_t col = 0; col < 16; ++col) {
+      b[b_index<c10::BFloat16>(0, col, 16)] = static_cast<float>(col);
+      b[b_index<c10::BFloat16>(1, col, 16)] = 1.0f;
+    }
+    float c[16];
+    gemm(1, 16, 2, 2, 16, 16, false, a, b, c);
+    at::native::cpublas::brgemm_release(true);
+    for (int64_t col = 0; col < 16; ++col) {
+      if (c[col] != static_cast<float>(col) + 2.0f) return false;
+    }
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
+bool bf16_gemm_available() {
+  static const bool probed = bf16_gemm_probe();
+  return probed && at::globalContext().userEnabledMkldnn();
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Where the keys / values of one (sequence, KV head) live.
+
+// One cache tensor seen from one (sequence, KV head): `base` is head g of slot 0 of sequence b
+// (contiguous cache) or of page 0 (paged cache).
+template <typename scalar_t>
+struct CacheView {
+  scalar_t* base;
+  int64_t page_stride, slot_stride;
+};
+
+template <typename scalar_t>
+struct HeadView {
+  CacheView<scalar_t> k_cache, v_cache;
+  const int32_t* pages;  // page ids of sequence b, or nullptr for a contiguous cache
+  int64_t page_size;
+  const scalar_t* k_rows;  // k[b, 0, g]
+  const scalar_t* v_rows;
+  int64_t row_stride;  // Hkv * D
+  int64_t length, causal, causal_slots;  // L, c, C
+
+  scalar_t* slot(const CacheView<scalar_t>& cache, int64_t j) const {
+    if (pages == nullptr) return cache.base + j * cache.slot_stride;
+    return cache.base + pages[j / page_size] * cache.page_stride + (j % page_size) * cache.slot_stride;
+  }
+  // Row of k / v holding key j >= L: causal row j - L, or block row C + (j - L - c).
+  int64_t new_row(int64_t j) const {
+    const int64_t t = j - length;
+    return t < causal ? t : causal_slots + (t - causal);
+  }
+  const scalar_t* key(int64_t j) const {
+    return j < length ? slot(k_cache, j) : k_rows + new_row(j) * row_stride;
+  }
+  const scalar_t* value(int64_t j) const {
+    return j < length ? slot(v_cache, j) : v_rows + new_row(j) * row_stride;
+  }
+  void append_causal_rows(int64_t dim) const {
+    for (int64_t i = 0; i < causal; ++i) {
+      std::memcpy(slot(k_cache, length + i), k_rows + i * row_stride, dim * sizeof(scalar_t));
+      std::memcpy(slot(v_cache, length + i), v_rows + i * row_stride, dim * sizeof(scalar_t));
+    }
+  }
+};
+
+// Sizes fixed for the whole call.
+struct Geometry {
+  int64_t batch, seq, causal_slots, block, q_heads, kv_heads, group, dim, dim_pad, max_rows;
+  int64_t splits, keys_per_split;
+};
+
+// Per-thread buffers, reused by every item the thread runs.
+template <typename op_t>
+struct Workspace {
+  std::vector<op_t> q;       // [M, dim_pad]          A of S = Q K^T
+  std::vector<op_t> k;       // [dim_pad, kKeyTile]   B of S (K^T)
+  std::vector<op_t> v;       // [kKeyTile, dim_pad]   B of O += P V
+  std::vector<float> s;      // [M, kKeyTile]         scores, then probabilities (fp32 GEMM reads them)
+  std::vector<op_t> p;       // [M, kKeyTile]         probabilities for the bf16 GEMM
+  std::vector<float> acc;    // [M, dim_pad]          unnormalised output
+  std::vector<float> row_max, row_sum;
+  std::vector<int64_t> limit;
+
+  explicit Workspace(const Geometry& geo)
+      : q(geo.max_rows * geo.dim_pad),
+        k(geo.dim_pad * kKeyTile),
+        v(kKeyTile * geo.dim_pad),
+        s(geo.max_rows * kKeyTile),
+        p(kVnni<op_t> ? geo.max_rows * kKeyTile : 0),
+        acc(geo.max_rows * geo.dim_pad),
+        row_max(geo.max_rows),
+        row_sum(geo.max_rows),
+        limit(geo.max_rows) {}
+};
+
+// Active token t of a sequence with c causal tokens -> its row in q / out: causal t, or block C + t - c.
+inline int64_t token_row(int64_t t, int64_t causal, int64_t causal_slots) {
+  return t < causal ? t : causal_slots + (t - causal);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Packing.
+
+template <typename scalar_t, typename op_t>
+void pack_queries(const scalar_t* q, const Geometry& geo, int64_t b, int64_t g, int64_t causal,
+                  int64_t rows, op_t* dst) {
+  const int64_t tokens = rows / geo.group;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t s = token_row(t, causal, geo.causal_slots);
+    for (int64_t h = 0; h < geo.group; ++h) {
+      const scalar_t* src = q + ((b * geo.seq + s) * geo.q_heads + g * geo.group + h) * geo.dim;
+      op_t* out = dst + (t * geo.group + h) * geo.dim_pad;
+      for (int64_t d = 0; d < geo.dim; ++d) out[d] = static_cast<op_t>(src[d]);
+      for (int64_t d = geo.dim; d < geo.dim_pad; ++d) out[d] = op_t(0.0f);
+    }
+  }
+}
+
+// K^T of keys [j0, j0 + n) into [dim_pad, kKeyTile]; columns [n, n_pad) and rows [dim, dim_pad) zero.
+template <typename scalar_t, typename op_t>
+void pack_keys(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t n_pad, const Geometry& geo,
+               op_t* dst) {
+  for (int64_t jj = 0; jj < n_pad; ++jj) {
+    const scalar_t* src = jj < n ? view.key(j0 + jj) : nullptr;
+    for (int64_t d = 0; d < geo.dim_pad; ++d) {
+      const bool real = src != nullptr && d < geo.dim;
+      dst[b_index<op_t>(d, jj, kKeyTile)] = real ? static_cast<op_t>(src[d]) : op_t(0.0f);
+    }
+  }
+}
+
+// V of keys [j0, j0 + n) into [n_pad, dim_pad]; rows [n, n_pad) and columns [dim, dim_pad) zero.
+template <typename scalar_t, typename op_t>
+void pack_values(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t n_pad, const Geometry& geo,
+                 op_t* dst) {
+  for (int64_t jj = 0; jj < n_pad; ++jj) {
+    const scalar_t* src = jj < n ? view.value(j0 + jj) : nullptr;
+    for (int64_t d = 0; d < geo.dim_pad; ++d) {
+      const bool real = src != nullptr && d < geo.dim;
+      dst[b_index<op_t>(jj, d, geo.dim_pad)] = real ? static_cast<op_t>(src[d]) : op_t(0.0f);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Online softmax of one row of a tile: scores[0, lim) are the row's visible keys. Writes probabilities
+// exp(scale s - new_max) into scores (and into probs for bf16), zero past lim up to n_pad; updates the
+// running max / sum; returns the factor by which the row's accumulator must be rescaled.
+template <typename op_t>
+float softmax_tile_row(float* scores, op_t* probs, int64_t lim, int64_t n_pad, float scale, float& row_max,
+                       float& row_sum) {
+  constexpr int64_t W = fVec::size();
+  const fVec vscale(scale);
+  fVec vmax(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + W <= lim; i += W) {
+    fVec x = fVec::loadu(scores + i) * vscale;
+    x.store(scores + i);
+    vmax = at::vec::maximum(vmax, x);
+  }
+  float tile_max = at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); },
+                                                  vmax);
+  for (; i < lim; ++i) {
+    scores[i] *= scale;
+    tile_max = std::max(tile_max, scores[i]);
+  }
+  const float new_max = std::max(row_max, tile_max);
+  const float rescale = std::exp(row_max - new_max);  // row_max = -inf on the first tile: 0
+  const fVec vnew(new_max);
+  fVec vsum(0.0f);
+  for (i = 0; i + W <= lim; i += W) {
+    fVec e = (fVec::loadu(scores + i) - vnew).exp_u20();
+    e.store(scores + i);
+    vsum = vsum + e;
+  }
+  float tile_sum = at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, vsum);
+  for (; i < lim; ++i) {
+    scores[i] = std::exp(scores[i] - new_max);
+    tile_sum += scores[i];
+  }
+  std::fill(scores + lim, scores + n_pad, 0.0f);
+  if constexpr (kVnni<op_t>) {
+    for (int64_t j = 0; j < n_pad; ++j) probs[j] = static_cast<op_t>(scores[j]);
+  }
+  row_max = new_max;
+  row_sum = row_sum * rescale + tile_sum;
+  return rescale;
+}
+
+inline void scale_row(float* row, int64_t n, float factor) {
+  at::vec::map([factor](fVec x) { return x * fVec(factor); }, row, row, n);
+}
+
+// One tile of keys [j0, j0 + n) for all `rows` rows.
+template <typename scalar_t, typename op_t>
+void attend_tile(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t rows, const Geometry& geo,
+                 float scale, Workspace<op_t>& ws) {
+  const int64_t n_pad = gemm_pad<op_t>(n);
+  pack_keys(view, j0, n, n_pad, geo, ws.k.data());
+  pack_values(view, j0, n, n_pad, geo, ws.v.data());
+  gemm(rows, n_pad, geo.dim_pad, geo.dim_pad, kKeyTile, kKeyTile, false, ws.q.data(), ws.k.data(),
+       ws.s.data());
+  for (int64_t m = 0; m < rows; ++m) {
+    float* scores = ws.s.data() + m * kKeyTile;
+    op_t* probs = kVnni<op_t> ? ws.p.data() + m * kKeyTile : nullptr;
+    const int64_t lim = std::clamp<int64_t>(ws.limit[m] - j0, 0, n);
+    if (lim == 0) {  // every key of the tile is masked for this row: contributes nothing
+      std::fill(scores, scores + n_pad, 0.0f);
+      if constexpr (kVnni<op_t>) std::fill(probs, probs + n_pad, op_t(0.0f));
+      continue;
+    }
+    const float rescale = softmax_tile_row(scores, probs, lim, n_pad, scale, ws.row_max[m], ws.row_sum[m]);
+    if (rescale != 1.0f) scale_row(ws.acc.data() + m * geo.dim_pad, geo.dim_pad, rescale);
+  }
+  const op_t* probs = kVnni<op_t> ? ws.p.data() : reinterpret_cast<const op_t*>(ws.s.data());
+  gemm(rows, geo.dim_pad, n_pad, kKeyTile, geo.dim_pad, geo.dim_pad, true, probs, ws.v.data(), ws.acc.data());
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Results: out = acc / sum, lse = max + log(sum), written for row m of (b, g).
+
+template <typename scalar_t>
+void store_row(const BlockAttentionArgs& args, const Geometry& geo, int64_t b, int64_t g, int64_t causal,
+               int64_t m, const float* acc, float row_max, float row_sum) {
+  const int64_t s = token_row(m / geo.group, causal, geo.causal_slots);
+  const int64_t h = g * geo.group + m % geo.group;
+  scalar_t* out = args.out.data_ptr<scalar_t>() + ((b * geo.seq + s) * geo.q_heads + h) * geo.dim;
+  const float inv = 1.0f / row_sum;
+  for (int64_t d = 0; d < geo.dim; ++d) out[d] = static_cast<scalar_t>(acc[d] * inv);
+  args.lse.data_ptr<float>()[(b * geo.q_heads + h) * geo.seq + s] = row_max + std::log(row_sum);
+}
+
+template <typename scalar_t>
+CacheView<scalar_t> cache_view(const at::Tensor& cache, bool paged, int64_t b, int64_t g) {
+  const int64_t batch_offset = paged ? 0 : b * cache.stride(0);
+  return {cache.data_ptr<scalar_t>() + batch_offset + g * cache.stride(2), cache.stride(0), cache.stride(1)};
+}
+
+template <typename scalar_t>
+HeadView<scalar_t> head_view(const BlockAttentionArgs& args, const Geometry& geo, int64_t b, int64_t g) {
+  const bool paged = args.block_table != nullptr;
+  const int64_t row_offset = b * geo.seq * geo.kv_heads * geo.dim + g * geo.dim;
+  return HeadView<scalar_t>{cache_view<scalar_t>(args.k_cache, paged, b, g),
+                            cache_view<scalar_t>(args.v_cache, paged, b, g),
+                            paged ? args.block_table + b * args.table_stride : nullptr,
+                            args.k_cache.size(1),
+                            args.k.data_ptr<scalar_t>() + row_offset,
+                            args.v.data_ptr<scalar_t>() + row_offset,
+                            geo.kv_heads * geo.dim,
+                            args.cache_seqlens[b],
+                            args.num_causal[b],
+                            geo.causal_slots};
+}
+
+// Partial results of the splits of every (b, g): acc [items, max_rows, dim_pad], max / sum [items, max_rows].
+struct Partials {
+  float* acc;
+  float* row_max;
+  float* row_sum;
+};
+
+// One work item: keys [split * keys_per_split, ...) of (b, g). Finishes the rows itself when unsplit.
+template <typename scalar_t, typename op_t>
+void run_item(const BlockAttentionArgs& args, const Geometry& geo, int64_t item, Workspace<op_t>& ws,
+              const Partials& partials) {
+  const int64_t split = item % geo.splits;
+  const int64_t g = (item / geo.splits) % geo.kv_heads;
+  const int64_t b = item / (geo.splits * geo.kv_heads);
+  const HeadView<scalar_t> view = head_view<scalar_t>(args, geo, b, g);
+  if (split == 0) view.append_causal_rows(geo.dim);
+  const int64_t rows = geo.group * (view.causal + geo.block);
+  const int64_t keys = view.length + view.causal + geo.block;
+  const int64_t begin = split * geo.keys_per_split;
+  const int64_t end = std::min(keys, begin + geo.keys_per_split);
+  std::fill(ws.acc.begin(), ws.acc.begin() + rows * geo.dim_pad, 0.0f);
+  std::fill(ws.row_max.begin(), ws.row_max.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(ws.row_sum.begin(), ws.row_sum.begin() + rows, 0.0f);
+  if (rows > 0 && begin < end) {
+    for (int64_t m = 0; m < rows; ++m) {
+      const int64_t t = m / geo.group;
+      ws.limit[m] = t < view.causal ? view.length + t + 1 : keys;
+    }
+    pack_queries(args.q.data_ptr<scalar_t>(), geo, b, g, view.causal, rows, ws.q.data());
+    for (int64_t j0 = begin; j0 < end; j0 += kKeyTile) {
+      attend_tile(view, j0, std::min(kKeyTile, end - j0), rows, geo, args.scale, ws);
+    }
+  }
+  if (geo.splits == 1) {
+    for (int64_t m = 0; m < rows; ++m) {
+      store_row<scalar_t>(args, geo, b, g, view.causal, m, ws.acc.data() + m * geo.dim_pad, ws.row_max[m],
+                          ws.row_sum[m]);
+    }
+    return;
+  }
+  std::copy(ws.acc.begin(), ws.acc.begin() + rows * geo.dim_pad, partials.acc + item * geo.max_rows * geo.dim_pad);
+  std::copy(ws.row_max.begin(), ws.row_max.begin() + rows, partials.row_max + item * geo.max_rows);
+  std::copy(ws.row_sum.begin(), ws.row_sum.begin() + rows, partials.row_sum + item * geo.max_rows);
+}
+
+// Log-sum-exp merge of the splits of (b, g): max* = max_s max_s, sum = sum_s sum_s e^(max_s - max*),
+// acc = sum_s acc_s e^(max_s - max*). Empty splits have max -inf and weight 0.
+template <typename scalar_t>
+void merge_splits(const BlockAttentionArgs& args, const Geometry& geo, int64_t bg, const Partials& partials,
+                  std::vector<float>& acc) {
+  const int64_t b = bg / geo.kv_heads;
+  const int64_t g = bg % geo.kv_heads;
+  const int64_t causal = args.num_causal[b];
+  const int64_t rows = geo.group * (causal + geo.block);
+  const int64_t first = bg * geo.splits;
+  for (int64_t m = 0; m < rows; ++m) {
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < geo.splits; ++s) best = std::max(best, partials.row_max[(first + s) * geo.max_rows + m]);
+    float total = 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t s = 0; s < geo.splits; ++s) {
+      const int64_t at = (first + s) * geo.max_rows + m;
+      if (partials.row_sum[at] == 0.0f) continue;
+      const float weight = std::exp(partials.row_max[at] - best);
+      total += partials.row_sum[at] * weight;
+      const float* part = partials.acc + at * geo.dim_pad;
+      at::vec::map2([weight](fVec x, fVec y) { return x + y * fVec(weight); }, acc.data(), acc.data(), part,
+                    geo.dim_pad);
+    }
+    store_row<scalar_t>(args, geo, b, g, causal, m, acc.data(), best, total);
+  }
+}
+
+Geometry make_geometry(const BlockAttentionArgs& args, int64_t dim_pad) {
+  Geometry geo{};
+  geo.batch = args.q.size(0);
+  geo.seq = args.q.size(1);
+  geo.q_heads = args.q.size(2);
+  geo.dim = args.q.size(3);
+  geo.kv_heads = args.k.size(2);
+  geo.group = geo.q_heads / geo.kv_heads;
+  geo.causal_slots = args.num_causal_slots;
+  geo.block = args.block_size;
+  geo.dim_pad = dim_pad;
+  geo.max_rows = geo.group * geo.seq;
+  int64_t max_keys = 1;
+  for (int64_t b = 0; b < geo.batch; ++b) {
+    max_keys = std::max<int64_t>(max_keys, args.cache_seqlens[b] + args.num_causal[b] + geo.block);
+  }
+  const int64_t units = geo.batch * geo.kv_heads;
+  const int64_t wanted = (kItemsPerThread * at::get_num_threads() + units - 1) / units;
+  const int64_t most = (max_keys + kMinKeysPerSplit - 1) / kMinKeysPerSplit;
+  const int64_t splits = std::clamp<int64_t>(wanted, 1, most);
+  const int64_t tiles = (max_keys + kKeyTile - 1) / kKeyTile;
+  geo.keys_per_split = (tiles + splits - 1) / splits * kKeyTile;
+  geo.splits = (max_keys + geo.keys_per_split - 1) / geo.keys_per_split;
+  return geo;
+}
+
+template <typename scalar_t, typename op_t>
+void run(const BlockAttentionArgs& args) {
+  const Geometry geo = make_geometry(args, gemm_pad<op_t>(args.q.size(3)));
+  const int64_t items = geo.batch * geo.kv_heads * geo.splits;
+  std::vector<float> partial_acc, partial_stats;
+  Partials partials{nullptr, nullptr, nullptr};
+  if (geo.splits > 1) {
+    partial_acc.resize(items * geo.max_rows * geo.dim_pad);
+    partial_stats.resize(2 * items * geo.max_rows);
+    partials = {partial_acc.data(), partial_stats.data(), partial_stats.data() + items * geo.max_rows};
+  }
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    Workspace<op_t> ws(geo);
+    for (int64_t item = begin; item < end; ++item) run_item<scalar_t, op_t>(args, geo, item, ws, partials);
+    if constexpr (kVnni<op_t>) at::native::cpublas::brgemm_release(true);
+  });
+  if (geo.splits == 1) return;
+  at::parallel_for(0, geo.batch * geo.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(geo.dim_pad);
+    for (int64_t bg = begin; bg < end; ++bg) merge_splits<scalar_t>(args, geo, bg, partials, acc);
+  });
+}
+
+}  // namespace
+
+void block_attention_kernel(const BlockAttentionArgs& args) {
+  switch (args.q.scalar_type()) {
+    case at::kFloat:
+      run<float, float>(args);
+      break;
+    case at::kHalf:
+      run<c10::Half, float>(args);
+      break;
+    case at::kBFloat16:
+      if (bf16_gemm_available()) {
+        run<c10::BFloat16, c10::BFloat16>(args);
+      } else {
+        run<c10::BFloat16, float>(args);
+      }
+      break;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "block_attention_kernel: unexpected dtype ", args.q.scalar_type());
+  }
+}
+
+}  // namespace sbd::cpu::CPU_CAPABILITY
