@@ -53,6 +53,8 @@ class TrainConfig:
     tasks: str = "add,rot13"            # comma-separated task names (sbd_kernels.tasks.TASKS)
     objective: str = "sbd"              # "sbd" (NTP + MATP) or "ntp" (baseline)
     steps: int = 2000
+    max_minutes: float = 0.0            # > 0: also stop after this much wall time; the cosine then runs
+                                        # over whichever budget (steps or minutes) is used up first
     batch_size: int = 32                # sequences per rank per step
     lr: float = 1e-3
     min_lr_ratio: float = 0.1           # cosine decays to lr * min_lr_ratio
@@ -71,6 +73,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 1
     device: str = "cpu"
+    attention: str = "auto"             # "auto" (FlexAttention on CUDA, SDPA + dense mask elsewhere), "sdpa", "flex"
 
     def task_list(self) -> list[str]:
         return [t for t in self.tasks.split(",") if t]
@@ -139,12 +142,16 @@ def flex_block_mask(n: int, block_size: int, device: torch.device) -> Any:
     """The SBD_SPEC 2.4 mask as a FlexAttention BlockMask over 2n positions (GPU training)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    # k as a captured tensor, not a Python int: the compiled kernel then serves every k of U{2..16}
+    # instead of recompiling once per value.
+    k = torch.tensor(block_size, device=device)
+
     def mask_mod(b, h, q, kv):
         q_noisy, kv_noisy = q >= n, kv >= n
         qi, ki = q - n * q_noisy, kv - n * kv_noisy
         clean = ~q_noisy & ~kv_noisy & (kv <= q)
-        earlier = q_noisy & ~kv_noisy & (qi // block_size > ki // block_size)
-        same_block = q_noisy & kv_noisy & (qi // block_size == ki // block_size)
+        earlier = q_noisy & ~kv_noisy & (qi // k > ki // k)
+        same_block = q_noisy & kv_noisy & (qi // k == ki // k)
         return clean | earlier | same_block
 
     return create_block_mask(mask_mod, B=None, H=None, Q_LEN=2 * n, KV_LEN=2 * n, device=device)
@@ -152,11 +159,12 @@ def flex_block_mask(n: int, block_size: int, device: torch.device) -> Any:
 
 # ---------------------------------------------------------------- schedule
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up over warmup_steps, then cosine from lr down to lr * min_lr_ratio at cfg.steps."""
+def lr_at(step: int, cfg: TrainConfig, time_fraction: float = 0.0) -> float:
+    """Linear warm-up over warmup_steps, then cosine from lr down to lr * min_lr_ratio at cfg.steps (or
+    when time_fraction, the share of max_minutes used, reaches 1, if that comes first)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    progress = min(1.0, max(time_fraction, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)))
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
@@ -262,11 +270,19 @@ def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 def _save(model: Transformer, opt: torch.optim.Optimizer, cfg: TrainConfig, step: int, seconds: float,
           history: list[dict[str, Any]]) -> None:
     meta = {"train_config": dataclasses.asdict(cfg), "steps_done": step, "train_seconds": round(seconds, 1),
-            "eval": history, "torch": torch.__version__}
+            "eval": history, "torch": str(torch.__version__)}
     save_checkpoint(model, cfg.out, **meta)
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                 "seconds": seconds, "eval": history}, f"{cfg.out}.state.tmp")
     os.replace(f"{cfg.out}.state.tmp", f"{cfg.out}.state")
+
+
+def _time_is_up(t0: float, max_minutes: float, world: int) -> bool:
+    """Whether max_minutes have passed; rank 0 decides for every rank, so all stop at the same step."""
+    up = torch.tensor([time.time() - t0 >= 60 * max_minutes], dtype=torch.int32)
+    if world > 1:
+        dist.broadcast(up, src=0)
+    return bool(up)
 
 
 def train(cfg: TrainConfig) -> Transformer:
@@ -274,6 +290,8 @@ def train(cfg: TrainConfig) -> Transformer:
     # config
     if cfg.objective not in ("sbd", "ntp"):
         raise ValueError(f"train: objective must be 'sbd' or 'ntp', got {cfg.objective!r}")
+    if cfg.attention not in ("auto", "sdpa", "flex"):
+        raise ValueError(f"train: attention must be 'auto', 'sdpa' or 'flex', got {cfg.attention!r}")
     if not 1 <= cfg.block_min <= cfg.block_max:
         raise ValueError(f"train: need 1 <= block_min <= block_max, got {cfg.block_min}, {cfg.block_max}")
     torch.set_num_threads(cfg.threads)
@@ -306,8 +324,12 @@ def train(cfg: TrainConfig) -> Transformer:
     tokens_per_step = cfg.batch_size * n * world * (2 if cfg.objective == "sbd" else 1)
     progress = Progress(cfg.steps, start, cfg.log_every, rank == 0)
     flex_masks: dict[int, Any] = {}
+    use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda")
     t0 = time.time()
+    step = start
     for step in range(start, cfg.steps):
+        if cfg.max_minutes > 0 and _time_is_up(t0, cfg.max_minutes, world):
+            break
         if rank == 0 and step > start and step % cfg.eval_every == 0:
             history.append({"step": step, **evaluate(model, tasks, cfg.eval_examples, cfg.seed)})
             _log(rank, "eval " + " ".join(f"{k} {v:.4f}" for k, v in history[-1].items()))
@@ -321,13 +343,14 @@ def train(cfg: TrainConfig) -> Transformer:
             k = block_size_for_step(step, cfg)
             gen = torch.Generator(device=device).manual_seed(data_seed)
             attn_mask = None
-            if device.type == "cuda":
+            if use_flex:
                 attn_mask = flex_masks.setdefault(k, flex_block_mask(n, k, device))
             loss, stats = sbd_loss(ddp, tokens, target_mask, k, mask_id, gen, attn_mask)
         else:
             loss, stats = ntp_loss(ddp, tokens, target_mask)
 
-        lr = lr_at(step, cfg)
+        elapsed = time.time() - t0
+        lr = lr_at(step, cfg, elapsed / (60 * cfg.max_minutes) if cfg.max_minutes > 0 else 0.0)
         for group in opt.param_groups:
             group["lr"] = lr
         opt.zero_grad(set_to_none=True)
@@ -335,12 +358,13 @@ def train(cfg: TrainConfig) -> Transformer:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         progress.update(step, tokens_per_step,
-                        {"loss": float(loss.detach()), **{k: float(v) for k, v in stats.items()}, "lr": lr})
-
+                        {"loss": float(loss.detach()), **{name: float(v) for name, v in stats.items()}, "lr": lr})
+    else:
+        step = cfg.steps
     if rank == 0:
-        history.append({"step": cfg.steps, **evaluate(model, tasks, cfg.eval_examples, cfg.seed)})
+        history.append({"step": step, **evaluate(model, tasks, cfg.eval_examples, cfg.seed)})
         _log(rank, "\nfinal eval " + " ".join(f"{k} {v:.4f}" for k, v in history[-1].items()))
-        _save(model, opt, cfg, cfg.steps, seconds_before + time.time() - t0, history)
+        _save(model, opt, cfg, step, seconds_before + time.time() - t0, history)
     if world > 1:
         dist.destroy_process_group()
     return model
