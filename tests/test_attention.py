@@ -1,0 +1,276 @@
+"""`sbd.block_attention_with_kvcache` on the CPU: the C++ kernel against the oracle, the oracle against
+torch SDPA, the SBD exactness property, errors, opcheck and torch.compile.
+
+The Triton backend is tested in test_attention_triton.py on the same cases (tests/attention_cases.py).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention_cases import AXES, BASE, assert_matches_oracle, axis_params, make_case
+from sbd_kernels import block_attention_with_kvcache
+from sbd_kernels.ops.attention import naive
+from sbd_kernels.testing import assert_close
+
+OP = torch.ops.sbd.block_attention_with_kvcache
+CASES = axis_params()
+CASE_IDS = [case_id for case_id, _ in CASES]
+
+
+@pytest.mark.parametrize("shape", [kw for _, kw in CASES], ids=CASE_IDS)
+def test_cpu_matches_oracle(shape, cpu_isa):
+    """Guards against wrong math, masks, GQA head mapping, paging or cache writes in any ISA variant,
+    on every axis of the grid (B, C incl. 0 and K, L incl. 0 and 4099, K incl. 0, GQA 1/4/8, D, dtype,
+    paged with page sizes 1, 16, 48); NaN-poisoned cache slots must stay untouched bit for bit."""
+    if cpu_isa != "avx512" and shape["L"] > 1000:
+        pytest.skip("the long cache runs on the widest variant only (the tile loop is shared)")
+    assert_matches_oracle(make_case(**shape), OP)
+
+
+@pytest.mark.parametrize("dtype", AXES["dtype"], ids=str)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_long_ragged_batch_splits_the_keys(dtype, paged):
+    """Guards against errors in the split-KV path and its log-sum-exp merge: B=1 with one KV head makes
+    the kernel split 4099+ keys over several items; ragged lengths leave some splits empty."""
+    case = make_case(B=1, C=5, K=7, L=4099, Hq=4, Hkv=1, D=64, dtype=dtype, paged=paged, page_size=32)
+    assert_matches_oracle(case, OP)
+    case = make_case(B=3, C=5, K=7, L=2100, Hq=4, Hkv=1, D=128, dtype=dtype, paged=paged, page_size=32)
+    assert_matches_oracle(case, OP)
+
+
+@pytest.mark.parametrize("dtype", AXES["dtype"], ids=str)
+def test_noncontiguous_inputs(dtype):
+    """Guards against kernels that assume contiguous q / k / v (strided last dimension here)."""
+    assert_matches_oracle(make_case(**{**BASE, "dtype": dtype, "contiguous": False}), OP)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_strided_caches(paged):
+    """Guards against kernels that assume densely packed caches: here each cache is one layer / one
+    half of a larger buffer (outer strides differ from the sizes, and k_cache and v_cache differ)."""
+    case = make_case(**{**BASE, "paged": paged})
+    stacked_k = torch.full((3, *case.k_cache.shape), float("nan"))
+    stacked_v = torch.full((*case.v_cache.shape[:2], 2 * case.v_cache.shape[2], case.v_cache.shape[3]),
+                           float("nan"))
+    stacked_k[1] = case.k_cache
+    stacked_v[:, :, 1::2] = case.v_cache
+    case.k_cache, case.v_cache = stacked_k[1], stacked_v[:, :, 1::2]
+    assert_matches_oracle(case, OP)
+    assert torch.isnan(stacked_k[0]).all() and torch.isnan(stacked_k[2]).all()
+    assert torch.isnan(stacked_v[:, :, 0::2]).all()
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, -0.3])
+def test_softmax_scale(scale):
+    """Guards against an ignored softmax_scale, or a max taken before scaling (wrong for scale < 0)."""
+    assert_matches_oracle(make_case(**BASE, softmax_scale=scale), OP)
+
+
+def test_padding_rows_and_poison():
+    """Guards against padding rows getting values, and NaN from unused cache slots leaking into outputs
+    (0 * NaN = NaN): every non-padding output must be finite, padding out = 0 and lse = -inf."""
+    case = make_case(B=3, C=6, K=4, L=50, Hq=4, Hkv=2, D=64, dtype=torch.float32)
+    out, lse = OP(*case.args())
+    for b, c in enumerate(case.num_causal.tolist()):
+        assert torch.equal(out[b, c:6], torch.zeros_like(out[b, c:6]))
+        assert torch.equal(lse[b, :, c:6], torch.full_like(lse[b, :, c:6], float("-inf")))
+        assert torch.isfinite(out[b, :c]).all() and torch.isfinite(out[b, 6:]).all()
+        assert torch.isfinite(lse[b, :, :c]).all() and torch.isfinite(lse[b, :, 6:]).all()
+
+
+def sbd_decode_mask(length: int, causal: int, causal_slots: int, block: int) -> torch.Tensor:
+    """[S, L + C + K] bool over [cache ; all C causal slots ; block] for SDPA (padding rows see only
+    padding key 0 so SDPA stays finite; they are not compared)."""
+    seq = causal_slots + block
+    mask = torch.zeros(seq, length + seq, dtype=torch.bool)
+    mask[:, :length] = True
+    for i in range(causal):
+        mask[i, length:length + i + 1] = True
+    mask[causal_slots:, :length + causal] = True
+    mask[causal_slots:, length + causal_slots:] = True
+    for i in range(causal, causal_slots):
+        mask[i, length + i] = True
+    return mask
+
+
+@pytest.mark.parametrize("impl", ["cpu", "naive"])
+@pytest.mark.parametrize("gqa", AXES["gqa"], ids=str)
+def test_agrees_with_sdpa(impl, gqa):
+    """Guards against the oracle and the kernel sharing a wrong reading of the contract: both must equal
+    torch SDPA (enable_gqa) over [cache ; k] with the SBD decode mask written independently."""
+    hq, hkv = gqa
+    case = make_case(B=3, C=4, K=5, L=40, Hq=hq, Hkv=hkv, D=64, dtype=torch.float32)
+    cache_k, cache_v = case.k_cache.clone(), case.v_cache.clone()
+    fn = OP if impl == "cpu" else naive.block_attention_with_kvcache
+    out, _ = fn(*case.args())
+    for b, (length, causal) in enumerate(zip(case.cache_seqlens.tolist(), case.num_causal.tolist())):
+        keys = torch.cat([cache_k[b, :length], case.k[b]]).transpose(0, 1)  # [Hkv, L + S, D]
+        values = torch.cat([cache_v[b, :length], case.v[b]]).transpose(0, 1)
+        mask = sbd_decode_mask(length, causal, 4, 5)
+        expected = F.scaled_dot_product_attention(case.q[b].transpose(0, 1), keys, values, attn_mask=mask,
+                                                  enable_gqa=True).transpose(0, 1)
+        assert_close(out[b, :causal], expected[:causal], name="causal rows")
+        assert_close(out[b, 4:], expected[4:], name="block rows")
+
+
+# A tiny random transformer (RMSNorm, RoPE, GQA attention, SiLU MLP) for the exactness property.
+DIM, HQ, HKV, HEAD, LAYERS = 32, 4, 2, 8, 2
+
+
+def make_layers(generator: torch.Generator) -> list[dict]:
+    def w(*shape):
+        return torch.randn(*shape, generator=generator) / shape[0] ** 0.5
+    return [dict(wq=w(DIM, HQ * HEAD), wk=w(DIM, HKV * HEAD), wv=w(DIM, HKV * HEAD), wo=w(HQ * HEAD, DIM),
+                 w1=w(DIM, 4 * DIM), w2=w(4 * DIM, DIM)) for _ in range(LAYERS)]
+
+
+def rms_norm(x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def rope(x, positions):
+    """x [T, H, HEAD] rotated by positions [T]."""
+    freqs = 1.0 / 10000 ** (torch.arange(0, HEAD, 2) / HEAD)
+    angles = positions[:, None].float() * freqs[None]  # [T, HEAD / 2]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+def forward(layers, x, positions, attend):
+    """x [T, DIM] -> [T, DIM]; attend(layer_index, q, k, v) -> [T, HQ, HEAD]."""
+    for i, p in enumerate(layers):
+        h = rms_norm(x)
+        q = rope((h @ p["wq"]).view(-1, HQ, HEAD), positions)
+        k = rope((h @ p["wk"]).view(-1, HKV, HEAD), positions)
+        v = (h @ p["wv"]).view(-1, HKV, HEAD)
+        x = x + attend(i, q, k, v).reshape(-1, HQ * HEAD) @ p["wo"]
+        h = rms_norm(x)
+        x = x + F.silu(h @ p["w1"]) @ p["w2"]
+    return x
+
+
+def full_recompute(layers, x, block_start):
+    """The whole sequence at once: causal up to block_start, block rows see everything (SBD_SPEC 3.10)."""
+    total = x.shape[0]
+    mask = torch.ones(total, total, dtype=torch.bool).tril()
+    mask[block_start:] = True
+
+    def attend(_, q, k, v):
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              attn_mask=mask, enable_gqa=True).transpose(0, 1)
+    return forward(layers, x, torch.arange(total), attend)
+
+
+class CachedStack:
+    """The same layers decoding through the op, one contiguous cache per layer."""
+
+    def __init__(self, layers, capacity):
+        self.layers = layers
+        self.caches = [(torch.full((1, capacity, HKV, HEAD), float("nan")),
+                        torch.full((1, capacity, HKV, HEAD), float("nan"))) for _ in layers]
+        self.length = 0
+
+    def step(self, causal_x, block_x):
+        """One SBD pass: causal rows (cached), then block rows (never cached). Returns the block's output."""
+        c, k = causal_x.shape[0], block_x.shape[0]
+        x = torch.cat([causal_x, block_x])
+        positions = self.length + torch.arange(c + k)
+        lengths = torch.tensor([self.length], dtype=torch.int32)
+        causal = torch.tensor([c], dtype=torch.int32)
+
+        def attend(i, q, kk, v):
+            k_cache, v_cache = self.caches[i]
+            out, _ = OP(q[None], kk[None], v[None], k_cache, v_cache, lengths, causal, k)
+            return out[0]
+        out = forward(self.layers, x, positions, attend)
+        self.length += c
+        return out[c:]
+
+
+def test_cached_decode_equals_full_recompute():
+    """Guards against any break of SBD_SPEC 3.10 through the op: prefill (K = 0), a first block pass with
+    the previous block's tokens as causal rows, and a later pass with only the block must all give the
+    block outputs of a full recompute over the whole sequence; the cache must hold only causal K/V."""
+    gen = torch.Generator().manual_seed(0)
+    layers = make_layers(gen)
+    prompt, previous, block = (torch.randn(n, DIM, generator=gen) for n in (11, 4, 4))
+    stack = CachedStack(layers, capacity=32)
+    assert stack.step(prompt, prompt[:0]).shape == (0, DIM)
+    cached = stack.step(previous, block)
+    sequence = torch.cat([prompt, previous, block])
+    assert_close(cached, full_recompute(layers, sequence, 15)[15:], atol_scale=5, name="first pass")
+    revealed = block.clone()
+    revealed[1] = torch.randn(DIM, generator=gen)
+    cached = stack.step(revealed[:0], revealed)
+    sequence = torch.cat([prompt, previous, revealed])
+    assert_close(cached, full_recompute(layers, sequence, 15)[15:], atol_scale=5, name="later pass")
+    for k_cache, _ in stack.caches:
+        assert torch.isfinite(k_cache[0, :15]).all() and torch.isnan(k_cache[0, 15:]).all()
+
+
+def error_cases():
+    """(id, mutate(case) -> None, message fragment naming the argument)."""
+    def set_(name, value):
+        return lambda case: setattr(case, name, value)
+    return [
+        ("capacity", lambda c: c.cache_seqlens.fill_(c.k_cache.shape[1]), "exceeds the cache capacity"),
+        ("negative_length", lambda c: c.cache_seqlens.fill_(-1), "cache_seqlens must be >= 0"),
+        ("num_causal_range", lambda c: c.num_causal.fill_(BASE["C"] + 1), "num_causal must be in"),
+        ("gqa", set_("q", torch.randn(3, 8, 3, 64)), "must be a multiple of k heads"),
+        ("lengths_dtype", lambda c: setattr(c, "cache_seqlens", c.cache_seqlens.long()),
+         "cache_seqlens must be int32"),
+        ("num_causal_dtype", lambda c: setattr(c, "num_causal", c.num_causal.long()), "num_causal must be int32"),
+        ("q_dtype", lambda c: setattr(c, "q", c.q.double()), "q must be float32, float16 or bfloat16"),
+        ("cache_dtype", lambda c: setattr(c, "v_cache", c.v_cache.half()), "v_cache must have the dtype of q"),
+        ("block_size", set_("block_size", 9), "block_size must be in"),
+        ("device", lambda c: setattr(c, "num_causal", c.num_causal.to("meta")), "num_causal must be on the device"),
+    ]
+
+
+@pytest.mark.parametrize("impl", ["cpu", "naive"])
+@pytest.mark.parametrize("mutate,message", [e[1:] for e in error_cases()], ids=[e[0] for e in error_cases()])
+def test_bad_inputs_name_the_argument(impl, mutate, message):
+    """Guards against silent out-of-bounds writes or cryptic failures on bad inputs: each must raise a
+    RuntimeError naming the argument, before any cache write."""
+    case = make_case(**BASE)
+    mutate(case)
+    before = case.k_cache.clone()
+    fn = OP if impl == "cpu" else naive.block_attention_with_kvcache
+    with pytest.raises(RuntimeError, match=message):
+        fn(*case.args())
+    assert torch.equal(case.k_cache.isnan(), before.isnan())
+
+
+@pytest.mark.parametrize("impl", ["cpu", "naive"])
+def test_bad_page_id(impl):
+    """Guards against reading or writing a page outside the pool through a corrupt block_table."""
+    case = make_case(**{**BASE, "paged": True})
+    case.block_table[0, 1] = case.k_cache.shape[0]  # sequence 0 uses its first 3 pages
+    fn = OP if impl == "cpu" else naive.block_attention_with_kvcache
+    with pytest.raises(RuntimeError, match="block_table holds a page id outside"):
+        fn(*case.args())
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_opcheck(paged):
+    """Guards against a fake kernel, schema aliasing or dispatcher registration out of step with the kernel."""
+    case = make_case(B=2, C=2, K=3, L=9, Hq=4, Hkv=2, D=16, dtype=torch.float32, paged=paged, page_size=4)
+    torch.library.opcheck(OP, case.args())
+
+
+def test_decode_step_compiles_fullgraph():
+    """Guards against graph breaks (e.g. a missing fake kernel or a host sync) when a decode step that
+    uses the op is compiled with fullgraph=True; the compiled step must match eager, caches included."""
+    def decode_step(q, k, v, k_cache, v_cache, lengths, causal):
+        out, lse = block_attention_with_kvcache(q, k, v, k_cache, v_cache, lengths, causal, 3)
+        return out.float().sum(-1) + lse.transpose(1, 2).nan_to_num(neginf=0.0).sum(-1)[..., None], lengths + causal
+
+    compiled = torch.compile(decode_step, fullgraph=True)
+    eager_case = make_case(B=2, C=2, K=3, L=9, Hq=4, Hkv=2, D=16, dtype=torch.float32)
+    compiled_case = eager_case.with_cache_copies()
+    expected = decode_step(*eager_case.args()[:7])
+    actual = compiled(*compiled_case.args()[:7])
+    assert_close(actual[0], expected[0])
+    assert torch.equal(actual[1], expected[1])
+    assert torch.equal(compiled_case.k_cache.nan_to_num(7.0), eager_case.k_cache.nan_to_num(7.0))
