@@ -51,7 +51,8 @@ class DecodeConfig:
     method: "ntp" (one token per pass) or "sbd" (blocks of `block_size` positions).
     gamma: entropy budget of the EB rule (SBD only; paper: 0.1 reasoning, 0.35 faster).
     temperature: 0 = greedy; T > 0 samples from softmax(logits / T) (the EB entropy stays at T = 1).
-    max_new_tokens: answer budget per sequence, EOS included; tokens past it are dropped.
+    max_new_tokens: answer budget per sequence, EOS included; SBD block positions past it are never
+        revealed (they stay mask tokens in the model input).
     seed: sequence i of a `generate` call samples with seed `seed + i`, whatever its batch.
     """
 
@@ -324,13 +325,21 @@ class SbdState:
         zeros = torch.zeros(batch, dtype=torch.int64, device=dev)
         return SbdState(
             block=torch.full((batch, k), sp.mask_id, dtype=torch.int64, device=dev),
-            is_masked=torch.ones(batch, k, dtype=torch.bool, device=dev),
+            is_masked=_in_budget(zeros, sp),
             pending=torch.full((batch, k), sp.pad_id, dtype=torch.int64, device=dev),
             num_pending=torch.zeros(batch, dtype=torch.int32, device=dev),
             answer=torch.full((batch, width), sp.pad_id, dtype=torch.int64, device=dev),
             block_start=zeros.clone(), generated=zeros.clone(),
             finished=torch.zeros(batch, dtype=torch.bool, device=dev), nfe=zeros.clone(),
             accepted_hist=torch.zeros(k + 1, dtype=torch.int64, device=dev), seed=seed, offset=zeros.clone())
+
+
+def _in_budget(block_start: torch.Tensor, sp: _Special) -> torch.Tensor:
+    """[B, K] bool: block positions inside the answer budget. Positions past it keep their mask token as
+    model input but are never candidates (an answer budget of 33 with K = 16 costs no passes for the 15
+    positions past it)."""
+    cols = block_start[:, None] + torch.arange(sp.block_size, device=block_start.device)
+    return cols < sp.max_new_tokens
 
 
 def _sbd_accept(state: SbdState, block_logits: torch.Tensor, ops: DecodeOps, sp: _Special) -> None:
@@ -366,7 +375,8 @@ def _sbd_accept(state: SbdState, block_logits: torch.Tensor, ops: DecodeOps, sp:
     state.num_pending.copy_(completing.int() * k)
     state.block_start.add_(completing.long() * k)
     state.block.copy_(torch.where(completing[:, None], sp.mask_id, state.block))
-    state.is_masked.copy_((state.is_masked | completing[:, None]) & ~state.finished[:, None])
+    state.is_masked.copy_(torch.where(completing[:, None], _in_budget(state.block_start, sp), state.is_masked)
+                          & ~state.finished[:, None])
 
 
 def sbd_prefill(model: Transformer, cache: KVCache, state: SbdState, prompt: torch.Tensor,
@@ -512,7 +522,8 @@ def _oracle_sbd(model: Transformer, prompt: list[int], seed: int, ops: DecodeOps
     answer, nfe, hist = [], 0, [0] * (k + 1)
     while True:
         block = torch.full((1, k), sp.mask_id, dtype=torch.int64, device=device)
-        is_masked = torch.ones(1, k, dtype=torch.bool, device=device)
+        in_budget = [len(answer) + j < sp.max_new_tokens for j in range(k)]
+        is_masked = torch.tensor([in_budget], dtype=torch.bool, device=device)
         while bool(is_masked.any()):
             logits = _oracle_logits(model, list(prompt) + answer + block[0].tolist(), k)[:, -k:]
             key = torch.tensor([seed], device=device), torch.tensor([nfe], device=device)
@@ -531,6 +542,39 @@ def _oracle_sbd(model: Transformer, prompt: list[int], seed: int, ops: DecodeOps
         answer += block[0].tolist()
         if len(answer) >= sp.max_new_tokens:
             return answer[: sp.max_new_tokens], nfe, hist
+
+
+@torch.inference_mode()
+def block_logit_error(model: Transformer, prompt: list[int], answer: list[int], block_size: int,
+                      ops: DecodeOps | None = None) -> tuple[float, float]:
+    """Exact-KV property (SBD_SPEC 3.10) on one prompt: (max |cached - recomputed| over block logits,
+    max |recomputed|).
+
+    Cached: prefill `prompt`; a first block pass `[answer[:K] causal (appended) ; K masks]`; a later pass
+    `[answer[K:2K] with every other position masked]`. Recomputed: `Transformer.forward` over the whole
+    sequence with the block-recompute mask. `answer` is padded with its last token to 2K if shorter.
+    """
+    ops = ops or fused_ops()
+    k, mask_id = block_size, model.config.mask_token_id
+    answer = (list(answer) + [answer[-1]] * 2 * k)[: 2 * k]
+    committed = answer[:k]
+    block = [t if j % 2 == 0 else mask_id for j, t in enumerate(answer[k:])]
+    device = next(model.parameters()).device
+    cache = new_cache(model, 1, len(prompt) + k)
+
+    def row(tokens: list[int]) -> torch.Tensor:
+        return torch.tensor([tokens], dtype=torch.int64, device=device)
+
+    def count(n: int) -> torch.Tensor:
+        return torch.tensor([n], dtype=torch.int32, device=device)
+
+    model.decode_pass(row(prompt), count(len(prompt)), 0, cache, attention_op=ops.attention)
+    first = model.decode_pass(row(committed + [mask_id] * k), count(k), k, cache, attention_op=ops.attention)
+    later = model.decode_pass(row(block), count(0), k, cache, attention_op=ops.attention)
+    cached = torch.cat([first[:, k:], later], dim=1)                                      # [1, 2K, V]
+    recomputed = torch.cat([_oracle_logits(model, prompt + committed + [mask_id] * k, k)[:, -k:],
+                            _oracle_logits(model, prompt + committed + block, k)[:, -k:]], dim=1)
+    return float((cached - recomputed).abs().max()), float(recomputed.abs().max())
 
 
 @torch.inference_mode()

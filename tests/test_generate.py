@@ -1,0 +1,253 @@
+"""NTP and SBD decoding (sbd_kernels.generate): cached decode against the full-recompute oracle, batching,
+the EOS rule, NFE accounting, the exact-KV property, torch.compile of the steps.
+
+Models are random `tiny` ones with weights drawn at std 1 (instead of 0.02) so that their predictions
+are sharp and varied: entropies spread over [0, log V], several tokens get accepted per pass at
+moderate gamma, and greedy answers are not one repeated token.
+"""
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from sbd_kernels import generate as gen
+from sbd_kernels.generate import DecodeConfig, generate, oracle_decode
+from sbd_kernels.model import ModelConfig, Transformer
+from sbd_kernels.testing import tolerance
+
+EOS, PAD = 1, 0
+PROMPT_LENGTHS = (5, 1, 12, 7)          # different lengths: per-row positions and padding rows
+BLOCK = 4
+BUDGET = 11                             # not a multiple of BLOCK: the last block overhangs the budget
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    torch.manual_seed(1)
+    net = Transformer(ModelConfig.preset("tiny")).eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 1.0)
+    return net
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(4, 40, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def ops_for(name: str) -> gen.DecodeOps:
+    return gen.fused_ops() if name == "fused" else gen.naive_ops()
+
+
+def first_token_after_start(answers: list[list[int]]) -> int:
+    """A token some answer produces at index >= 1: used as EOS so that the EOS rule actually fires."""
+    for answer in answers:
+        for token in answer[1:]:
+            if token not in answer[:1]:
+                return token
+    raise AssertionError("answers too uniform to pick an EOS token")
+
+
+def assert_same_decode(actual: gen.DecodeResult, expected: gen.DecodeResult) -> None:
+    assert actual.answers == expected.answers
+    assert actual.nfe.tolist() == expected.nfe.tolist()
+    assert actual.generated.tolist() == expected.generated.tolist()
+    assert actual.accepted_hist.tolist() == expected.accepted_hist.tolist()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Cached decode == full-recompute oracle decode
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ops", ["fused", "naive"])
+@pytest.mark.parametrize("method,gamma", [("ntp", 0.0), ("sbd", 0.0), ("sbd", 0.5), ("sbd", 4.0)])
+def test_cached_decode_matches_oracle(model, prompts, ops, method, gamma):
+    """Guards against wrong cache positions, a completed block not appended (or appended twice), block K/V
+    leaking into the cache, wrong per-row num_causal, and NFE miscounts: the cached decode with the ops
+    must give the oracle's tokens, NFE and acceptance counts (temperature 0)."""
+    cfg = DecodeConfig(method=method, block_size=BLOCK, gamma=gamma, max_new_tokens=BUDGET)
+    cached = generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, ops=ops_for(ops))
+    assert_same_decode(cached, oracle_decode(model, prompts, cfg, eos_id=EOS, pad_id=PAD))
+
+
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_cached_decode_matches_oracle_with_eos(model, prompts, method):
+    """Guards against an EOS rule that differs between the batched tensor version and the literal one
+    (answers cut at EOS, NFE of finished rows no longer counted)."""
+    cfg = DecodeConfig(method=method, block_size=BLOCK, gamma=0.5, max_new_tokens=BUDGET)
+    eos = first_token_after_start(generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD).answers)
+    cached = generate(model, prompts, cfg, eos_id=eos, pad_id=PAD)
+    assert_same_decode(cached, oracle_decode(model, prompts, cfg, eos_id=eos, pad_id=PAD))
+    assert any(n < BUDGET for n in cached.generated.tolist()), "EOS never ended a sequence"
+
+
+def test_cached_decode_matches_oracle_with_temperature(model, prompts):
+    """Guards against seed / offset conventions that differ between the cached loop and the oracle
+    (sampling keyed on (seed + prompt index, passes done so far))."""
+    cfg = DecodeConfig(method="sbd", block_size=BLOCK, gamma=0.5, temperature=1.0, max_new_tokens=BUDGET, seed=5)
+    cached = generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, ops=gen.naive_ops())
+    assert_same_decode(cached, oracle_decode(model, prompts, cfg, eos_id=EOS, pad_id=PAD))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Batching
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_batched_equals_one_by_one(model, prompts, method, temperature):
+    """Guards against rows of a batch leaking into each other (padding, per-row phases, per-row seeds):
+    decoding all prompts together must give what decoding them one at a time gives."""
+    cfg = DecodeConfig(method=method, block_size=BLOCK, gamma=0.5, temperature=temperature,
+                       max_new_tokens=BUDGET)
+    together = generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD)
+    assert_same_decode(together, generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, batch_size=1))
+
+
+def test_one_pass_mixes_phases(model, prompts):
+    """Guards against a batched test that passes only because every row happens to be in the same phase:
+    some pass must run rows starting a new block (num_causal = K) beside rows in a later pass (0)."""
+    mixed = []
+
+    def spy_step(model_, cache, state, ops, sp, causal_slots):
+        running = ~state.finished
+        pending = state.num_pending[running]
+        mixed.append(bool((pending == BLOCK).any() and (pending == 0).any()))
+        gen.sbd_block_step(model_, cache, state, ops, sp, causal_slots)
+
+    steps = {**gen.EAGER_STEPS, "sbd_block_step": spy_step}
+    cfg = DecodeConfig(method="sbd", block_size=BLOCK, gamma=0.5, max_new_tokens=BUDGET)
+    result = generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, steps=steps)
+    assert any(mixed)
+    assert_same_decode(result, generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, batch_size=1))
+
+
+# ----------------------------------------------------------------------------------------------------
+# EOS rule, budget, NFE accounting
+# ----------------------------------------------------------------------------------------------------
+def one_hot_logits(tokens: list[int | None], vocab: int) -> torch.Tensor:
+    """[1, K, V] logits: a confident prediction of the given token (logit margin 10: entropy ~3e-3, small
+    but not 0, so gamma 0 reveals it alone), uniform (entropy ~2) where None."""
+    logits = torch.zeros(1, len(tokens), vocab)
+    for j, t in enumerate(tokens):
+        if t is not None:
+            logits[0, j, t] = 10.0
+    return logits
+
+
+def test_eos_waits_for_earlier_positions():
+    """Guards against finishing on an EOS revealed while an earlier block position is still masked, and
+    against keeping positions after the EOS (SBD_SPEC 3.8)."""
+    vocab, eos, mask = 8, 1, 2
+    sp = gen._Special(eos_id=eos, pad_id=0, mask_id=mask, block_size=4, max_new_tokens=16, gamma=0.0,
+                      temperature=0.0, rule="eb")
+    state = gen.SbdState.empty(1, sp, torch.zeros(1, dtype=torch.int64))
+    ops = gen.naive_ops()
+    gen._sbd_accept(state, one_hot_logits([None, None, eos, None], vocab), ops, sp)   # reveals EOS only
+    assert state.block.tolist() == [[mask, mask, eos, mask]]
+    assert not bool(state.finished[0])
+    sp = dataclasses.replace(sp, gamma=0.01)                                          # reveals 0, 1, 3
+    gen._sbd_accept(state, one_hot_logits([5, 6, None, None], vocab), ops, sp)
+    assert bool(state.finished[0])
+    assert state.generated.tolist() == [3] and state.nfe.tolist() == [2]
+    assert gen._answers(state.answer, state.generated, eos) == [[5, 6]]
+
+
+def test_eos_in_first_position_ends_with_empty_answer():
+    """Guards against an off-by-one in the first-EOS search when the EOS is the very first token."""
+    sp = gen._Special(eos_id=1, pad_id=0, mask_id=2, block_size=4, max_new_tokens=16, gamma=0.0,
+                      temperature=0.0, rule="eb")
+    state = gen.SbdState.empty(1, sp, torch.zeros(1, dtype=torch.int64))
+    gen._sbd_accept(state, one_hot_logits([1, None, None, None], 8), gen.naive_ops(), sp)
+    assert bool(state.finished[0]) and state.generated.tolist() == [1]
+    assert gen._answers(state.answer, state.generated, 1) == [[]]
+
+
+@pytest.mark.parametrize("budget", [1, 4, 9])
+def test_budget_without_eos(model, prompts, budget):
+    """Guards against answers longer than max_new_tokens and against passes spent on block positions past
+    the budget: with gamma 0 every pass reveals exactly one token, so NFE == budget exactly."""
+    cfg = DecodeConfig(method="sbd", block_size=BLOCK, gamma=0.0, max_new_tokens=budget)
+    result = generate(model, prompts, cfg, eos_id=-1, pad_id=PAD)
+    assert [len(a) for a in result.answers] == [budget] * len(prompts)
+    assert result.nfe.tolist() == [budget] * len(prompts)
+
+
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_nfe_accounting(model, prompts, method):
+    """Guards against counting passes of finished rows or missing the fused prefill pass: NTP pays one
+    pass per token; SBD's histogram counts every pass of every sequence once and, without EOS, the
+    tokens it reveals are exactly the tokens generated."""
+    cfg = DecodeConfig(method=method, block_size=BLOCK, gamma=1.0, max_new_tokens=BUDGET)
+    result = generate(model, prompts, cfg, eos_id=-1, pad_id=PAD)
+    hist = result.accepted_hist
+    assert int(hist.sum()) == result.total_nfe
+    assert int((hist * torch.arange(len(hist))).sum()) == result.total_generated == BUDGET * len(prompts)
+    if method == "ntp":
+        assert result.nfe.tolist() == result.generated.tolist()
+    else:
+        assert result.total_nfe < result.total_generated, "gamma 1.0 never revealed two tokens in a pass"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Exact KV property, compile, arguments
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ops", ["fused", "naive"])
+def test_block_logits_equal_full_recompute(model, prompts, ops):
+    """Guards against block K/V written to the cache or wrong positions of the appended causal rows: the
+    block logits of a first (2K-row) pass and a later pass equal a full recompute (SBD_SPEC 3.10)."""
+    atol, rtol = tolerance(torch.float32)
+    for prompt in prompts:
+        err, scale = gen.block_logit_error(model, prompt, list(range(10, 10 + 2 * BLOCK)), BLOCK, ops_for(ops))
+        assert err <= atol + rtol * scale, (err, scale)
+
+
+def test_compiled_steps_match_eager(model, prompts):
+    """Guards against a decode step that graph-breaks or syncs (fullgraph=True fails on either) or that
+    computes something else once compiled."""
+    torch._dynamo.reset()
+    steps = {**gen.EAGER_STEPS,
+             "sbd_block_step": torch.compile(gen.sbd_block_step, fullgraph=True),
+             "ntp_decode_step": torch.compile(gen.ntp_decode_step, fullgraph=True)}
+    for method in ("ntp", "sbd"):
+        cfg = DecodeConfig(method=method, block_size=BLOCK, gamma=0.5, max_new_tokens=BUDGET)
+        compiled = generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, steps=steps)
+        assert_same_decode(compiled, generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD))
+
+
+@pytest.mark.parametrize("field,value", [("method", "beam"), ("block_size", 0), ("gamma", -0.1),
+                                         ("temperature", -1.0), ("max_new_tokens", 0)])
+def test_bad_config_names_the_field(field, value):
+    """Guards against silently decoding with a meaningless setting."""
+    with pytest.raises(ValueError, match=field):
+        DecodeConfig(**{field: value})
+
+
+def test_empty_prompt_is_rejected(model):
+    """Guards against reading logits at row -1 of an empty prompt."""
+    with pytest.raises(ValueError, match="prompt"):
+        generate(model, [[5, 6], []], DecodeConfig(), eos_id=EOS, pad_id=PAD)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bundled checkpoint
+# ----------------------------------------------------------------------------------------------------
+def test_bundled_checkpoint_cached_matches_oracle():
+    """Guards against the exactness property holding on random weights only: on the trained SBD model
+    the cached decode with the fused ops gives the oracle's tokens on held-out prompts."""
+    from sbd_kernels.demo import SBD_CHECKPOINT
+    from sbd_kernels.model import load_checkpoint
+    from sbd_kernels.tasks import TOKENIZER, get_task, make_examples
+
+    if not Path(SBD_CHECKPOINT).exists():
+        pytest.skip(f"no bundled checkpoint at {SBD_CHECKPOINT}")
+    trained, _ = load_checkpoint(SBD_CHECKPOINT)
+    for task in ("add", "rot13"):
+        prompts = [TOKENIZER.encode_prompt(ex.prompt) for ex in make_examples(task, "held_out", 2)]
+        for method in ("ntp", "sbd"):
+            cfg = DecodeConfig(method=method, block_size=16, gamma=0.1, max_new_tokens=get_task(task).answer_tokens)
+            cached = generate(trained, prompts, cfg, eos_id=TOKENIZER.EOS, pad_id=TOKENIZER.PAD)
+            assert_same_decode(cached, oracle_decode(trained, prompts, cfg, eos_id=TOKENIZER.EOS,
+                                                     pad_id=TOKENIZER.PAD))
