@@ -163,29 +163,48 @@ struct Geometry {
   int64_t splits, keys_per_split;
 };
 
-// Per-thread buffers, reused by every item the thread runs.
+// Per-thread buffers, kept across calls (a fresh 1 MiB per call cost ~7% of the time in page faults).
 template <typename op_t>
 struct Workspace {
   std::vector<op_t> q;       // [M, dim_pad]          A of S = Q K^T
   std::vector<op_t> k;       // [dim_pad, kKeyTile]   B of S (K^T)
   std::vector<op_t> v;       // [kKeyTile, dim_pad]   B of O += P V
+  std::vector<op_t> stage;   // [kKeyTile, dim_pad]   rows converted / padded before packing
   std::vector<float> s;      // [M, kKeyTile]         scores, then probabilities (fp32 GEMM reads them)
   std::vector<op_t> p;       // [M, kKeyTile]         probabilities for the bf16 GEMM
   std::vector<float> acc;    // [M, dim_pad]          unnormalised output
   std::vector<float> row_max, row_sum;
   std::vector<int64_t> limit;
+  std::vector<const op_t*> rows;  // [kKeyTile] source row of each key of the tile
 
-  explicit Workspace(const Geometry& geo)
-      : q(geo.max_rows * geo.dim_pad),
-        k(geo.dim_pad * kKeyTile),
-        v(kKeyTile * geo.dim_pad),
-        s(geo.max_rows * kKeyTile),
-        p(kVnni<op_t> ? geo.max_rows * kKeyTile : 0),
-        acc(geo.max_rows * geo.dim_pad),
-        row_max(geo.max_rows),
-        row_sum(geo.max_rows),
-        limit(geo.max_rows) {}
+  // Grows the buffers to the sizes of `geo`; every element a GEMM reads is written before each use.
+  void reserve(const Geometry& geo) {
+    grow(q, geo.max_rows * geo.dim_pad);
+    grow(k, geo.dim_pad * kKeyTile);
+    grow(v, kKeyTile * geo.dim_pad);
+    grow(stage, kKeyTile * geo.dim_pad);
+    grow(s, geo.max_rows * kKeyTile);
+    grow(p, kVnni<op_t> ? geo.max_rows * kKeyTile : 0);
+    grow(acc, geo.max_rows * geo.dim_pad);
+    grow(row_max, geo.max_rows);
+    grow(row_sum, geo.max_rows);
+    grow(limit, geo.max_rows);
+    grow(rows, kKeyTile);
+  }
+
+ private:
+  template <typename T>
+  static void grow(std::vector<T>& buffer, int64_t size) {
+    if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+  }
 };
+
+template <typename op_t>
+Workspace<op_t>& thread_workspace(const Geometry& geo) {
+  static thread_local Workspace<op_t> ws;
+  ws.reserve(geo);
+  return ws;
+}
 
 // Active token t of a sequence with c causal tokens -> its row in q / out: causal t, or block C + t - c.
 inline int64_t token_row(int64_t t, int64_t causal, int64_t causal_slots) {
@@ -210,28 +229,85 @@ void pack_queries(const scalar_t* q, const Geometry& geo, int64_t b, int64_t g, 
   }
 }
 
-// K^T of keys [j0, j0 + n) into [dim_pad, kKeyTile]; columns [n, n_pad) and rows [dim, dim_pad) zero.
-template <typename scalar_t, typename op_t>
-void pack_keys(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t n_pad, const Geometry& geo,
-               op_t* dst) {
-  for (int64_t jj = 0; jj < n_pad; ++jj) {
-    const scalar_t* src = jj < n ? view.key(j0 + jj) : nullptr;
-    for (int64_t d = 0; d < geo.dim_pad; ++d) {
-      const bool real = src != nullptr && d < geo.dim;
-      dst[b_index<op_t>(d, jj, kKeyTile)] = real ? static_cast<op_t>(src[d]) : op_t(0.0f);
+// Source rows (dim_pad elements of op_t each) of keys or values [j0, j0 + n) into ws.rows: pointers into
+// the cache / k / v when they already hold op_t with an even-enough dim, else rows converted (fp16 -> fp32)
+// or zero-padded (odd D for bf16) into ws.stage.
+template <typename scalar_t, typename op_t, typename RowOf>
+void gather_rows(RowOf row_of, int64_t j0, int64_t n, const Geometry& geo, Workspace<op_t>& ws) {
+  constexpr bool kSameType = std::is_same_v<scalar_t, op_t>;
+  if (kSameType && geo.dim_pad == geo.dim) {
+    for (int64_t jj = 0; jj < n; ++jj) ws.rows[jj] = reinterpret_cast<const op_t*>(row_of(j0 + jj));
+    return;
+  }
+  for (int64_t jj = 0; jj < n; ++jj) {
+    const scalar_t* src = row_of(j0 + jj);
+    op_t* dst = ws.stage.data() + jj * geo.dim_pad;
+    for (int64_t d = 0; d < geo.dim; ++d) dst[d] = static_cast<op_t>(src[d]);
+    for (int64_t d = geo.dim; d < geo.dim_pad; ++d) dst[d] = op_t(0.0f);
+    ws.rows[jj] = dst;
+  }
+}
+
+// dst[w * ld + jj] = rows[jj][w] over 32-bit words: K^T for fp32, and for bf16 the VNNI-2 K^T as well
+// (a word is the pair (d, d + 1) of one key, which VNNI-2 keeps adjacent). Blocks of 16 keys keep the 16
+// source lines in L1 while each destination line is written whole.
+inline void transpose_words(const uint32_t* const* rows, int64_t n, int64_t words, uint32_t* dst, int64_t ld) {
+  constexpr int64_t kBlock = 16;
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const int64_t jn = std::min(kBlock, n - j0);
+    for (int64_t w = 0; w < words; ++w) {
+      uint32_t* out = dst + w * ld + j0;
+      for (int64_t jj = 0; jj < jn; ++jj) out[jj] = rows[j0 + jj][w];
     }
   }
 }
 
-// V of keys [j0, j0 + n) into [n_pad, dim_pad]; rows [n, n_pad) and columns [dim, dim_pad) zero.
+// K^T of keys [j0, j0 + n) into ws.k [dim_pad, kKeyTile]; bf16 pads the key count to even with zeros.
+template <typename scalar_t, typename op_t>
+void pack_keys(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t n_pad, const Geometry& geo,
+               Workspace<op_t>& ws) {
+  gather_rows<scalar_t>([&](int64_t j) { return view.key(j); }, j0, n, geo, ws);
+  const int64_t words = geo.dim_pad * static_cast<int64_t>(sizeof(op_t)) / 4;
+  auto* dst = reinterpret_cast<uint32_t*>(ws.k.data());
+  transpose_words(reinterpret_cast<const uint32_t* const*>(ws.rows.data()), n, words, dst, kKeyTile);
+  for (int64_t jj = n; jj < n_pad; ++jj) {
+    for (int64_t w = 0; w < words; ++w) dst[w * kKeyTile + jj] = 0;
+  }
+}
+
+// V of keys [j0, j0 + n) into ws.v [n_pad, dim_pad]: row copies for fp32, pairs of rows interleaved
+// (VNNI-2) for bf16, with a zero row when n is odd.
 template <typename scalar_t, typename op_t>
 void pack_values(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t n_pad, const Geometry& geo,
-                 op_t* dst) {
-  for (int64_t jj = 0; jj < n_pad; ++jj) {
-    const scalar_t* src = jj < n ? view.value(j0 + jj) : nullptr;
-    for (int64_t d = 0; d < geo.dim_pad; ++d) {
-      const bool real = src != nullptr && d < geo.dim;
-      dst[b_index<op_t>(jj, d, geo.dim_pad)] = real ? static_cast<op_t>(src[d]) : op_t(0.0f);
+                 Workspace<op_t>& ws) {
+  const int64_t dp = geo.dim_pad;
+  if constexpr (!kVnni<op_t>) {
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const scalar_t* src = view.value(j0 + jj);
+      float* dst = ws.v.data() + jj * dp;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        std::memcpy(dst, src, dp * sizeof(float));
+      } else {
+        for (int64_t d = 0; d < dp; ++d) dst[d] = static_cast<float>(src[d]);
+      }
+    }
+  } else {
+    gather_rows<scalar_t>([&](int64_t j) { return view.value(j); }, j0, n, geo, ws);
+    for (int64_t jj = 0; jj < n_pad; jj += 2) {
+      const op_t* even = ws.rows[jj];
+      op_t* dst = ws.v.data() + jj * dp;
+      if (jj + 1 < n) {
+        const op_t* odd = ws.rows[jj + 1];
+        for (int64_t d = 0; d < dp; ++d) {
+          dst[2 * d] = even[d];
+          dst[2 * d + 1] = odd[d];
+        }
+      } else {
+        for (int64_t d = 0; d < dp; ++d) {
+          dst[2 * d] = even[d];
+          dst[2 * d + 1] = op_t(0.0f);
+        }
+      }
     }
   }
 }
@@ -290,8 +366,8 @@ template <typename scalar_t, typename op_t>
 void attend_tile(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t rows, const Geometry& geo,
                  float scale, Workspace<op_t>& ws) {
   const int64_t n_pad = gemm_pad<op_t>(n);
-  pack_keys(view, j0, n, n_pad, geo, ws.k.data());
-  pack_values(view, j0, n, n_pad, geo, ws.v.data());
+  pack_keys(view, j0, n, n_pad, geo, ws);
+  pack_values(view, j0, n, n_pad, geo, ws);
   gemm(rows, n_pad, geo.dim_pad, geo.dim_pad, kKeyTile, kKeyTile, false, ws.q.data(), ws.k.data(),
        ws.s.data());
   for (int64_t m = 0; m < rows; ++m) {
@@ -457,7 +533,7 @@ void run(const BlockAttentionArgs& args) {
     partials = {partial_acc.data(), partial_stats.data(), partial_stats.data() + items * geo.max_rows};
   }
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    Workspace<op_t> ws(geo);
+    Workspace<op_t>& ws = thread_workspace<op_t>(geo);
     for (int64_t item = begin; item < end; ++item) run_item<scalar_t, op_t>(args, geo, item, ws, partials);
     if constexpr (kVnni<op_t>) at::native::cpublas::brgemm_release(true);
   });
