@@ -1,0 +1,230 @@
+"""Reference model: forward modes, the cached decode pass against a full recompute, checkpoints."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sbd_kernels.model import (
+    CHAR_MASK_TOKEN_ID, KVCache, ModelConfig, Transformer, load_checkpoint, save_checkpoint,
+)
+from sbd_kernels.ops.attention.naive import block_attention_with_kvcache as naive_attention
+from sbd_kernels.tasks import TOKENIZER
+from sbd_kernels.testing import assert_close, poison_
+
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "sbd_kernels" / "checkpoints"
+ATTENTION_OPS = {"naive": naive_attention, "cpp": torch.ops.sbd.block_attention_with_kvcache}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These tests run small matrices: on a 2-core machine shared with other jobs, one thread is
+    faster than two (measured 65 ms vs 630 ms for one forward of the small model)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(dtype=torch.float32) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig.preset("tiny")).to(dtype).eval()
+
+
+def random_tokens(*shape: int) -> torch.Tensor:
+    return torch.randint(TOKENIZER.reserved, TOKENIZER.vocab_size, shape)
+
+
+def recompute_mask(prefix: int, block: int) -> torch.Tensor:
+    """SBD_SPEC 3.10: causal over the first `prefix` tokens; the `block` rows after them see everything."""
+    t = prefix + block
+    mask = torch.ones(t, t, dtype=torch.bool).tril()
+    mask[prefix:, :] = True
+    return mask
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "llama3.1-8b", "qwen3-8b"])
+def test_presets(name):
+    """Guards against presets with shapes that break GQA (heads not divisible) or a mask id outside
+    the vocabulary."""
+    cfg = ModelConfig.preset(name)
+    assert cfg.n_heads % cfg.n_kv_heads == 0 and cfg.head_dim * cfg.n_heads == cfg.dim
+    assert 0 <= cfg.mask_token_id < cfg.vocab_size
+
+
+def test_preset_shapes_of_the_8b_models():
+    """Guards against benchmark shapes drifting from the published Llama-3.1-8B / Qwen3-8B configs."""
+    llama, qwen = ModelConfig.preset("llama3.1-8b"), ModelConfig.preset("qwen3-8b")
+    assert (llama.dim, llama.n_layers, llama.n_heads, llama.n_kv_heads, llama.ffn_dim, llama.vocab_size) == \
+        (4096, 32, 32, 8, 14336, 128256)
+    assert (qwen.dim, qwen.n_layers, qwen.n_heads, qwen.n_kv_heads, qwen.ffn_dim, qwen.vocab_size) == \
+        (4096, 36, 32, 8, 12288, 151936)
+    assert llama.head_dim == qwen.head_dim == 128
+
+
+def test_unknown_preset_and_bad_config_name_the_problem():
+    """Guards against silent fallbacks on a typo in a preset name or inconsistent head counts."""
+    with pytest.raises(ValueError, match="unknown name"):
+        ModelConfig.preset("tinyy")
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        ModelConfig(vocab_size=48, dim=32, n_layers=1, n_heads=4, n_kv_heads=3, ffn_dim=64, max_seq_len=16)
+
+
+def test_character_presets_fit_the_tokenizer():
+    """Guards against the model's mask id and the tokenizer's reserved mask id disagreeing."""
+    for name in ("tiny", "small"):
+        cfg = ModelConfig.preset(name)
+        assert cfg.mask_token_id == TOKENIZER.MASK == CHAR_MASK_TOKEN_ID
+        assert cfg.vocab_size >= TOKENIZER.vocab_size
+
+
+def test_forward_defaults_are_causal_with_arange_positions():
+    """Guards against the default mask or positions differing from an explicit causal mask + arange."""
+    model = tiny_model()
+    tokens = random_tokens(2, 13)
+    explicit = model(tokens, torch.arange(13).expand(2, 13), torch.ones(1, 13, 13, dtype=torch.bool).tril())
+    assert_close(model(tokens), explicit, torch.float32)
+    assert model(tokens).dtype == torch.float32
+
+
+def test_forward_is_causal():
+    """Guards against future tokens leaking into earlier logits (a wrong mask orientation)."""
+    model = tiny_model()
+    tokens = random_tokens(1, 12)
+    changed = tokens.clone()
+    changed[0, 8:] = random_tokens(1, 4)
+    assert_close(model(changed)[:, :8], model(tokens)[:, :8], torch.float32)
+
+
+def test_sbd_train_forward_halves():
+    """Guards against the noisy half leaking into the clean half, and against wrong position ids or
+    block boundaries in the noisy half: each noisy block must equal a separate recompute of
+    [clean prefix before the block ; noisy block] with the block rows seeing everything."""
+    model, n, k = tiny_model(), 11, 4
+    clean, noisy = random_tokens(2, n), random_tokens(2, n)
+    noisy[:, ::3] = CHAR_MASK_TOKEN_ID
+    logits = model.sbd_train_forward(clean, noisy, k)
+    assert logits.shape == (2, 2 * n, model.config.vocab_size)
+    assert_close(logits[:, :n], model(clean), torch.float32, name="clean half")
+    for start in range(0, n, k):
+        stop = min(start + k, n)
+        seq = torch.cat([clean[:, :start], noisy[:, start:stop]], dim=1)
+        expected = model(seq, attn_mask=recompute_mask(start, stop - start)[None])[:, start:]
+        assert_close(logits[:, n + start: n + stop], expected, torch.float32, name=f"noisy block {start}")
+
+
+def _prefill(model, prompts, lengths, cache, op):
+    return model.decode_pass(prompts, lengths, 0, cache, attention_op=op)
+
+
+@pytest.mark.parametrize("op_name", ["naive", "cpp"])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_decode_pass_equals_full_recompute(op_name, block_size):
+    """Guards against a cached pass diverging from the full recompute of SBD_SPEC 3.10 (wrong RoPE
+    positions for causal/block rows, a wrong cache length, block K/V leaking into the cache): prefill
+    rows of different lengths, then one [causal ; block] pass with num_causal = 0, 2, C, then a
+    block-only pass; every valid row's logits must match a no-cache forward with the 3.10 mask."""
+    model, op = tiny_model(), ATTENTION_OPS[op_name]
+    prompt_lens = torch.tensor([9, 4, 6], dtype=torch.int32)
+    seqs = random_tokens(3, 40)
+    cache = KVCache.for_model(model, batch=3, max_len=48)
+    for t in cache.k + cache.v:
+        poison_(t)  # unwritten slots must never be read
+    prefill = _prefill(model, seqs[:, :9], prompt_lens, cache, op)
+    for b, length in enumerate(prompt_lens.tolist()):
+        assert_close(prefill[b, :length], model(seqs[b: b + 1, :length])[0], torch.float32, name="prefill")
+
+    num_causal, slots = torch.tensor([0, 2, 3], dtype=torch.int32), 3
+    block = random_tokens(3, block_size)
+    block[:, ::2] = CHAR_MASK_TOKEN_ID
+    rows = torch.stack([seqs[b, L: L + slots] for b, L in enumerate(prompt_lens.tolist())])
+    for pass_tokens, causal in ((torch.cat([rows, block], 1), num_causal),
+                                (block, torch.zeros(3, dtype=torch.int32))):
+        lengths_before = cache.seqlens.clone()
+        logits = model.decode_pass(pass_tokens, causal, block_size, cache, attention_op=op)
+        assert torch.equal(cache.seqlens, lengths_before + causal)
+        c_slots = pass_tokens.shape[1] - block_size
+        for b in range(3):
+            L, c = int(lengths_before[b]), int(causal[b])
+            prefix = seqs[b, : L + c]
+            full = model(torch.cat([prefix, block[b]])[None], attn_mask=recompute_mask(L + c, block_size)[None])
+            assert_close(logits[b, :c], full[0, L: L + c], torch.float32, name=f"row {b} causal")
+            assert_close(logits[b, c_slots:], full[0, L + c:], torch.float32, name=f"row {b} block")
+    for t in cache.k:
+        for b, length in enumerate(cache.seqlens.tolist()):
+            assert not t[b, :length].isnan().any(), "a cached slot was not written"
+            assert t[b, length:].isnan().all(), "block or padding K/V was written to the cache"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_pass_low_precision(dtype):
+    """Guards against a half-precision cache or model breaking the cached pass (dtype mismatches
+    between q and the cache, fp32 logits contract): compared with the same model's no-cache forward."""
+    model = tiny_model(dtype)
+    tokens = random_tokens(2, 10)
+    cache = KVCache.for_model(model, batch=2, max_len=32)
+    assert cache.k[0].dtype == dtype
+    logits = model.decode_pass(tokens, torch.tensor([10, 10], dtype=torch.int32), 0, cache)
+    assert logits.dtype == torch.float32
+    assert_close(logits, model(tokens), dtype, atol_scale=4.0)
+
+
+def test_kv_cache_reset_and_shapes():
+    """Guards against a cache whose layout differs from the op contract ([B, S_max, Hkv, D], int32
+    lengths) or whose reset leaves stale lengths."""
+    model = tiny_model()
+    cache = KVCache.for_model(model, batch=2, max_len=20)
+    cfg = model.config
+    assert len(cache.k) == len(cache.v) == cfg.n_layers
+    assert cache.k[0].shape == (2, 20, cfg.n_kv_heads, cfg.head_dim) and cache.k[0].is_contiguous()
+    assert cache.seqlens.dtype == torch.int32
+    model.decode_pass(random_tokens(2, 5), torch.tensor([5, 3], dtype=torch.int32), 0, cache)
+    assert cache.seqlens.tolist() == [5, 3]
+    cache.reset()
+    assert cache.seqlens.tolist() == [0, 0]
+
+
+def test_checkpoint_round_trip(tmp_path):
+    """Guards against a checkpoint that loses the config, the meta data or any weight."""
+    model = tiny_model()
+    path = tmp_path / "m.pt"
+    save_checkpoint(model, path, steps_done=7, note="x")
+    loaded, meta = load_checkpoint(path)
+    assert loaded.config == model.config and meta == {"steps_done": 7, "note": "x"}
+    tokens = random_tokens(2, 9)
+    assert torch.equal(loaded(tokens), model(tokens))
+
+
+def test_checkpoint_loads_without_training_code(tmp_path):
+    """Guards against checkpoints that pickle training classes (loading must need model.py only)."""
+    path = tmp_path / "m.pt"
+    save_checkpoint(tiny_model(), path)
+    code = ("import sys; from sbd_kernels.model import load_checkpoint; "
+            f"m, _ = load_checkpoint({str(path)!r}); "
+            "assert 'sbd_kernels.train' not in sys.modules; print(m.config.dim)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "32"
+
+
+@pytest.mark.parametrize("name", ["sbd_small", "ntp_small"])
+def test_bundled_checkpoints_solve_held_out_examples(name):
+    """Guards against shipping broken or mismatched weights. Teacher-forced next-token argmax equal to
+    the answer at every position means greedy NTP decoding reproduces the answer exactly; for the SBD
+    model, every answer position masked (blocks of 16 aligned at 0) must also be predicted exactly."""
+    from sbd_kernels.tasks import collate, get_task, make_examples
+
+    model, meta = load_checkpoint(CHECKPOINTS / f"{name}.pt")
+    assert model.config == ModelConfig.preset("small")
+    assert meta["train_config"]["objective"] == name.split("_")[0]
+    for task_name in ("add", "rot13"):
+        task = get_task(task_name)
+        tokens, target = collate(make_examples(task_name, "held_out", 8), task.prompt_tokens + task.answer_tokens)
+        with torch.no_grad():
+            ntp_pred = model(tokens)[:, :-1].argmax(-1)
+            assert torch.equal(ntp_pred[target[:, 1:]], tokens[:, 1:][target[:, 1:]]), task_name
+            if name == "sbd_small":
+                noisy = torch.where(target, CHAR_MASK_TOKEN_ID, tokens)
+                matp_pred = model.sbd_train_forward(tokens, noisy, 16)[:, tokens.shape[1]:].argmax(-1)
+                assert torch.equal(matp_pred[target], tokens[target]), task_name
