@@ -1,0 +1,440 @@
+"""Triton kernels of `sbd.block_attention_with_kvcache`: split-KV ("flash decoding") SBD block attention.
+
+For sequence b, KV head h, query row i and head g of the group (query head h * G + g, G = Hq / Hkv), with
+L = cache_seqlens[b], c = num_causal[b], C = S - K, scale s = softmax_scale:
+
+    keys(i) = cache slots [0, L)  +  new rows j of k/v with
+              causal row i < c      : j < c and j <= i
+              block row  i >= C     : j < c or j >= C
+              padding row c <= i < C: none                    (out = 0, lse = -inf)
+    lse[b, hG+g, i] = log sum_{j in keys(i)} exp(s q_i . k_j)
+    out[b, i, hG+g] = sum_{j in keys(i)} exp(s q_i . k_j - lse) v_j
+
+Stage 1, `_attention_split_kernel`, grid (B * Hkv, M tiles, 1 + cache splits). The M tile packs the query
+rows AND the G heads of one KV group (row m = i * G + g), so each K/V tile is loaded once for the whole
+group. Split 0 attends to the S new rows and, in M tile 0, appends the causal rows' K/V to cache slots
+[L, L + c) (the only cache writes). Split n >= 1 attends to the cache slots [(n-1) * SPLIT_LEN, n * SPLIT_LEN)
+below L; splits starting at or past L exit at once (the number of splits comes from the cache capacity,
+a shape, so the host never reads L). Each split writes a partial online-softmax state in base 2:
+m = max_j t_j, l = sum_j 2^(t_j - m), acc = sum_j 2^(t_j - m) v_j with t = s log2(e) q . k.
+
+Stage 2, `_attention_combine_kernel`, grid (B * Hkv, combine tiles): merges the 1 + ceil(L / SPLIT_LEN)
+live splits with log-sum-exp, writes out = acc / l (dtype of q) and lse = (m + log2 l) ln 2, or 0 / -inf
+for rows without keys.
+
+Safety: cache loads are masked to slots < L (other = 0) and scores of masked keys are set to -inf before
+the exponential, so a NaN-filled cache tail never reaches a result; L and c are clamped to the capacity
+and to [0, C] and page ids to [0, num_pages) inside the kernel, so a bad value (reported on the host by
+`torch._assert_async`) can never make the kernel read or write out of bounds.
+
+Under TRITON_INTERPRET=1 every operand is upcast to fp32 right after its load (the interpreter gets bf16
+arithmetic and bf16 tl.dot wrong). On a GPU, fp16/bf16 operands stay in their dtype for tl.dot (tensor
+cores, fp32 accumulation) and fp32 operands use 3xTF32, which keeps fp32 accuracy on tensor cores.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from sbd_kernels.ops._aot import KernelSpec
+from sbd_kernels.ops.attention._checks import (
+    AttentionDims,
+    assert_block_attention_values,
+    check_block_attention_args,
+)
+
+
+class _Tiles(NamedTuple):
+    max_block_m: int  # rows of the M tile (query rows x heads of a KV group), at most
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+# Tiles by (fp16/bf16?, ALIGNED?, BLOCK_D > 128?): the largest that compile with no register spill on
+# sm_80 and sm_90 (ptxas -v, --regAllocOptLevel=2, as `python -m sbd_kernels.aot` checks). A decode pass has
+# M = (C + K) * G rows, e.g. 32 * 4 = 128; BLOCK_M is the smallest power of two >= M (tl.dot needs >= 16)
+# up to max_block_m. Measured at D = 128: fp16 64 x 64 with 4 warps spills 28-372 bytes, with 8 warps
+# 214-230 registers and none; fp32 (3xTF32 dots hold hi/lo halves of each operand) spills from 32 x 32,
+# 16 x 32 with 8 warps uses 177-216 registers. Unaligned rows keep one 64-bit address per element, hence
+# 16 x 16 tiles; fp32 at D = 256 spills with 3xTF32 and runs plain fp32 dots (one stage when unaligned).
+_TILES = {
+    (True, True, False): _Tiles(64, 64, 8, 2),
+    (True, True, True): _Tiles(64, 16, 8, 2),
+    (False, True, False): _Tiles(16, 32, 8, 2),
+    (False, True, True): _Tiles(16, 16, 8, 2),
+    (True, False, False): _Tiles(16, 16, 4, 2),
+    (True, False, True): _Tiles(16, 16, 8, 2),
+    (False, False, False): _Tiles(16, 16, 8, 2),
+    (False, False, True): _Tiles(16, 16, 8, 1),
+}
+# Cache slots per split, at least: each split writes a partial (m, l, acc[M tile, D]) fp32 state; with
+# 512 slots a bf16 split reads 512 * D * 2 * 2 bytes of K/V against 64 * D * 4 bytes of partial output
+# (one eighth), so the split overhead stays small while L = 4096 still gives 8 splits per (b, head, tile).
+MIN_SPLIT_LEN = 512
+# Programs to aim for: two waves on a 132-SM H100. The split count is a function of shapes only (no sync).
+TARGET_PROGRAMS = 2 * 132
+# Query rows per combine program: a [16, 256] fp32 tile plus the running state stays in registers.
+COMBINE_BLOCK_M = 16
+_LN2 = tl.constexpr(math.log(2.0))
+_LOG2E = 1.0 / math.log(2.0)
+
+
+@triton.jit
+def _tile_ptrs(base, row_offsets, d_idx, stride_d, ALIGNED: tl.constexpr):
+    """Pointers [rows, BLOCK_D] = base + row_offsets[:, None] + d_idx[None, :] * stride_d.
+
+    ALIGNED (checked by the launcher: 16-byte aligned data, strides of 16 bytes, stride_d == 1) tells the
+    compiler that every row starts on a 16-byte boundary, so rows load and store as 16-byte vectors; without
+    it each element keeps its own 64-bit address, and the tiles below spill registers.
+    """
+    ptrs = base + row_offsets[:, None] + d_idx[None, :] * stride_d
+    if ALIGNED:
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 16]), [1, d_idx.shape[0]])
+    return ptrs
+
+
+@triton.jit
+def _online_softmax_update(q, k, v, valid, m_i, l_i, acc, qk_scale,
+                           HALF_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """One key tile of base-2 online softmax. q [BM, BD], k/v [BN, BD], valid [BM, BN] -> (m, l, acc)."""
+    t = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+    t = tl.where(valid, t, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(t, 1))
+    # A row with no key so far keeps m = -inf; subtract 0 instead so that 2^(-inf - base) = 0, not NaN.
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(t - m_base[:, None])
+    alpha = tl.exp2(m_i - m_base)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if HALF_DOT:
+        p = p.to(v.dtype)
+    acc = tl.dot(p, v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _cache_rows(slots, live, b, block_table_ptr, stride_btb, page_size, num_pages, PAGED: tl.constexpr):
+    """(page, offset in page, in range) of cache slots [BN]. Contiguous caches are one page per sequence."""
+    if PAGED:
+        page = tl.load(block_table_ptr + b.to(tl.int64) * stride_btb + slots // page_size, mask=live, other=0)
+        ok = live & (page >= 0) & (page < num_pages)
+        return page.to(tl.int64), slots % page_size, ok
+    else:
+        return tl.zeros_like(slots).to(tl.int64) + b, slots, live
+
+
+@triton.jit
+def _attention_split_kernel(
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, cache_seqlens_ptr, num_causal_ptr, block_table_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_kcp, stride_kcs, stride_kch,
+    stride_vcp, stride_vcs, stride_vch,
+    stride_btb,
+    S, C, Hkv, G, D, M, capacity, page_size, num_pages, split_len, num_splits,
+    qk_scale,
+    PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HALF_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    """Partial softmax state of one (sequence, KV head, M tile, split); split 0 = new rows + cache append."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    b = pid_bh // Hkv
+    h = pid_bh % Hkv
+    length = tl.minimum(tl.maximum(tl.load(cache_seqlens_ptr + b), 0), capacity)
+    causal = tl.minimum(tl.maximum(tl.load(num_causal_ptr + b), 0), C)
+    start = (split - 1) * split_len
+    if (split > 0) & (start >= length):
+        return
+
+    # M tile: row m = query row i * G + head g of the group; its class decides which keys it sees.
+    m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = m_idx // G
+    q_head = h * G + m_idx % G
+    row_causal = row < causal
+    row_block = (row >= C) & (row < S)
+    row_live = (row_causal | row_block) & (m_idx < M)
+    d_idx = tl.arange(0, BLOCK_D)
+    d_ok = d_idx < D
+    q_ptrs = _tile_ptrs(q_ptr + b.to(tl.int64) * stride_qb, row * stride_qs + q_head * stride_qh, d_idx,
+                        stride_qd, ALIGNED)
+    q = tl.load(q_ptrs, mask=row_live[:, None] & d_ok[None, :], other=0.0)
+    if not HALF_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n_idx = tl.arange(0, BLOCK_N)
+    if split == 0:
+        # The S new rows: causal rows [0, c) and block rows [C, S); padding rows are never loaded.
+        for j0 in range(0, S, BLOCK_N):
+            j = j0 + n_idx
+            key_causal = j < causal
+            key_live = key_causal | ((j >= C) & (j < S))
+            kv_mask = key_live[:, None] & d_ok[None, :]
+            k_tile = tl.load(_tile_ptrs(k_ptr + b.to(tl.int64) * stride_kb, j * stride_ks + h * stride_kh,
+                                        d_idx, stride_kd, ALIGNED), mask=kv_mask, other=0.0)
+            v_tile = tl.load(_tile_ptrs(v_ptr + b.to(tl.int64) * stride_vb, j * stride_vs + h * stride_vh,
+                                        d_idx, stride_vd, ALIGNED), mask=kv_mask, other=0.0)
+            if pid_m == 0:
+                # Cache append of the causal rows: slots [L, L + c), bit-exact copies of the loaded rows.
+                page, offset, ok = _cache_rows(length + j, key_causal & (length + j < capacity), b,
+                                               block_table_ptr, stride_btb, page_size, num_pages, PAGED)
+                store_mask = ok[:, None] & d_ok[None, :]
+                tl.store(_tile_ptrs(k_cache_ptr, page * stride_kcp + offset * stride_kcs + h * stride_kch,
+                                    d_idx, 1, ALIGNED), k_tile, mask=store_mask)
+                tl.store(_tile_ptrs(v_cache_ptr, page * stride_vcp + offset * stride_vcs + h * stride_vch,
+                                    d_idx, 1, ALIGNED), v_tile, mask=store_mask)
+            if not HALF_DOT:
+                k_tile = k_tile.to(tl.float32)
+                v_tile = v_tile.to(tl.float32)
+            sees_causal = row_causal[:, None] & key_causal[None, :] & (j[None, :] <= row[:, None])
+            sees_block = row_block[:, None] & key_live[None, :]
+            valid = sees_causal | sees_block
+            m_i, l_i, acc = _online_softmax_update(q, k_tile, v_tile, valid, m_i, l_i, acc, qk_scale,
+                                                   HALF_DOT, INPUT_PRECISION)
+    else:
+        end = tl.minimum(start + split_len, length)
+        for n0 in range(start, end, BLOCK_N):
+            slots = n0 + n_idx
+            page, offset, ok = _cache_rows(slots, slots < end, b, block_table_ptr, stride_btb, page_size,
+                                           num_pages, PAGED)
+            kv_mask = ok[:, None] & d_ok[None, :]
+            k_tile = tl.load(_tile_ptrs(k_cache_ptr, page * stride_kcp + offset * stride_kcs + h * stride_kch,
+                                        d_idx, 1, ALIGNED), mask=kv_mask, other=0.0)
+            v_tile = tl.load(_tile_ptrs(v_cache_ptr, page * stride_vcp + offset * stride_vcs + h * stride_vch,
+                                        d_idx, 1, ALIGNED), mask=kv_mask, other=0.0)
+            if not HALF_DOT:
+                k_tile = k_tile.to(tl.float32)
+                v_tile = v_tile.to(tl.float32)
+            valid = row_live[:, None] & ok[None, :]
+            m_i, l_i, acc = _online_softmax_update(q, k_tile, v_tile, valid, m_i, l_i, acc, qk_scale,
+                                                   HALF_DOT, INPUT_PRECISION)
+
+    # Partial state [B * Hkv, 1 + splits, M] (+ [D]) in fp32; rows past M are not stored.
+    state = (pid_bh.to(tl.int64) * num_splits + split) * M + m_idx
+    m_ok = m_idx < M
+    tl.store(part_m_ptr + state, m_i, mask=m_ok)
+    tl.store(part_l_ptr + state, l_i, mask=m_ok)
+    tl.store(_tile_ptrs(part_acc_ptr, state * D, d_idx, 1, ALIGNED), acc, mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _attention_combine_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, cache_seqlens_ptr, out_ptr, lse_ptr,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    Hkv, G, D, M, capacity, split_len, num_splits,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    """Log-sum-exp merge of the live splits of one (sequence, KV head, row tile); writes out and lse."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    b = pid_bh // Hkv
+    h = pid_bh % Hkv
+    length = tl.minimum(tl.maximum(tl.load(cache_seqlens_ptr + b), 0), capacity)
+    live_splits = 1 + tl.cdiv(length, split_len)
+
+    m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m_idx < M
+    d_idx = tl.arange(0, BLOCK_D)
+    tile_ok = m_ok[:, None] & (d_idx < D)[None, :]
+    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for split in range(0, live_splits):
+        state = (pid_bh.to(tl.int64) * num_splits + split) * M + m_idx
+        m_s = tl.load(part_m_ptr + state, mask=m_ok, other=float("-inf"))
+        l_s = tl.load(part_l_ptr + state, mask=m_ok, other=0.0)
+        acc_s = tl.load(_tile_ptrs(part_acc_ptr, state * D, d_idx, 1, ALIGNED), mask=tile_ok, other=0.0)
+        m_new = tl.maximum(m_run, m_s)
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale_run = tl.exp2(m_run - m_base)
+        scale_s = tl.exp2(m_s - m_base)
+        l_run = l_run * scale_run + l_s * scale_s
+        acc = acc * scale_run[:, None] + acc_s * scale_s[:, None]
+        m_run = m_new
+
+    has_keys = l_run > 0.0
+    out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_run, 1.0)[:, None], 0.0)
+    lse = tl.where(has_keys, (m_run + tl.log2(tl.where(has_keys, l_run, 1.0))) * _LN2,
+                   float("-inf"))
+    row = m_idx // G
+    q_head = h * G + m_idx % G
+    tl.store(_tile_ptrs(out_ptr + b.to(tl.int64) * stride_ob, row * stride_os + q_head * stride_oh, d_idx, 1,
+                        ALIGNED), out.to(out_ptr.dtype.element_ty), mask=tile_ok)
+    tl.store(lse_ptr + b.to(tl.int64) * stride_lb + q_head * stride_lh + row, lse, mask=m_ok)
+
+
+class _Config(NamedTuple):
+    """Compile-time choices of one launch (all picked from shapes, dtype and alignment)."""
+
+    block_m: int
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    half_dot: bool
+    input_precision: str
+    paged: bool
+    aligned: bool
+
+
+class _SplitPlan(NamedTuple):
+    """How the cache is cut: split n >= 1 covers slots [(n-1) * split_len, n * split_len)."""
+
+    m_tiles: int
+    split_len: int
+    num_splits: int  # 1 (the new rows) + cache splits
+
+
+def _pick_config(head_dim: int, rows: int, dtype: torch.dtype, paged: bool, aligned: bool,
+                 on_gpu: bool) -> _Config:
+    """Tiles by dtype, alignment and head dim (_TILES), BLOCK_M by the M = S * G rows of a KV group; dot
+    operands: fp16/bf16 on GPU tensor cores, 3xTF32 for fp32 (plain fp32 at D > 128), fp32 when
+    interpreted."""
+    half = dtype != torch.float32
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    tiles = _TILES[(half, aligned, block_d > 128)]
+    block_m = min(tiles.max_block_m, max(16, triton.next_power_of_2(rows)))
+    input_precision = "tf32x3" if on_gpu and not half and block_d <= 128 else "ieee"
+    return _Config(block_m, tiles.block_n, block_d, tiles.num_warps, tiles.num_stages, on_gpu and half,
+                   input_precision, paged, aligned)
+
+
+def _plan_splits(dims: AttentionDims, config: _Config) -> _SplitPlan:
+    """Cache splits from the capacity (an upper bound of every L_b): enough programs for two GPU waves,
+    but no split shorter than MIN_SPLIT_LEN slots."""
+    rows = dims.seq * (dims.q_heads // dims.kv_heads)
+    m_tiles = triton.cdiv(rows, config.block_m)
+    by_occupancy = triton.cdiv(TARGET_PROGRAMS, dims.batch * dims.kv_heads * m_tiles)
+    by_length = triton.cdiv(dims.capacity, MIN_SPLIT_LEN)
+    cache_splits = max(1, min(by_occupancy, by_length))
+    split_len = max(config.block_n, triton.cdiv(triton.cdiv(dims.capacity, cache_splits), config.block_n)
+                    * config.block_n)
+    cache_splits = max(1, triton.cdiv(dims.capacity, split_len))
+    return _SplitPlan(m_tiles, split_len, 1 + cache_splits)
+
+
+def _rows_aligned(*tensors: torch.Tensor) -> bool:
+    """True when every tensor has a contiguous last dim and 16-byte aligned data and row strides, so the
+    kernels may use 16-byte vector accesses (ALIGNED). Reads pointers and strides only, never data."""
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
+            return False
+    return True
+
+
+def block_attention_with_kvcache(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor, num_causal: torch.Tensor, block_size: int,
+    block_table: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher of the op (same signature and side effect); CUDA tensors, or CPU tensors under
+    TRITON_INTERPRET=1. Returns out [B, S, Hq, D] (dtype of q) and lse [B, Hq, S] fp32. No host sync."""
+    dims = check_block_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size,
+                                      block_table)
+    assert_block_attention_values(cache_seqlens, num_causal, dims, block_table)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((dims.batch, dims.q_heads, dims.seq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    scale = dims.head_dim ** -0.5 if softmax_scale is None else softmax_scale
+    group = dims.q_heads // dims.kv_heads
+    rows = dims.seq * group
+    bh = dims.batch * dims.kv_heads
+    # The fp32 partial accumulator (a fresh allocation) has rows of D * 4 bytes: aligned when D % 4 == 0.
+    aligned = _rows_aligned(q, k, v, k_cache, v_cache, out) and dims.head_dim % 4 == 0
+    config = _pick_config(dims.head_dim, rows, q.dtype, dims.paged, aligned, q.device.type == "cuda")
+    plan = _plan_splits(dims, config)
+    part_m = torch.empty((bh, plan.num_splits, rows), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((bh, plan.num_splits, rows, dims.head_dim), dtype=torch.float32, device=q.device)
+    table = block_table if block_table is not None else cache_seqlens  # unread when not paged
+    _attention_split_kernel[(bh, plan.m_tiles, plan.num_splits)](
+        q, k, v, k_cache, v_cache, cache_seqlens, num_causal, table,
+        part_acc, part_m, part_l,
+        *q.stride(), *k.stride(), *v.stride(),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        table.stride(0),
+        dims.seq, dims.num_causal_slots, dims.kv_heads, group, dims.head_dim, rows,
+        dims.capacity, dims.page_size, dims.num_pages, plan.split_len, plan.num_splits,
+        scale * _LOG2E,
+        PAGED=config.paged, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d,
+        HALF_DOT=config.half_dot, INPUT_PRECISION=config.input_precision, ALIGNED=config.aligned,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    _attention_combine_kernel[(bh, triton.cdiv(rows, COMBINE_BLOCK_M))](
+        part_acc, part_m, part_l, cache_seqlens, out, lse,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        dims.kv_heads, group, dims.head_dim, rows, dims.capacity, plan.split_len, plan.num_splits,
+        BLOCK_M=COMBINE_BLOCK_M, BLOCK_D=config.block_d, ALIGNED=config.aligned, num_warps=4,
+    )
+    return out, lse
+
+
+_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_BLOCK_D_CHOICES = (16, 32, 64, 128, 256)  # next power of two >= D (>= 16), D <= 256
+_STRIDE_AXES = {"q": "bshd", "k": "bshd", "v": "bshd", "kc": "psh", "vc": "psh"}
+
+
+def _block_m_choices(tiles: _Tiles) -> list[int]:
+    """BLOCK_M = min(max_block_m, next power of two >= M) with M >= 1: the powers of two from 16."""
+    return [m for m in (16, 32, 64) if m <= tiles.max_block_m]
+
+
+def _split_spec(dtype: torch.dtype, block_m: int, block_d: int, paged: bool, aligned: bool) -> KernelSpec:
+    """The stage-1 kernel as a GPU launch compiles it: q/k/v last-dim strides of 1 are specialised."""
+    config = _pick_config(block_d, block_m, dtype, paged, aligned, on_gpu=True)
+    ty = "*" + _TRITON_DTYPES[dtype]
+    signature = dict(q_ptr=ty, k_ptr=ty, v_ptr=ty, k_cache_ptr=ty, v_cache_ptr=ty, cache_seqlens_ptr="*i32",
+                     num_causal_ptr="*i32", block_table_ptr="*i32", part_acc_ptr="*fp32",
+                     part_m_ptr="*fp32", part_l_ptr="*fp32")
+    signature |= {f"stride_{t}{a}": "constexpr" if a == "d" else "i32"
+                  for t, axes in _STRIDE_AXES.items() for a in axes}
+    signature |= {name: "i32" for name in ("stride_btb", "S", "C", "Hkv", "G", "D", "M", "capacity", "page_size",
+                                           "num_pages", "split_len", "num_splits")}
+    signature["qk_scale"] = "fp32"
+    constexprs = dict(stride_qd=1, stride_kd=1, stride_vd=1, PAGED=paged, BLOCK_M=block_m,
+                      BLOCK_N=config.block_n, BLOCK_D=block_d, HALF_DOT=config.half_dot,
+                      INPUT_PRECISION=config.input_precision, ALIGNED=aligned)
+    signature |= {name: "constexpr" for name in constexprs if name not in signature}
+    name = (f"attention/split {_TRITON_DTYPES[dtype]} M{block_m} N{config.block_n} D{block_d} "
+            f"{'paged' if paged else 'contig'} {'aligned' if aligned else 'unaligned'}")
+    return KernelSpec(name, _attention_split_kernel, signature, constexprs, num_warps=config.num_warps,
+                      num_stages=config.num_stages)
+
+
+def _combine_spec(dtype: torch.dtype, block_d: int, aligned: bool) -> KernelSpec:
+    ty = "*" + _TRITON_DTYPES[dtype]
+    signature = dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", cache_seqlens_ptr="*i32",
+                     out_ptr=ty, lse_ptr="*fp32")
+    signature |= {name: "i32" for name in ("stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_lh",
+                                           "Hkv", "G", "D", "M", "capacity", "split_len", "num_splits")}
+    signature |= dict(BLOCK_M="constexpr", BLOCK_D="constexpr", ALIGNED="constexpr")
+    return KernelSpec(f"attention/combine {_TRITON_DTYPES[dtype]} D{block_d} "
+                      f"{'aligned' if aligned else 'unaligned'}", _attention_combine_kernel, signature,
+                      dict(BLOCK_M=COMBINE_BLOCK_M, BLOCK_D=block_d, ALIGNED=aligned), num_warps=4)
+
+
+def aot_specs() -> list[KernelSpec]:
+    """Every configuration the launcher can pick on a GPU: stage 1 by dtype x alignment x BLOCK_D x BLOCK_M
+    x paged, the combine by dtype x alignment x BLOCK_D."""
+    specs = []
+    for dtype in _TRITON_DTYPES:
+        for aligned in (True, False):
+            for block_d in _BLOCK_D_CHOICES:
+                tiles = _TILES[(dtype != torch.float32, aligned, block_d > 128)]
+                specs += [_split_spec(dtype, block_m, block_d, paged, aligned)
+                          for block_m in _block_m_choices(tiles) for paged in (False, True)]
+                specs.append(_combine_spec(dtype, block_d, aligned))
+    return specs
