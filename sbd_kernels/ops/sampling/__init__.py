@@ -5,8 +5,6 @@ pure-PyTorch oracle in `naive.py` (which also defines the random generator exact
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from sbd_kernels.ops.sampling._checks import check_entropy_sample_args
@@ -15,8 +13,8 @@ __all__ = ["entropy_sample"]
 
 
 def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
-                   temperature: Optional[torch.Tensor] = None, temperature_val: float = 0.0,
-                   compute_mask: Optional[torch.Tensor] = None, mask_token_id: int = -1
+                   temperature: torch.Tensor | None = None, temperature_val: float = 0.0,
+                   compute_mask: torch.Tensor | None = None, mask_token_id: int = -1
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Entropy of softmax(logits), a sampled (or greedy) token and its log-probability, per position.
 

@@ -6,7 +6,7 @@ argument in the same words.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -35,8 +35,8 @@ def _check_per_row_int64(name: str, t: torch.Tensor, batch: int, device: torch.d
 
 
 def check_entropy_sample_args(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
-                              temperature: Optional[torch.Tensor], temperature_val: float,
-                              compute_mask: Optional[torch.Tensor], mask_token_id: int) -> SampleDims:
+                              temperature: torch.Tensor | None, temperature_val: float,
+                              compute_mask: torch.Tensor | None, mask_token_id: int) -> SampleDims:
     """Checks dtypes, shapes, devices and host scalars (no device values); returns (B, K, V)."""
     if logits.dim() != 3:
         _fail(f"logits must be a 3-D tensor [B, K, V], got shape {list(logits.shape)}")

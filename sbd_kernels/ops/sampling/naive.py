@@ -31,8 +31,6 @@ so that 2 * (r >> 9) + 1 < 2^24 converts to fp32 exactly on every backend and u 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from sbd_kernels.ops.sampling._checks import (
@@ -97,8 +95,8 @@ def gumbel_noise(seed: torch.Tensor, offset: torch.Tensor, positions: int, vocab
 
 
 def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
-                   temperature: Optional[torch.Tensor] = None, temperature_val: float = 0.0,
-                   compute_mask: Optional[torch.Tensor] = None, mask_token_id: int = -1
+                   temperature: torch.Tensor | None = None, temperature_val: float = 0.0,
+                   compute_mask: torch.Tensor | None = None, mask_token_id: int = -1
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Oracle of `sbd.entropy_sample` (same arguments, same returns; see the module docstring)."""
     batch, positions, vocab = check_entropy_sample_args(logits, seed, offset, temperature, temperature_val,

@@ -1,0 +1,318 @@
+"""Triton kernels of `sbd.entropy_sample`: split-vocabulary partials, then one combine program per row.
+
+Math (oracle and generator: `sbd_kernels.ops.sampling.naive`), per row x = logits[b, j] (mask entry -inf):
+
+    m = max x,  S = sum exp(x - m),  U = sum exp(x - m) (x - m)
+    entropy = log S - U / S,  logprob(token) = x_token - m - log S
+    token = argmax x (T == 0)  or  argmax x / T + g,  g = -log(-log u),  u from Philox4x32-10 (T > 0)
+
+Stage 1 (`_sampling_partial_kernel`, grid rows x splits): each program walks a contiguous run of
+vocabulary tiles and keeps (m, S, U) online plus the first argmax of x and of the Gumbel score; a handful
+of rows still spreads over the whole GPU. Stage 2 (`_sampling_combine_kernel`, grid rows) rescales the
+partial sums to the row max, takes the lowest index among equal maxima (splits are in vocabulary order)
+and writes the four outputs. A tile is laid out [BLOCK_V / 64, 4, 16] so that one Philox call on counter
+(v >> 6) * 16 + (v & 15) yields the noise of its 4 entries v, v + 16, v + 32, v + 48, exactly as on CPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sbd_kernels.ops._aot import KernelSpec
+from sbd_kernels.ops.sampling._checks import (
+    TEMPERATURE_VALUE_MESSAGE,
+    check_entropy_sample_args,
+    temperature_is_valid,
+)
+
+# Vocabulary entries per tile: 1024 = 16 Philox blocks of 64; with 4 warps each thread holds 8 logits and
+# 2 Philox counters per tile, enough loads in flight for HBM without spilling the 10-round Philox state.
+BLOCK_V = 1024
+# Tile for vocabularies below SMALL_VOCAB: 128 entries (2 Philox blocks), so that a 50-entry row does not
+# draw 1024 entries' noise for nothing.
+SMALL_BLOCK_V = 128
+SMALL_VOCAB = 4096
+NUM_WARPS = 4
+# Programs aimed at per launch: 4 per SM of a 132-SM H100, so that B * K = 16 rows still fill the GPU.
+TARGET_PROGRAMS = 528
+# Smallest run of tiles per program (4096 entries): below that the partials' round trip costs more than
+# the extra parallelism gains.
+MIN_TILES_PER_SPLIT = 4
+# Most splits per row; the combine program reads them as one block. 151936 / (4 * 1024) = 38 < 64.
+MAX_SPLITS = 64
+# Largest Gumbel noise any u gives, -log(-log(1 - 2^-24)) = 16.6355, rounded up: a tile whose max logit / T
+# plus this is below the best score so far cannot hold the winner and skips its Philox draws.
+GUMBEL_MAX = tl.constexpr(16.64)
+# Entries per row of the workspaces: (m, S, U, greedy value, best score, bad) and (greedy index, best index).
+PARTIAL_FLOATS = 6
+PARTIAL_INTS = 2
+_PARTIAL_FLOATS = tl.constexpr(PARTIAL_FLOATS)
+_PARTIAL_INTS = tl.constexpr(PARTIAL_INTS)
+INT32_MAX = 2**31 - 1
+_INT32_MAX = tl.constexpr(INT32_MAX)
+_FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)
+
+
+@triton.jit
+def _sampling_gumbel_tile(x, v, start, temperature, seed, c1, c2, c3, ROWS: tl.constexpr):
+    """Gumbel scores x / T + g of one tile laid out [ROWS, 4, 16] (v: vocabulary index of each entry)."""
+    r = tl.arange(0, ROWS)[:, None, None]
+    w = tl.arange(0, 4)[None, :, None]
+    lane = tl.arange(0, 16)[None, None, :]
+    c0 = (start // 4 + r * 16 + lane).to(tl.uint32)                        # [ROWS, 1, 16]
+    o0, o1, o2, o3 = tl.philox(seed, c0, c1, c2, c3)
+    word = tl.where(w == 0, o0, tl.where(w == 1, o1, tl.where(w == 2, o2, o3)))  # [ROWS, 4, 16]
+    k = (2 * (word >> 9) + 1).to(tl.int32)
+    u = k.to(tl.float32) * 5.9604644775390625e-08                           # 2^-24, exact
+    g = -tl.log(-tl.log(u))
+    return tl.div_rn(x, temperature) + g
+
+
+@triton.jit
+def _sampling_partial_kernel(
+    logits_ptr, stride_b, stride_k, seed_ptr, seed_stride, offset_ptr, offset_stride,
+    temperature_ptr, temperature_stride, temperature_val, compute_mask_ptr, partial_f_ptr, partial_i_ptr,
+    positions, vocab, mask_token_id, tiles_per_split, num_splits,
+    HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    b = row // positions
+    j = row % positions
+    num_tiles = tiles_per_split
+    if HAS_COMPUTE_MASK:
+        num_tiles = tl.where(tl.load(compute_mask_ptr + row) != 0, tiles_per_split, 0)
+    if HAS_TEMPERATURE:
+        temperature = tl.load(temperature_ptr + b * temperature_stride)
+    else:
+        temperature = temperature_val
+    seed = tl.load(seed_ptr + b * seed_stride)
+    offset = tl.load(offset_ptr + b * offset_stride)
+    c1 = j.to(tl.uint32)
+    c2 = (offset & 0xFFFFFFFF).to(tl.uint32)
+    c3 = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    row_ptr = logits_ptr + b.to(tl.int64) * stride_b + j.to(tl.int64) * stride_k
+
+    ROWS: tl.constexpr = BLOCK // 64
+    local = (tl.arange(0, ROWS)[:, None, None] * 64 + tl.arange(0, 4)[None, :, None] * 16
+             + tl.arange(0, 16)[None, None, :])                             # [ROWS, 4, 16]
+    m = -float("inf")
+    sum_exp = 0.0
+    sum_xexp = 0.0
+    bad = 0.0
+    greedy = -float("inf")
+    greedy_idx = -1
+    best = -float("inf")
+    best_idx = -1
+    for t in range(num_tiles):
+        start = (split * tiles_per_split + t) * BLOCK
+        v = start + local
+        x = tl.load(row_ptr + v, mask=v < vocab, other=-float("inf")).to(tl.float32)
+        x = tl.where(v == mask_token_id, -float("inf"), x)
+        bad = tl.maximum(bad, tl.max(((x != x) | (x == float("inf"))).to(tl.float32)))  # noqa: PLR0124 (NaN test)
+        tile_max = tl.max(x)
+        tile_arg = tl.min(tl.where(x == tile_max, v, _INT32_MAX))
+        greedy_idx = tl.where(tile_max > greedy, tile_arg, greedy_idx)
+        greedy = tl.maximum(greedy, tile_max)
+        # Online (m, S, U): -inf entries (and an all -inf prefix) add exactly 0, never NaN.
+        m_new = tl.maximum(m, tile_max)
+        ref = tl.where(m_new == -float("inf"), 0.0, m_new)
+        shift = tl.where(m == -float("inf"), 0.0, m - ref)
+        scale = tl.where(m == -float("inf"), 0.0, tl.exp(shift))
+        d = tl.maximum(x - ref, _FLOAT32_LOWEST)  # -inf -> lowest: exp = 0 and exp * d = 0, not NaN
+        e = tl.exp(d)
+        sum_xexp = (sum_xexp + sum_exp * shift) * scale + tl.sum(e * d)
+        sum_exp = sum_exp * scale + tl.sum(e)
+        m = m_new
+        if temperature > 0:  # noqa: SIM102 (the division below needs T > 0)
+            if tl.div_rn(tile_max, temperature) + GUMBEL_MAX >= best:
+                score = _sampling_gumbel_tile(x, v, start, temperature, seed, c1, c2, c3, ROWS)
+                score_max = tl.max(score)
+                score_arg = tl.min(tl.where(score == score_max, v, _INT32_MAX))
+                best_idx = tl.where(score_max > best, score_arg, best_idx)
+                best = tl.maximum(best, score_max)
+
+    out_f = partial_f_ptr + (row * num_splits + split) * _PARTIAL_FLOATS
+    tl.store(out_f + 0, m)
+    tl.store(out_f + 1, sum_exp)
+    tl.store(out_f + 2, sum_xexp)
+    tl.store(out_f + 3, greedy)
+    tl.store(out_f + 4, best)
+    tl.store(out_f + 5, bad)
+    out_i = partial_i_ptr + (row * num_splits + split) * _PARTIAL_INTS
+    tl.store(out_i + 0, greedy_idx)
+    tl.store(out_i + 1, best_idx)
+
+
+@triton.jit
+def _sampling_combine_kernel(
+    logits_ptr, stride_b, stride_k, temperature_ptr, temperature_stride, temperature_val, compute_mask_ptr,
+    partial_f_ptr, partial_i_ptr, tokens_ptr, entropy_ptr, logprob_ptr, valid_ptr,
+    positions, num_splits,
+    HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, SPLITS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    b = row // positions
+    j = row % positions
+    computed = True
+    if HAS_COMPUTE_MASK:
+        computed = tl.load(compute_mask_ptr + row) != 0
+    if HAS_TEMPERATURE:
+        temperature = tl.load(temperature_ptr + b * temperature_stride)
+    else:
+        temperature = temperature_val
+
+    s = tl.arange(0, SPLITS)
+    live = s < num_splits
+    part_f = partial_f_ptr + (row * num_splits + s) * _PARTIAL_FLOATS
+    part_i = partial_i_ptr + (row * num_splits + s) * _PARTIAL_INTS
+    m = tl.load(part_f + 0, mask=live, other=-float("inf"))
+    sum_exp = tl.load(part_f + 1, mask=live, other=0.0)
+    sum_xexp = tl.load(part_f + 2, mask=live, other=0.0)
+    greedy = tl.load(part_f + 3, mask=live, other=-float("inf"))
+    best = tl.load(part_f + 4, mask=live, other=-float("inf"))
+    bad = tl.max(tl.load(part_f + 5, mask=live, other=0.0))
+    greedy_idx = tl.load(part_i + 0, mask=live, other=-1)
+    best_idx = tl.load(part_i + 1, mask=live, other=-1)
+
+    row_max = tl.max(m)
+    valid = computed & (bad == 0) & (row_max > -float("inf"))
+    ref = tl.where(row_max == -float("inf"), 0.0, row_max)
+    shift = tl.where(m == -float("inf"), 0.0, m - ref)
+    scale = tl.where(m == -float("inf"), 0.0, tl.exp(shift))
+    total_exp = tl.sum(sum_exp * scale)
+    total_xexp = tl.sum((sum_xexp + sum_exp * shift) * scale)
+
+    greedy_max = tl.max(greedy)
+    greedy_token = tl.min(tl.where(greedy == greedy_max, greedy_idx, _INT32_MAX))
+    best_max = tl.max(best)
+    best_token = tl.min(tl.where((best == best_max) & (best_idx >= 0), best_idx, _INT32_MAX))
+    sampled = (temperature > 0) & (best_max > -float("inf"))
+    token = tl.where(sampled, best_token, greedy_token)
+    token = tl.where(valid, token, 0)
+
+    row_ptr = logits_ptr + b.to(tl.int64) * stride_b + j.to(tl.int64) * stride_k
+    x_token = tl.load(row_ptr + token, mask=valid, other=0.0).to(tl.float32)
+    log_z = tl.log(tl.where(valid, total_exp, 1.0))
+    entropy = log_z - total_xexp / tl.where(valid, total_exp, 1.0)
+    logprob = x_token - ref - log_z
+
+    tl.store(tokens_ptr + row, tl.where(valid, token, tl.where(computed, 0, -1)).to(tl.int64))
+    tl.store(entropy_ptr + row, tl.where(valid, entropy, float("inf")))
+    tl.store(logprob_ptr + row, tl.where(valid, logprob, -float("inf")))
+    tl.store(valid_ptr + row, valid.to(tl.int8))
+
+
+def _block_size(vocab: int) -> int:
+    return BLOCK_V if vocab >= SMALL_VOCAB else SMALL_BLOCK_V
+
+
+def _split_plan(rows: int, vocab: int) -> tuple[int, int]:
+    """(tiles per split, number of splits) for rows x vocab: enough programs, not too little work each."""
+    num_tiles = triton.cdiv(vocab, _block_size(vocab))
+    wanted = max(1, min(MAX_SPLITS, triton.cdiv(TARGET_PROGRAMS, rows), num_tiles // MIN_TILES_PER_SPLIT))
+    tiles_per_split = triton.cdiv(num_tiles, wanted)
+    return tiles_per_split, triton.cdiv(num_tiles, tiles_per_split)
+
+
+def _per_row_stride(t: torch.Tensor) -> int:
+    """Row stride of a [B] / [] / [1] tensor: 0 broadcasts its single element."""
+    return t.stride(0) if t.dim() == 1 and t.numel() > 1 else 0
+
+
+def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
+                   temperature: torch.Tensor | None = None, temperature_val: float = 0.0,
+                   compute_mask: torch.Tensor | None = None, mask_token_id: int = -1
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton launcher of `sbd.entropy_sample` (same contract; CUDA tensors, or CPU under TRITON_INTERPRET)."""
+    batch, positions, vocab = check_entropy_sample_args(logits, seed, offset, temperature, temperature_val,
+                                                        compute_mask, mask_token_id)
+    if vocab > INT32_MAX:
+        raise RuntimeError(f"sbd.entropy_sample: logits vocabulary V = {vocab} must be < 2^31 on this backend")
+    device = logits.device
+    tokens = torch.empty(batch, positions, dtype=torch.int64, device=device)
+    entropy = torch.empty(batch, positions, dtype=torch.float32, device=device)
+    logprob = torch.empty(batch, positions, dtype=torch.float32, device=device)
+    valid = torch.empty(batch, positions, dtype=torch.bool, device=device)
+    rows = batch * positions
+    if rows == 0:
+        return tokens, entropy, logprob, valid
+    if temperature is not None:
+        torch._assert_async(temperature_is_valid(temperature), TEMPERATURE_VALUE_MESSAGE)
+    if logits.stride(2) != 1:
+        logits = logits.contiguous()  # vocabulary-strided rows: one copy, then coalesced tile loads
+
+    tiles_per_split, num_splits = _split_plan(rows, vocab)
+    partial_f = torch.empty(rows, num_splits, PARTIAL_FLOATS, dtype=torch.float32, device=device)
+    partial_i = torch.empty(rows, num_splits, PARTIAL_INTS, dtype=torch.int32, device=device)
+    # Unused pointer arguments (constexpr flags off) get a workspace of the right element type.
+    temperature_arg = temperature if temperature is not None else partial_f
+    mask_arg = (compute_mask.contiguous() if compute_mask is not None else valid).view(torch.uint8)
+    flags = {"HAS_TEMPERATURE": temperature is not None, "HAS_COMPUTE_MASK": compute_mask is not None}
+    temperature_stride = temperature.stride(0) if temperature is not None else 0
+    seed = seed.reshape(-1)
+    offset = offset.reshape(-1)
+
+    _sampling_partial_kernel[(rows, num_splits)](
+        logits, logits.stride(0), logits.stride(1), seed, _per_row_stride(seed), offset,
+        _per_row_stride(offset), temperature_arg, temperature_stride, float(temperature_val), mask_arg,
+        partial_f, partial_i, positions, vocab, mask_token_id, tiles_per_split, num_splits,
+        BLOCK=_block_size(vocab), num_warps=NUM_WARPS, **flags)
+    _sampling_combine_kernel[(rows,)](
+        logits, logits.stride(0), logits.stride(1), temperature_arg, temperature_stride,
+        float(temperature_val), mask_arg, partial_f, partial_i, tokens, entropy, logprob, valid.view(torch.int8),
+        positions, num_splits, SPLITS=MAX_SPLITS, num_warps=1, **flags)
+    return tokens, entropy, logprob, valid
+
+
+_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _partial_spec(name: str, label: str, flags: dict, block: int) -> KernelSpec:
+    return KernelSpec(
+        name=f"entropy_sample/partial {label} BLOCK={block}",
+        fn=_sampling_partial_kernel,
+        signature={
+            "logits_ptr": f"*{name}", "stride_b": "i64", "stride_k": "i64", "seed_ptr": "*i64",
+            "seed_stride": "i64", "offset_ptr": "*i64", "offset_stride": "i64",
+            "temperature_ptr": "*fp32", "temperature_stride": "i64", "temperature_val": "fp32",
+            "compute_mask_ptr": "*u8", "partial_f_ptr": "*fp32", "partial_i_ptr": "*i32",
+            "positions": "i32", "vocab": "i32", "mask_token_id": "i32", "tiles_per_split": "i32",
+            "num_splits": "i32", "HAS_TEMPERATURE": "constexpr", "HAS_COMPUTE_MASK": "constexpr",
+            "BLOCK": "constexpr",
+        },
+        constexprs={**flags, "BLOCK": block},
+        num_warps=NUM_WARPS,
+    )
+
+
+def _combine_spec(name: str, label: str, flags: dict) -> KernelSpec:
+    return KernelSpec(
+        name=f"entropy_sample/combine {label} SPLITS={MAX_SPLITS}",
+        fn=_sampling_combine_kernel,
+        signature={
+            "logits_ptr": f"*{name}", "stride_b": "i64", "stride_k": "i64",
+            "temperature_ptr": "*fp32", "temperature_stride": "i64", "temperature_val": "fp32",
+            "compute_mask_ptr": "*u8", "partial_f_ptr": "*fp32", "partial_i_ptr": "*i32",
+            "tokens_ptr": "*i64", "entropy_ptr": "*fp32", "logprob_ptr": "*fp32",
+            "valid_ptr": "*i8", "positions": "i32", "num_splits": "i32",
+            "HAS_TEMPERATURE": "constexpr", "HAS_COMPUTE_MASK": "constexpr", "SPLITS": "constexpr",
+        },
+        constexprs={**flags, "SPLITS": MAX_SPLITS},
+        num_warps=1,
+    )
+
+
+def aot_specs() -> list[KernelSpec]:
+    """Every configuration the launcher can pick: logits dtype x temperature tensor or scalar x compute_mask,
+    and for the partial kernel both tile sizes."""
+    specs = []
+    for name in _TRITON_DTYPES.values():
+        for has_temperature in (False, True):
+            for has_mask in (False, True):
+                label = f"{name} temperature={'tensor' if has_temperature else 'scalar'} mask={has_mask}"
+                flags = {"HAS_TEMPERATURE": has_temperature, "HAS_COMPUTE_MASK": has_mask}
+                specs += [_partial_spec(name, label, flags, block) for block in (SMALL_BLOCK_V, BLOCK_V)]
+                specs.append(_combine_spec(name, label, flags))
+    return specs
