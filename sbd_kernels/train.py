@@ -245,6 +245,10 @@ class Progress:
 
 # ---------------------------------------------------------------- training loop
 
+def _format_eval(result: dict[str, float]) -> str:
+    return " ".join(f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4f}" for k, v in result.items())
+
+
 def _log(rank: int, msg: str) -> None:
     if rank == 0:
         print(msg, file=sys.stderr, flush=True)
@@ -332,7 +336,7 @@ def train(cfg: TrainConfig) -> Transformer:
             break
         if rank == 0 and step > start and step % cfg.eval_every == 0:
             history.append({"step": step, **evaluate(model, tasks, cfg.eval_examples, cfg.seed)})
-            _log(rank, "eval " + " ".join(f"{k} {v:.4f}" for k, v in history[-1].items()))
+            _log(rank, "eval " + _format_eval(history[-1]))
         if rank == 0 and step > start and step % cfg.checkpoint_every == 0:
             _save(model, opt, cfg, step, seconds_before + time.time() - t0, history)
 
@@ -363,7 +367,7 @@ def train(cfg: TrainConfig) -> Transformer:
         step = cfg.steps
     if rank == 0:
         history.append({"step": step, **evaluate(model, tasks, cfg.eval_examples, cfg.seed)})
-        _log(rank, "\nfinal eval " + " ".join(f"{k} {v:.4f}" for k, v in history[-1].items()))
+        _log(rank, "\nfinal eval " + _format_eval(history[-1]))
         _save(model, opt, cfg, step, seconds_before + time.time() - t0, history)
     if world > 1:
         dist.destroy_process_group()

@@ -1,0 +1,229 @@
+"""SBD training objective (SBD_SPEC 2): mask, noise, labels, loss, schedule, loop, data parallel."""
+import argparse
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sbd_kernels.model import ModelConfig, Transformer, load_checkpoint
+from sbd_kernels.tasks import TOKENIZER
+from sbd_kernels.train import (
+    IGNORE, TrainConfig, add_arguments, add_noise, block_size_for_step, flex_block_mask, lr_at, ntp_labels,
+    ntp_loss, sbd_attention_mask, sbd_labels, sbd_loss, train,
+)
+
+MASK = TOKENIZER.MASK
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small matrices on a 2-core machine shared with other jobs: one thread is faster than two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def spec_table(n: int, k: int) -> list[list[bool]]:
+    """SBD_SPEC 2.4 written cell by cell, independently of the implementation."""
+    table = []
+    for q in range(2 * n):
+        row = []
+        for kv in range(2 * n):
+            if q < n and kv < n:
+                allowed = kv <= q
+            elif q < n:
+                allowed = False
+            elif kv < n:
+                allowed = (q - n) // k > kv // k
+            else:
+                allowed = (q - n) // k == (kv - n) // k
+            row.append(allowed)
+        table.append(row)
+    return table
+
+
+@pytest.mark.parametrize("n, k", [(1, 2), (5, 2), (7, 3), (16, 16), (17, 16), (33, 4), (97, 13)])
+def test_training_mask_equals_the_spec_table(n, k):
+    """Guards against any cell of the SBD training mask differing from SBD_SPEC 2.4 (off-by-one at block
+    edges, noisy rows seeing clean keys of their own block, clean rows seeing noisy keys)."""
+    assert sbd_attention_mask(n, k).tolist() == spec_table(n, k)
+
+
+@pytest.mark.parametrize("n, k", [(7, 3), (97, 16), (97, 5)])
+def test_flex_mask_mod_equals_the_dense_mask(n, k):
+    """Guards against the GPU (FlexAttention) mask differing from the CPU one; evaluates mask_mod on
+    every (q, kv) pair on the CPU."""
+    mask_mod = flex_block_mask(n, k, torch.device("cpu")).mask_mod
+    q, kv = torch.arange(2 * n)[:, None], torch.arange(2 * n)[None, :]
+    assert torch.equal(mask_mod(0, 0, q, kv), sbd_attention_mask(n, k))
+
+
+def test_block_size_is_per_step_uniform_and_rank_independent():
+    """Guards against k outside U{2..16}, values never drawn, or ranks drawing different k."""
+    cfg = TrainConfig()
+    ks = [block_size_for_step(step, cfg) for step in range(600)]
+    assert set(ks) == set(range(2, 17))
+    assert ks == [block_size_for_step(step, TrainConfig(device="cuda")) for step in range(600)]
+
+
+def test_noise_rate_is_per_sequence():
+    """Guards against one shared rate for the batch, unmasked tokens being changed, or masking that
+    ignores eta (row fractions must track each row's eta)."""
+    tokens = torch.randint(4, 41, (8, 4000))
+    noisy, eta = add_noise(tokens, MASK, torch.Generator().manual_seed(1))
+    masked = noisy == MASK
+    assert torch.equal(noisy[~masked], tokens[~masked])
+    assert eta.std() > 0.1
+    assert torch.allclose(masked.float().mean(1), eta, atol=0.03)
+
+
+def test_labels_and_loss_masks():
+    """Guards against shifted MATP labels, unshifted NTP labels, or targets counted on prompt /
+    unmasked / padding positions."""
+    tokens = torch.tensor([[10, 11, 12, 13, 14, 0]])
+    target = torch.tensor([[False, False, True, True, True, False]])
+    noisy = torch.tensor([[MASK, 11, MASK, 13, MASK, MASK]])
+    assert ntp_labels(tokens, target).tolist() == [[IGNORE, 12, 13, 14, IGNORE, IGNORE]]
+    assert sbd_labels(tokens, target, noisy, MASK).tolist() == [
+        [IGNORE, 12, 13, 14, IGNORE, IGNORE, IGNORE, IGNORE, 12, IGNORE, 14, IGNORE]]
+
+
+def test_sbd_loss_is_one_mean_over_both_halves():
+    """Guards against averaging the two terms separately (SBD_SPEC 2.5 [our choice]: one mean over
+    every counted NTP and MATP target) or computing the logits over a wrong input / mask."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny"))
+    tokens = torch.randint(4, 41, (3, 20))
+    target = torch.zeros(3, 20, dtype=torch.bool)
+    target[:, 8:18] = True
+    loss, stats = sbd_loss(model, tokens, target, 4, MASK, torch.Generator().manual_seed(5))
+    noisy, _ = add_noise(tokens, MASK, torch.Generator().manual_seed(5))
+    logits = model(torch.cat([tokens, noisy], 1), torch.arange(20).repeat(2).expand(3, 40),
+                   torch.tensor(spec_table(20, 4))[None])
+    terms = []
+    for b in range(3):
+        for i in range(19):
+            if target[b, i + 1]:
+                terms.append(F.cross_entropy(logits[b, i], tokens[b, i + 1]))
+        for i in range(20):
+            if target[b, i] and noisy[b, i] == MASK:
+                terms.append(F.cross_entropy(logits[b, 20 + i], tokens[b, i]))
+    expected = torch.stack(terms).mean()
+    assert math.isclose(float(loss.detach()), float(expected.detach()), rel_tol=1e-5)
+    assert set(stats) == {"ntp", "matp"}
+
+
+def test_ntp_loss_counts_answer_targets_only():
+    """Guards against the baseline's loss including prompt or padding positions."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny"))
+    tokens = torch.randint(4, 41, (2, 12))
+    target = torch.zeros(2, 12, dtype=torch.bool)
+    target[:, 6:10] = True
+    loss, _ = ntp_loss(model, tokens, target)
+    logits = model(tokens)
+    expected = F.cross_entropy(logits[:, 5:9].flatten(0, 1), tokens[:, 6:10].flatten())
+    assert math.isclose(float(loss.detach()), float(expected.detach()), rel_tol=1e-5)
+
+
+def test_lr_schedule():
+    """Guards against a schedule without warm-up, one that does not end at the floor, or a time budget
+    that does not shorten the cosine."""
+    cfg = TrainConfig(lr=1e-3, warmup_steps=10, steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(1e-4)
+    assert lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(60, cfg) == pytest.approx(0.55e-3)
+    assert lr_at(110, cfg) == pytest.approx(1e-4)
+    assert lr_at(20, cfg, time_fraction=1.0) == pytest.approx(1e-4)
+
+
+def test_tiny_model_overfits_one_batch():
+    """Guards against an objective or optimiser step that cannot learn: 250 SBD steps on one fixed batch
+    must bring the loss, averaged over every k in 2..16 with fixed noise, from ~3.7 below 0.3."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny"))
+    tokens = torch.randint(4, 41, (4, 24))
+    target = torch.zeros(4, 24, dtype=torch.bool)
+    target[:, 12:] = True
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    gen, cfg = torch.Generator().manual_seed(0), TrainConfig()
+
+    def mean_loss() -> float:
+        with torch.no_grad():
+            return sum(float(sbd_loss(model, tokens, target, k, MASK, torch.Generator().manual_seed(k))[0])
+                       for k in range(2, 17)) / 15
+
+    assert mean_loss() > 3.0
+    for step in range(250):
+        loss, _ = sbd_loss(model, tokens, target, block_size_for_step(step, cfg), MASK, gen)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert mean_loss() < 0.3
+
+
+def test_train_writes_checkpoint_and_resumes(tmp_path):
+    """Guards against a loop that loses its step count, optimiser or eval history on resume, or a
+    checkpoint whose meta does not say how it was trained."""
+    out = str(tmp_path / "m.pt")
+    base = dict(preset="tiny", steps=3, batch_size=2, eval_every=2, eval_examples=1, checkpoint_every=2,
+                out=out, log_every=100)
+    train(TrainConfig(**base))
+    model, meta = load_checkpoint(out)
+    assert meta["steps_done"] == 3 and meta["train_config"]["objective"] == "sbd"
+    assert [h["step"] for h in meta["eval"]] == [2, 3]
+    assert {"add/ntp_exact_match", "rot13/matp_acc"} <= set(meta["eval"][-1])
+    train(TrainConfig(**{**base, "steps": 5, "resume": True}))
+    _, meta = load_checkpoint(out)
+    assert meta["steps_done"] == 5 and [h["step"] for h in meta["eval"]] == [2, 3, 4, 5]
+
+
+def test_ntp_objective_continues_into_sbd(tmp_path):
+    """Guards against init_from being ignored (the SBD phase must start from the NTP weights)."""
+    ntp = str(tmp_path / "ntp.pt")
+    train(TrainConfig(preset="tiny", objective="ntp", steps=2, batch_size=2, eval_examples=1, out=ntp))
+    ntp_model, _ = load_checkpoint(ntp)
+    sbd = str(tmp_path / "sbd.pt")
+    train(TrainConfig(objective="sbd", init_from=ntp, steps=1, lr=0.0, warmup_steps=1, batch_size=2,
+                      eval_examples=1, out=sbd))
+    sbd_model, meta = load_checkpoint(sbd)
+    assert meta["train_config"]["init_from"] == ntp
+    for a, b in zip(ntp_model.state_dict().values(), sbd_model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_bad_options_name_the_problem():
+    """Guards against a typo in the objective or the attention choice silently training something else."""
+    with pytest.raises(ValueError, match="objective"):
+        train(TrainConfig(objective="matp"))
+    with pytest.raises(ValueError, match="attention"):
+        train(TrainConfig(attention="dense"))
+
+
+def test_command_line_flags_cover_the_config():
+    """Guards against TrainConfig fields missing from `sbd train` or flags parsed with the wrong type."""
+    args = add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--steps", "7", "--lr", "3e-4", "--objective", "ntp", "--resume"])
+    assert (args.steps, args.lr, args.objective, args.resume) == (7, 3e-4, "ntp", True)
+    assert args.preset == TrainConfig.preset
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes(tmp_path):
+    """Guards against data-parallel training breaking (process group set-up, DDP wrapping of the SBD
+    forward, per-rank data, rank-0-only checkpointing): 2 gloo processes on the CPU, 3 SBD steps."""
+    out = str(tmp_path / "ddp.pt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "sbd_kernels.train", "--preset", "tiny", "--steps", "3", "--batch_size", "2",
+           "--eval_examples", "1", "--out", out]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world 2" in proc.stderr
+    _, meta = load_checkpoint(out)
+    assert meta["steps_done"] == 3
