@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,7 @@ class ModelConfig:
         return self.dim // self.n_heads
 
     @classmethod
-    def preset(cls, name: str) -> "ModelConfig":
+    def preset(cls, name: str) -> ModelConfig:
         """`tiny` (tests), `small` (the bundled demo checkpoints), `llama3.1-8b`, `qwen3-8b` (benchmark
         shapes with random weights; Qwen3's q/k norms are not modelled, only its shapes)."""
         if name not in PRESETS:
@@ -68,18 +69,24 @@ class ModelConfig:
 PRESETS: dict[str, dict[str, Any]] = {
     # 48 ids cover the 41-character task vocabulary with room to spare; max_seq_len covers the longest
     # task sequence (97) plus a full overhanging block of 16 at the end of decoding.
-    "tiny": dict(vocab_size=48, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=160),
+    "tiny": {
+        "vocab_size": 48, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
+        "max_seq_len": 160,
+    },
     # 0.8M parameters: the size FINDINGS.md showed learns reversed-digit addition for NTP and SBD on
     # this CPU within the training budget (d 256 cost 3-6x more per step).
-    "small": dict(vocab_size=48, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=160),
-    "llama3.1-8b": dict(
-        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-        max_seq_len=131072, rope_theta=500000.0, norm_eps=1e-5, mask_token_id=128255,
-    ),
-    "qwen3-8b": dict(
-        vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288,
-        max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, mask_token_id=151935,
-    ),
+    "small": {
+        "vocab_size": 48, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 384,
+        "max_seq_len": 160,
+    },
+    "llama3.1-8b": {
+        "vocab_size": 128256, "dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 14336,
+        "max_seq_len": 131072, "rope_theta": 500000.0, "norm_eps": 1e-5, "mask_token_id": 128255,
+    },
+    "qwen3-8b": {
+        "vocab_size": 151936, "dim": 4096, "n_layers": 36, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 12288,
+        "max_seq_len": 40960, "rope_theta": 1000000.0, "norm_eps": 1e-6, "mask_token_id": 151935,
+    },
 }
 
 
@@ -99,7 +106,7 @@ class KVCache(nn.Module):
         self.seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
 
     @classmethod
-    def for_model(cls, model: "Transformer", batch: int, max_len: int | None = None) -> "KVCache":
+    def for_model(cls, model: Transformer, batch: int, max_len: int | None = None) -> KVCache:
         """A cache shaped for `model`, in its dtype and on its device."""
         cfg = model.config
         weight = model.tok_embeddings.weight
@@ -300,7 +307,8 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, attn_mask)
         return self._logits(x)
 
-    def sbd_train_forward(self, clean: Tensor, noisy: Tensor, block_size: int, attn_mask: Any = None) -> Tensor:
+    def sbd_train_forward(self, clean: Tensor, noisy: Tensor, block_size: int,
+                          attn_mask: Any = None) -> Tensor:
         """SBD training forward (SBD_SPEC 2.3-2.4): clean, noisy `[B, n]` -> logits `[B, 2n, V]` fp32.
 
         Input `[clean ; noisy]`, noisy token i at the same position id as clean token i. attn_mask

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import random
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -50,7 +50,8 @@ class CharTokenizer:
         try:
             return [self.char_to_id[c] for c in text]
         except KeyError as err:
-            raise ValueError(f"CharTokenizer.encode: character {err.args[0]!r} not in the vocabulary") from None
+            char = err.args[0]
+            raise ValueError(f"CharTokenizer.encode: character {char!r} not in the vocabulary") from None
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return self.encode(prompt) + [self.SEP]
@@ -169,7 +170,8 @@ def collate(examples: Sequence[Example], length: int) -> tuple[Tensor, Tensor]:
     for row, ex in enumerate(examples):
         prompt, answer = TOKENIZER.encode_prompt(ex.prompt), TOKENIZER.encode_answer(ex.answer)
         if len(prompt) + len(answer) > length:
-            raise ValueError(f"collate: example of {len(prompt) + len(answer)} tokens exceeds length {length}")
+            total = len(prompt) + len(answer)
+            raise ValueError(f"collate: example of {total} tokens exceeds length {length}")
         tokens[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
         target_mask[row, len(prompt): len(prompt) + len(answer)] = True
     return tokens, target_mask

@@ -34,13 +34,37 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sbd_kernels.model import (
-    ModelConfig, Transformer, load_checkpoint, save_checkpoint, sbd_attention_mask, sbd_train_inputs,
+    ModelConfig,
+    Transformer,
+    load_checkpoint,
+    save_checkpoint,
+    sbd_attention_mask,
+    sbd_train_inputs,
 )
-from sbd_kernels.tasks import TOKENIZER, TrainStream, collate, exact_match, get_task, make_examples, \
-    sequence_length
+from sbd_kernels.tasks import (
+    TOKENIZER,
+    TrainStream,
+    collate,
+    exact_match,
+    get_task,
+    make_examples,
+    sequence_length,
+)
 
-__all__ = ["TrainConfig", "sbd_attention_mask", "add_noise", "sbd_labels", "ntp_labels", "sbd_loss",
-           "ntp_loss", "lr_at", "evaluate", "train", "add_arguments", "main"]
+__all__ = [
+    "TrainConfig",
+    "add_arguments",
+    "add_noise",
+    "evaluate",
+    "lr_at",
+    "main",
+    "ntp_labels",
+    "ntp_loss",
+    "sbd_attention_mask",
+    "sbd_labels",
+    "sbd_loss",
+    "train",
+]
 
 IGNORE = -100  # cross-entropy ignore_index for positions that are not counted
 
@@ -73,7 +97,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 1
     device: str = "cpu"
-    attention: str = "auto"             # "auto" (FlexAttention on CUDA, SDPA + dense mask elsewhere), "sdpa", "flex"
+    attention: str = "auto"             # "sdpa", "flex", or "auto": FlexAttention on CUDA, SDPA elsewhere
 
     def task_list(self) -> list[str]:
         return [t for t in self.tasks.split(",") if t]
@@ -127,7 +151,8 @@ def sbd_loss(model: nn.Module, tokens: Tensor, target_mask: Tensor, block_size: 
     ntp_sum, ntp_count = _summed_cross_entropy(logits[:, :n], labels[:, :n])
     matp_sum, matp_count = _summed_cross_entropy(logits[:, n:], labels[:, n:])
     loss = (ntp_sum + matp_sum) / (ntp_count + matp_count).clamp(min=1)
-    stats = {"ntp": ntp_sum.detach() / ntp_count.clamp(min=1), "matp": matp_sum.detach() / matp_count.clamp(min=1)}
+    stats = {"ntp": ntp_sum.detach() / ntp_count.clamp(min=1),
+             "matp": matp_sum.detach() / matp_count.clamp(min=1)}
     return loss, stats
 
 
@@ -192,7 +217,8 @@ def evaluate(model: Transformer, tasks: list[str], count: int, seed: int = 0, bl
     out: dict[str, float] = {}
     for name in tasks:
         task, examples = get_task(name), make_examples(name, "held_out", count, seed)
-        tokens, target_mask = (t.to(device) for t in collate(examples, task.prompt_tokens + task.answer_tokens))
+        length = task.prompt_tokens + task.answer_tokens
+        tokens, target_mask = (t.to(device) for t in collate(examples, length))
         out[f"{name}/ntp_loss"] = float(ntp_loss(model, tokens, target_mask)[0])
         gen = torch.Generator(device=device).manual_seed(seed)
         noisy, _ = add_noise(tokens, mask_id, gen)
@@ -361,8 +387,8 @@ def train(cfg: TrainConfig) -> Transformer:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        progress.update(step, tokens_per_step,
-                        {"loss": float(loss.detach()), **{name: float(v) for name, v in stats.items()}, "lr": lr})
+        terms = {name: float(v) for name, v in stats.items()}
+        progress.update(step, tokens_per_step, {"loss": float(loss.detach()), **terms, "lr": lr})
     else:
         step = cfg.steps
     if rank == 0:
@@ -394,4 +420,5 @@ def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main(add_arguments(argparse.ArgumentParser(description="Train the reference model (SBD or NTP).")).parse_args())
+    parser = argparse.ArgumentParser(description="Train the reference model (SBD or NTP).")
+    main(add_arguments(parser).parse_args())

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from sbd_kernels.model import (
-    CHAR_MASK_TOKEN_ID, KVCache, ModelConfig, Transformer, load_checkpoint, save_checkpoint,
+    CHAR_MASK_TOKEN_ID,
+    KVCache,
+    ModelConfig,
+    Transformer,
+    load_checkpoint,
+    save_checkpoint,
 )
 from sbd_kernels.ops.attention.naive import block_attention_with_kvcache as naive_attention
 from sbd_kernels.tasks import TOKENIZER
@@ -148,7 +153,8 @@ def test_decode_pass_equals_full_recompute(op_name, block_size):
         for b in range(3):
             L, c = int(lengths_before[b]), int(causal[b])
             prefix = seqs[b, : L + c]
-            full = model(torch.cat([prefix, block[b]])[None], attn_mask=recompute_mask(L + c, block_size)[None])
+            mask = recompute_mask(L + c, block_size)[None]
+            full = model(torch.cat([prefix, block[b]])[None], attn_mask=mask)
             assert_close(logits[b, :c], full[0, L: L + c], torch.float32, name=f"row {b} causal")
             assert_close(logits[b, c_slots:], full[0, L + c:], torch.float32, name=f"row {b} block")
     for t in cache.k:
@@ -203,7 +209,8 @@ def test_checkpoint_loads_without_training_code(tmp_path):
     code = ("import sys; from sbd_kernels.model import load_checkpoint; "
             f"m, _ = load_checkpoint({str(path)!r}); "
             "assert 'sbd_kernels.train' not in sys.modules; print(m.config.dim)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "32"
 
@@ -220,7 +227,8 @@ def test_bundled_checkpoints_solve_held_out_examples(name):
     assert meta["train_config"]["objective"] == name.split("_")[0]
     for task_name in ("add", "rot13"):
         task = get_task(task_name)
-        tokens, target = collate(make_examples(task_name, "held_out", 8), task.prompt_tokens + task.answer_tokens)
+        length = task.prompt_tokens + task.answer_tokens
+        tokens, target = collate(make_examples(task_name, "held_out", 8), length)
         with torch.no_grad():
             ntp_pred = model(tokens)[:, :-1].argmax(-1)
             assert torch.equal(ntp_pred[target[:, 1:]], tokens[:, 1:][target[:, 1:]]), task_name

@@ -5,8 +5,17 @@ import pytest
 import torch
 
 from sbd_kernels.tasks import (
-    TASKS, TOKENIZER, TrainStream, collate, exact_match, generate_addition, generate_rot13, get_task,
-    is_held_out, make_examples, sequence_length,
+    TASKS,
+    TOKENIZER,
+    TrainStream,
+    collate,
+    exact_match,
+    generate_addition,
+    generate_rot13,
+    get_task,
+    is_held_out,
+    make_examples,
+    sequence_length,
 )
 
 
