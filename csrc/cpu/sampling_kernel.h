@@ -54,6 +54,8 @@ constexpr int64_t kItemsPerThread = 8;
 constexpr float kGumbelMax = 16.64f;
 // Margin added to the per-entry bound: the computed g is within a few ulp (< 1e-5) of the exact value.
 constexpr float kBoundMargin = 1e-3f;
+// Relative margin of the filter's x * (1/T) against x / T: two roundings differ by < 2^-22 relative.
+constexpr float kScaleMargin = 1e-6f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 constexpr uint32_t kPhiloxM0 = 0xD2511F53u;
@@ -287,7 +289,7 @@ inline void gumbel_race_tile(const float* buf, int64_t n, int64_t start, float t
   alignas(64) float u[kGroup];
   alignas(64) float bound[kGroup];
   alignas(64) float score[kGroup];
-  const Vec t(temperature);
+  const Vec t(temperature), inv_t(1.f / temperature), rel_margin(kScaleMargin);
   for (int64_t g = 0; g < n; g += kGroup) {
     Vec group_max = Vec::loadu(buf + g);
     for (int64_t i = Vec::size(); i < kGroup; i += Vec::size()) {
@@ -297,12 +299,15 @@ inline void gumbel_race_tile(const float* buf, int64_t n, int64_t start, float t
     philox_block(row, static_cast<uint32_t>((start + g) / 4), words);
     uniforms_and_bounds(words, u, bound);
     for (int64_t i = 0; i < kGroup; i += Vec::size()) {
-      const Vec scaled = Vec::loadu(buf + g + i) / t;
-      const Vec reach = scaled + Vec::loadu(bound + i);
+      const Vec x = Vec::loadu(buf + g + i);
+      // Filter with x * (1/T) (a multiply, ~5x cheaper than vdivps here), widened by kScaleMargin of its
+      // magnitude so that it stays >= the exact score x / T + g of every lane that could win.
+      const Vec approx = x * inv_t;
+      const Vec reach = at::vec::fmadd(approx.abs(), rel_margin, approx + Vec::loadu(bound + i));
       // zero_mask: bit l set when lane l of (reach >= best) is all-zero, i.e. the lane cannot win.
       if ((reach >= Vec(best)).zero_mask() == (1 << Vec::size()) - 1) continue;
       const Vec gumbel = Vec::loadu(u + i).log().neg().log().neg();
-      (scaled + gumbel).store(score + i);
+      (x / t + gumbel).store(score + i);
       for (int64_t l = 0; l < Vec::size(); ++l) {
         if (score[i + l] > best) {
           best = score[i + l];
