@@ -12,8 +12,10 @@
 // Keys are walked in tiles of kKeyTile: K^T and V of the tile are gathered (contiguous or paged cache, or
 // new rows) into packed operands, S = Q K^T and O += P V run on ATen's batch-reduce GEMM
 // (at::native::cpublas::brgemm, oneDNN micro-kernels), with an online softmax per row in between.
-// bf16 runs bf16 x bf16 -> fp32 GEMMs (VNNI-packed operands, vdpbf16ps on AVX512-BF16, tiles on AMX);
-// fp16 and fp32 run fp32 GEMMs (fp16 products have no fast path on CPUs without AVX512-FP16).
+// brgemm is the one GEMM entry point libtorch exports (TORCH_API); cpublas::gemm is internal. bf16 runs
+// bf16 x bf16 -> fp32 GEMMs on VNNI-2 operands packed here (cpublas::pack only exists on AMX machines),
+// i.e. vdpbf16ps on AVX512-BF16 and tiles on AMX; fp16 and fp32 run fp32 GEMMs (fp16 brgemm needs
+// AVX512-FP16, and fp16 x fp16 through torch.mm ran at ~1 GFLOP/s on this Zen 4).
 // Work items are (b, g, split of the keys), split only when B * Hkv is too small to keep every thread
 // busy; splits are merged by log-sum-exp. Split 0 of each (b, g) copies the causal rows' K/V into cache
 // slots [L, L + c); no item reads those slots (keys j >= L come from k / v), so items need no ordering.
@@ -36,6 +38,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 
 #include "cpu/attention.h"
 
@@ -45,9 +50,10 @@ namespace {
 using at::vec::Vectorized;
 using fVec = Vectorized<float>;
 
-// Keys per tile. 512 keys x D=128 fp32 is 256 KiB per operand, K^T and V together fit the 1-2 MiB L2 of
-// current x86 cores; PyTorch's own CPU flash attention uses the same kv split (512).
-constexpr int64_t kKeyTile = 512;
+// Keys per tile. At B=1, Hq=32, Hkv=8, D=128, C=K=16, L=4096 on one Zen 4 core (CPU time), tiles of
+// 128 / 256 / 512 / 1024 keys ran fp32 at 67 / 69 / 70 / 59 GFLOP/s and bf16 at 107 / 110 / 109 / 106:
+// 256 keeps K^T, V and the scores of 128 rows (3 x 128 KiB in fp32) well inside a 1 MiB L2.
+constexpr int64_t kKeyTile = 256;
 // A split of the keys below this many is not worth its share of the log-sum-exp merge (M x D per split).
 constexpr int64_t kMinKeysPerSplit = 1024;
 // Aim for this many work items per thread, so that ragged sequences still balance.
@@ -160,36 +166,36 @@ struct HeadView {
 // Sizes fixed for the whole call.
 struct Geometry {
   int64_t batch, seq, causal_slots, block, q_heads, kv_heads, group, dim, dim_pad, max_rows;
-  int64_t splits, keys_per_split;
+  int64_t key_tile, splits, keys_per_split;
 };
 
 // Per-thread buffers, kept across calls (a fresh 1 MiB per call cost ~7% of the time in page faults).
 template <typename op_t>
 struct Workspace {
   std::vector<op_t> q;       // [M, dim_pad]          A of S = Q K^T
-  std::vector<op_t> k;       // [dim_pad, kKeyTile]   B of S (K^T)
-  std::vector<op_t> v;       // [kKeyTile, dim_pad]   B of O += P V
-  std::vector<op_t> stage;   // [kKeyTile, dim_pad]   rows converted / padded before packing
-  std::vector<float> s;      // [M, kKeyTile]         scores, then probabilities (fp32 GEMM reads them)
-  std::vector<op_t> p;       // [M, kKeyTile]         probabilities for the bf16 GEMM
+  std::vector<op_t> k;       // [dim_pad, key_tile]   B of S (K^T)
+  std::vector<op_t> v;       // [key_tile, dim_pad]   B of O += P V
+  std::vector<op_t> stage;   // [key_tile, dim_pad]   rows converted / padded before packing
+  std::vector<float> s;      // [M, key_tile]         scores, then probabilities (fp32 GEMM reads them)
+  std::vector<op_t> p;       // [M, key_tile]         probabilities for the bf16 GEMM
   std::vector<float> acc;    // [M, dim_pad]          unnormalised output
   std::vector<float> row_max, row_sum;
   std::vector<int64_t> limit;
-  std::vector<const op_t*> rows;  // [kKeyTile] source row of each key of the tile
+  std::vector<const op_t*> rows;  // [key_tile] source row of each key of the tile
 
   // Grows the buffers to the sizes of `geo`; every element a GEMM reads is written before each use.
   void reserve(const Geometry& geo) {
     grow(q, geo.max_rows * geo.dim_pad);
-    grow(k, geo.dim_pad * kKeyTile);
-    grow(v, kKeyTile * geo.dim_pad);
-    grow(stage, kKeyTile * geo.dim_pad);
-    grow(s, geo.max_rows * kKeyTile);
-    grow(p, kVnni<op_t> ? geo.max_rows * kKeyTile : 0);
+    grow(k, geo.dim_pad * geo.key_tile);
+    grow(v, geo.key_tile * geo.dim_pad);
+    grow(stage, geo.key_tile * geo.dim_pad);
+    grow(s, geo.max_rows * geo.key_tile);
+    grow(p, kVnni<op_t> ? geo.max_rows * geo.key_tile : 0);
     grow(acc, geo.max_rows * geo.dim_pad);
     grow(row_max, geo.max_rows);
     grow(row_sum, geo.max_rows);
     grow(limit, geo.max_rows);
-    grow(rows, kKeyTile);
+    grow(rows, geo.key_tile);
   }
 
  private:
@@ -251,28 +257,80 @@ void gather_rows(RowOf row_of, int64_t j0, int64_t n, const Geometry& geo, Works
 // dst[w * ld + jj] = rows[jj][w] over 32-bit words: K^T for fp32, and for bf16 the VNNI-2 K^T as well
 // (a word is the pair (d, d + 1) of one key, which VNNI-2 keeps adjacent). Blocks of 16 keys keep the 16
 // source lines in L1 while each destination line is written whole.
+#if defined(CPU_CAPABILITY_AVX512)
+// Words [w0, w0 + 16) of 16 rows -> dst[(w0 + c) * ld + r] for c, r < 16: unpack 32 / 64-bit within
+// 128-bit lanes (r[4i + k] lane L = column 4L + k, rows 4i..4i+3), then two rounds of lane shuffles.
+inline void transpose_16x16(const uint32_t* const* rows, int64_t w0, uint32_t* dst, int64_t ld) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i] + w0);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i u0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);
+    const __m512i u1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
+    const __m512i v0 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+    const __m512i v1 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
+    _mm512_storeu_si512(dst + (w0 + k) * ld, _mm512_shuffle_i32x4(u0, v0, 0x88));
+    _mm512_storeu_si512(dst + (w0 + 8 + k) * ld, _mm512_shuffle_i32x4(u0, v0, 0xdd));
+    _mm512_storeu_si512(dst + (w0 + 4 + k) * ld, _mm512_shuffle_i32x4(u1, v1, 0x88));
+    _mm512_storeu_si512(dst + (w0 + 12 + k) * ld, _mm512_shuffle_i32x4(u1, v1, 0xdd));
+  }
+}
+#endif
+
+// dst[w * ld + jj] = rows[jj][w] over 32-bit words: K^T for fp32, and for bf16 the VNNI-2 K^T as well
+// (a word is the pair (d, d + 1) of one key, which VNNI-2 keeps adjacent). Blocks of 16 keys keep the 16
+// source lines in L1 while each destination line is written whole; AVX512 transposes 16 x 16 words in
+// registers (the scalar loop took ~15% of the kernel's time at D = 128).
 inline void transpose_words(const uint32_t* const* rows, int64_t n, int64_t words, uint32_t* dst, int64_t ld) {
   constexpr int64_t kBlock = 16;
   for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
     const int64_t jn = std::min(kBlock, n - j0);
-    for (int64_t w = 0; w < words; ++w) {
+    int64_t w = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+    if (jn == kBlock) {
+      for (; w + kBlock <= words; w += kBlock) transpose_16x16(rows + j0, w, dst + j0, ld);
+    }
+#endif
+    for (; w < words; ++w) {
       uint32_t* out = dst + w * ld + j0;
       for (int64_t jj = 0; jj < jn; ++jj) out[jj] = rows[j0 + jj][w];
     }
   }
 }
 
-// K^T of keys [j0, j0 + n) into ws.k [dim_pad, kKeyTile]; bf16 pads the key count to even with zeros.
+// K^T of keys [j0, j0 + n) into ws.k [dim_pad, key_tile]; bf16 pads the key count to even with zeros.
 template <typename scalar_t, typename op_t>
 void pack_keys(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t n_pad, const Geometry& geo,
                Workspace<op_t>& ws) {
   gather_rows<scalar_t>([&](int64_t j) { return view.key(j); }, j0, n, geo, ws);
   const int64_t words = geo.dim_pad * static_cast<int64_t>(sizeof(op_t)) / 4;
   auto* dst = reinterpret_cast<uint32_t*>(ws.k.data());
-  transpose_words(reinterpret_cast<const uint32_t* const*>(ws.rows.data()), n, words, dst, kKeyTile);
+  transpose_words(reinterpret_cast<const uint32_t* const*>(ws.rows.data()), n, words, dst, geo.key_tile);
   for (int64_t jj = n; jj < n_pad; ++jj) {
-    for (int64_t w = 0; w < words; ++w) dst[w * kKeyTile + jj] = 0;
+    for (int64_t w = 0; w < words; ++w) dst[w * geo.key_tile + jj] = 0;
   }
+}
+
+// dst[2 d] = even[d], dst[2 d + 1] = odd[d] (0 when odd is null), as 32-bit words built from two 16-bit
+// halves so that the compiler vectorises it (16-bit stores one by one took 45% of the kernel's own time).
+inline void interleave_rows(const c10::BFloat16* even, const c10::BFloat16* odd, int64_t dim, c10::BFloat16* dst) {
+  const auto* lo = reinterpret_cast<const uint16_t*>(even);
+  const auto* hi = reinterpret_cast<const uint16_t*>(odd);
+  auto* out = reinterpret_cast<uint32_t*>(dst);
+  if (hi == nullptr) {
+    for (int64_t d = 0; d < dim; ++d) out[d] = lo[d];
+    return;
+  }
+  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<uint32_t>(lo[d]) | (static_cast<uint32_t>(hi[d]) << 16);
 }
 
 // V of keys [j0, j0 + n) into ws.v [n_pad, dim_pad]: row copies for fp32, pairs of rows interleaved
@@ -294,20 +352,7 @@ void pack_values(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t 
   } else {
     gather_rows<scalar_t>([&](int64_t j) { return view.value(j); }, j0, n, geo, ws);
     for (int64_t jj = 0; jj < n_pad; jj += 2) {
-      const op_t* even = ws.rows[jj];
-      op_t* dst = ws.v.data() + jj * dp;
-      if (jj + 1 < n) {
-        const op_t* odd = ws.rows[jj + 1];
-        for (int64_t d = 0; d < dp; ++d) {
-          dst[2 * d] = even[d];
-          dst[2 * d + 1] = odd[d];
-        }
-      } else {
-        for (int64_t d = 0; d < dp; ++d) {
-          dst[2 * d] = even[d];
-          dst[2 * d + 1] = op_t(0.0f);
-        }
-      }
+      interleave_rows(ws.rows[jj], jj + 1 < n ? ws.rows[jj + 1] : nullptr, dp, ws.v.data() + jj * dp);
     }
   }
 }
@@ -349,9 +394,7 @@ float softmax_tile_row(float* scores, op_t* probs, int64_t lim, int64_t n_pad, f
     tile_sum += scores[i];
   }
   std::fill(scores + lim, scores + n_pad, 0.0f);
-  if constexpr (kVnni<op_t>) {
-    for (int64_t j = 0; j < n_pad; ++j) probs[j] = static_cast<op_t>(scores[j]);
-  }
+  if constexpr (kVnni<op_t>) at::vec::convert(scores, probs, n_pad);
   row_max = new_max;
   row_sum = row_sum * rescale + tile_sum;
   return rescale;
@@ -368,11 +411,11 @@ void attend_tile(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t 
   const int64_t n_pad = gemm_pad<op_t>(n);
   pack_keys(view, j0, n, n_pad, geo, ws);
   pack_values(view, j0, n, n_pad, geo, ws);
-  gemm(rows, n_pad, geo.dim_pad, geo.dim_pad, kKeyTile, kKeyTile, false, ws.q.data(), ws.k.data(),
+  gemm(rows, n_pad, geo.dim_pad, geo.dim_pad, geo.key_tile, geo.key_tile, false, ws.q.data(), ws.k.data(),
        ws.s.data());
   for (int64_t m = 0; m < rows; ++m) {
-    float* scores = ws.s.data() + m * kKeyTile;
-    op_t* probs = kVnni<op_t> ? ws.p.data() + m * kKeyTile : nullptr;
+    float* scores = ws.s.data() + m * geo.key_tile;
+    op_t* probs = kVnni<op_t> ? ws.p.data() + m * geo.key_tile : nullptr;
     const int64_t lim = std::clamp<int64_t>(ws.limit[m] - j0, 0, n);
     if (lim == 0) {  // every key of the tile is masked for this row: contributes nothing
       std::fill(scores, scores + n_pad, 0.0f);
@@ -383,7 +426,7 @@ void attend_tile(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t 
     if (rescale != 1.0f) scale_row(ws.acc.data() + m * geo.dim_pad, geo.dim_pad, rescale);
   }
   const op_t* probs = kVnni<op_t> ? ws.p.data() : reinterpret_cast<const op_t*>(ws.s.data());
-  gemm(rows, geo.dim_pad, n_pad, kKeyTile, geo.dim_pad, geo.dim_pad, true, probs, ws.v.data(), ws.acc.data());
+  gemm(rows, geo.dim_pad, n_pad, geo.key_tile, geo.dim_pad, geo.dim_pad, true, probs, ws.v.data(), ws.acc.data());
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -451,8 +494,8 @@ void run_item(const BlockAttentionArgs& args, const Geometry& geo, int64_t item,
       ws.limit[m] = t < view.causal ? view.length + t + 1 : keys;
     }
     pack_queries(args.q.data_ptr<scalar_t>(), geo, b, g, view.causal, rows, ws.q.data());
-    for (int64_t j0 = begin; j0 < end; j0 += kKeyTile) {
-      attend_tile(view, j0, std::min(kKeyTile, end - j0), rows, geo, args.scale, ws);
+    for (int64_t j0 = begin; j0 < end; j0 += geo.key_tile) {
+      attend_tile(view, j0, std::min(geo.key_tile, end - j0), rows, geo, args.scale, ws);
     }
   }
   if (geo.splits == 1) {
@@ -515,8 +558,9 @@ Geometry make_geometry(const BlockAttentionArgs& args, int64_t dim_pad) {
   const int64_t wanted = (kItemsPerThread * at::get_num_threads() + units - 1) / units;
   const int64_t most = (max_keys + kMinKeysPerSplit - 1) / kMinKeysPerSplit;
   const int64_t splits = std::clamp<int64_t>(wanted, 1, most);
-  const int64_t tiles = (max_keys + kKeyTile - 1) / kKeyTile;
-  geo.keys_per_split = (tiles + splits - 1) / splits * kKeyTile;
+  geo.key_tile = kKeyTile;
+  const int64_t tiles = (max_keys + geo.key_tile - 1) / geo.key_tile;
+  geo.keys_per_split = (tiles + splits - 1) / splits * geo.key_tile;
   geo.splits = (max_keys + geo.keys_per_split - 1) / geo.keys_per_split;
   return geo;
 }
