@@ -162,14 +162,12 @@ def test_mean_passes_of_a_distribution():
 
 def demo_results() -> list[dict]:
     """`sbd demo --json` shape: the SBD model's NTP row, two SBD rows, the NTP-only baseline."""
+    rows = [("sbd", "ntp", None, 1.0, 330), ("sbd", "sbd", 0.0, 1.0, 330), ("sbd", "sbd", 0.1, 1.0, 30),
+            ("sbd", "sbd", 0.35, 0.9, 66), ("ntp_only", "ntp", None, 1.0, 330)]
     return [{"task": "add", "exact_kv_check": True, "rows": [
-        {"model": "sbd", "method": "ntp", "gamma": None, "accuracy": 1.0, "nfe": 330, "answer_tokens": 330},
-        {"model": "sbd", "method": "sbd", "gamma": 0.0, "accuracy": 1.0, "nfe": 330, "answer_tokens": 330},
-        {"model": "sbd", "method": "sbd", "gamma": 0.1, "accuracy": 1.0, "nfe": 30, "answer_tokens": 330},
-        {"model": "sbd", "method": "sbd", "gamma": 0.35, "accuracy": 0.9, "nfe": 66, "answer_tokens": 330},
-        {"model": "ntp_only", "method": "ntp", "gamma": None, "accuracy": 1.0, "nfe": 330,
-         "answer_tokens": 330},
-    ]}]
+        {"model": model, "method": method, "gamma": gamma, "accuracy": acc, "nfe": nfe, "answer_tokens": 330,
+         "nfe_speedup": 330 / nfe, "tokens_per_s": 100.0 * 330 / nfe, "wall_speedup": 330 / nfe}
+        for model, method, gamma, acc, nfe in rows]}]
 
 
 def test_nfe_stats_from_demo_json():
@@ -223,3 +221,43 @@ def test_measured_comparison_from_benchmark_json():
     times = rl.block_times(tiny_config(), rl.cpu_hardware(ceilings), FP32, 2, 4, 8)
     assert row["pred_slowdown_k"] == pytest.approx(times.slowdown_k)
     assert "| full |" in rl.compare_markdown([row])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Plots of the benchmark report (bench/plots.py)
+# ----------------------------------------------------------------------------------------------------
+def test_parse_case_labels():
+    """Guards against case labels of the bench files being misread (x axis or grouping of a plot)."""
+    from bench.plots import parse_case
+
+    assert parse_case("small fp32 B=4 L=512 k=16") == {"B": "4", "L": "512", "k": "16", "words": "small fp32"}
+    assert parse_case("B=1 K=16 V=128256 bf16") == {"B": "1", "K": "16", "V": "128256", "words": "bf16"}
+
+
+def test_tokens_per_s_from_forward_times():
+    """Guards against a tokens/s that is not the SBD_SPEC 4 cost model: NTP B / time(1), SBD B k / (time(2k)
+    + (l - 1) time(k))."""
+    from bench.plots import tokens_per_s
+
+    times = {1: 0.01, 16: 0.02, 32: 0.03}
+    assert tokens_per_s(times, 4, 16, None) == pytest.approx(400.0)
+    stat = rl.NfeStat("x", nfe_speedup=8.0)                     # l = 2
+    assert tokens_per_s(times, 4, 16, stat) == pytest.approx(4 * 16 / (0.03 + 0.02))
+    assert tokens_per_s({1: 0.01}, 4, 16, stat) is None
+
+
+def test_write_plots(tmp_path, capsys):
+    """Guards against a plot crashing on real report rows, and a missing input failing instead of being
+    skipped with a message."""
+    from bench.plots import write_plots
+
+    sampling = [{"case": f"B=1 K=16 V={v} bf16", "provider": p, "median_ms": v / 1e4, "gflops": None}
+                for v in (1000, 50257) for p in ("sbd", "eager")]
+    decode = [{"case": f"small fp32 B={b} L=512 k=16", "provider": f"sbd t={t}", "median_ms": t * 0.5 + b,
+               "gflops": 1.0} for b in (1, 4) for t in (1, 16, 32)]
+    (tmp_path / "demo.json").write_text(json.dumps(demo_results()))
+    written = write_plots(tmp_path, {"sampling": sampling, "decode": decode})
+    assert sorted(p.name for p in written) == ["accuracy_vs_nfe.png", "decode_tokens_per_s.png",
+                                               "sampling_latency.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
+    assert "attention_gflops.png skipped: no attention results" in capsys.readouterr().out

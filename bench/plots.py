@@ -1,0 +1,187 @@
+"""PNG plots of the benchmark report (matplotlib, headless).
+
+    python -m bench.plots bench/results [--demo-json demo.json]
+
+Input: the `results` of `bench/report.py`'s report.json ({family: [row, ...]}, each row with the case
+label, provider, median_ms and gflops) and, for the two SBD plots, `sbd demo --json` output. Each plot
+function takes the parsed results and writes one PNG, or returns None and prints why when its input is
+missing:
+
+- sampling_latency.png: entropy_sample latency vs vocabulary size, one line per provider and (B, K, dtype);
+- attention_gflops.png: block attention GFLOP/s vs cache length, one line per provider and shape;
+- decode_tokens_per_s.png: tokens/s vs batch for NTP and SBD, from the measured forward times of the decode
+  benchmark: NTP = B / time(1); SBD = B k / (time(2k) + (l - 1) time(k)) with l the mean passes per block of
+  each SBD setting of the demo (SBD_SPEC 4);
+- accuracy_vs_nfe.png: accuracy vs NFE speedup per task (`sbd_kernels.demo.write_plot`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from sbd_kernels.roofline import NfeStat, nfe_stats_from_demo
+
+_KEY_VALUE = re.compile(r"(\w+)=(\S+)")
+
+
+def parse_case(case: str) -> dict[str, str]:
+    """"small fp32 B=4 L=512 k=16" -> {"B": "4", "L": "512", "k": "16", "words": "small fp32"}."""
+    fields = dict(_KEY_VALUE.findall(case))
+    fields["words"] = " ".join(w for w in case.split() if "=" not in w)
+    return fields
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _skip(name: str, why: str) -> None:
+    print(f"plots: {name} skipped: {why}")
+
+
+def _series(rows: list[dict], x_key: str, value: str, group_keys: tuple[str, ...]) -> dict[str, list]:
+    """{label: [(x, value), ...] sorted by x} over rows whose case names x_key, grouped by provider and the
+    other fields of the case."""
+    series: dict[str, list] = defaultdict(list)
+    for r in rows:
+        fields = parse_case(r["case"])
+        if x_key not in fields or r.get(value) is None:
+            continue
+        shape = " ".join(f"{k}={fields[k]}" for k in group_keys if k in fields)
+        label = " ".join(part for part in (r["provider"], shape, fields["words"]) if part)
+        series[label].append((float(fields[x_key]), r[value]))
+    return {label: sorted(points) for label, points in series.items()}
+
+
+def _line_plot(series: dict[str, list], path: Path, title: str, xlabel: str, ylabel: str,
+               logy: bool = False) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in series.items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel, xscale="log")
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_sampling_latency(families: dict[str, list[dict]], path: Path) -> Path | None:
+    rows = families.get("sampling")
+    if not rows:
+        return _skip(path.name, "no sampling results")
+    series = _series(rows, "V", "median_ms", ("B", "K"))
+    if not series:
+        return _skip(path.name, "no sampling case names its vocabulary size (V=...)")
+    return _line_plot(series, path, "entropy_sample latency vs vocabulary size", "vocabulary size V",
+                      "median latency (ms)", logy=True)
+
+
+def plot_attention_gflops(families: dict[str, list[dict]], path: Path) -> Path | None:
+    rows = families.get("attention")
+    if not rows:
+        return _skip(path.name, "no attention results")
+    series = _series(rows, "L", "gflops", ("B", "K", "C", "H", "D"))
+    if not series:
+        return _skip(path.name, "no attention case with a cache length (L=...) and GFLOP/s")
+    return _line_plot(series, path, "block attention throughput vs cache length", "cache length L",
+                      "GFLOP/s")
+
+
+def decode_times(rows: list[dict]) -> dict[tuple[str, int], dict[int, dict[int, float]]]:
+    """{(config words, cache length): {batch: {tokens: median seconds}}} from the decode family's rows
+    (provider "sbd t=<tokens>")."""
+    times: dict = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        fields = parse_case(r["case"])
+        match = re.fullmatch(r"sbd t=(\d+)", r["provider"])
+        if match and "B" in fields and "L" in fields:
+            times[fields["words"], int(fields["L"])][int(fields["B"])][int(match[1])] = r["median_ms"] / 1e3
+    return times
+
+
+def tokens_per_s(per_tokens: dict[int, float], batch: int, k: int, stat: NfeStat | None) -> float | None:
+    """NTP (stat None): B / time(1); SBD: B k / (time(2k) + (l - 1) time(k)); None if a width is missing."""
+    if stat is None:
+        return batch / per_tokens[1] if 1 in per_tokens else None
+    if k not in per_tokens or 2 * k not in per_tokens:
+        return None
+    return batch * k / (per_tokens[2 * k] + (stat.passes_per_block - 1) * per_tokens[k])
+
+
+def plot_decode_tokens_per_s(families: dict[str, list[dict]], demo: list[dict] | None, path: Path,
+                             k: int = 16) -> Path | None:
+    rows = families.get("decode")
+    if not rows:
+        return _skip(path.name, "no decode results")
+    if not demo:
+        return _skip(path.name, "no `sbd demo --json` results for the passes per block")
+    stats: list[NfeStat | None] = [None, *nfe_stats_from_demo(demo, k)]
+    series: dict[str, list] = {}
+    for (words, kv_len), by_batch in sorted(decode_times(rows).items()):
+        for stat in stats:
+            name = "NTP" if stat is None else (f"SBD ({stat.label.removeprefix('measured: ')}, "
+                                               f"l={stat.passes_per_block:.2f})")
+            points = [(b, tokens_per_s(by_batch[b], b, k, stat)) for b in sorted(by_batch)]
+            points = [p for p in points if p[1] is not None]
+            if points:
+                series[f"{name} {words} L={kv_len}"] = points
+    if not series:
+        return _skip(path.name, "decode results lack the 1, k, 2k widths")
+    return _line_plot(series, path, "decode throughput from measured forward times (this CPU)", "batch",
+                      "tokens/s", logy=True)
+
+
+def plot_accuracy_vs_nfe(demo: list[dict] | None, path: Path) -> Path | None:
+    if not demo:
+        return _skip(path.name, "no `sbd demo --json` results")
+    from sbd_kernels.demo import write_plot
+
+    write_plot(demo, str(path))
+    return path
+
+
+def write_plots(results_dir: Path, families: dict[str, list[dict]] | None = None,
+                demo_json: Path | None = None) -> list[Path]:
+    """Every plot whose input exists, as PNGs in results_dir. families default to results_dir/report.json's
+    results; demo_json to results_dir/demo.json when it exists."""
+    results_dir = Path(results_dir)
+    if families is None:
+        report = results_dir / "report.json"
+        families = json.loads(report.read_text())["results"] if report.exists() else {}
+    demo_json = demo_json or results_dir / "demo.json"
+    demo = json.loads(Path(demo_json).read_text()) if Path(demo_json).exists() else None
+    written = [
+        plot_sampling_latency(families, results_dir / "sampling_latency.png"),
+        plot_attention_gflops(families, results_dir / "attention_gflops.png"),
+        plot_decode_tokens_per_s(families, demo, results_dir / "decode_tokens_per_s.png"),
+        plot_accuracy_vs_nfe(demo, results_dir / "accuracy_vs_nfe.png"),
+    ]
+    return [p for p in written if p is not None]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results_dir", type=Path, help="folder with report.json (bench/report.py)")
+    parser.add_argument("--demo-json", type=Path,
+                        help="`sbd demo --json` output (default results_dir/demo.json)")
+    args = parser.parse_args(argv)
+    for path in write_plots(args.results_dir, demo_json=args.demo_json):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
