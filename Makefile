@@ -1,17 +1,20 @@
-# Fresh machine: `make test` (or `make bench`) creates .venv, installs the pinned dependencies, builds the
-# extension and runs. torch is installed first and pinned (2.13.0, CPU wheel): an unpinned torch, also
-# inside an isolated build environment, would pull a CUDA build of several GB.
+# Fresh machine: `make demo` (the main job) or `make test` creates .venv, installs the pinned
+# dependencies, builds the extension and runs. torch is installed first and pinned (2.13.0, CPU wheel):
+# an unpinned torch, also inside an isolated build environment, would pull a CUDA build of several GB.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 DEPS := $(VENV)/.deps-installed
 BUILT := $(VENV)/.extension-built
-CPP_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py
+BUILD_INPUTS := $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py pyproject.toml
 # ccache, where installed, makes a rebuild after a one-file change take seconds instead of a minute.
 CCACHE := $(shell command -v ccache 2>/dev/null)
 BUILD_ENV := $(if $(CCACHE),CC="ccache gcc" CXX="ccache g++",)
 
-.PHONY: test bench aot lint build clean
+.PHONY: demo test bench aot lint build clean
+
+demo: $(BUILT)
+	$(BIN)/python -m sbd_kernels.cli demo
 
 test: $(BUILT)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests -q
@@ -37,7 +40,7 @@ $(DEPS): $(BIN)/python requirements-dev.txt
 	touch $@
 
 # flock: one build at a time in this checkout (concurrent builds would overwrite each other's objects).
-$(BUILT): $(DEPS) $(CPP_SOURCES)
+$(BUILT): $(DEPS) $(BUILD_INPUTS)
 	flock build.lock env $(BUILD_ENV) $(BIN)/pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
