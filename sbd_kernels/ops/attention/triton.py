@@ -34,7 +34,7 @@ cores, fp32 accumulation) and fp32 operands use 3xTF32, which keeps fp32 accurac
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import triton
@@ -55,23 +55,33 @@ class _Tiles(NamedTuple):
     num_stages: int
 
 
-# Tiles by (fp16/bf16?, ALIGNED?, BLOCK_D > 128?): the largest that compile with no register spill on
-# sm_80 and sm_90 (ptxas -v, --regAllocOptLevel=2, as `python -m sbd_kernels.aot` checks). A decode pass has
+# Tiles by (fp16/bf16?, ALIGNED?, BLOCK_D class): the largest that compile with no register spill on
+# sm_80 and sm_90 (ptxas -v --regAllocOptLevel=2, as `python -m sbd_kernels.aot` checks). A decode pass has
 # M = (C + K) * G rows, e.g. 32 * 4 = 128; BLOCK_M is the smallest power of two >= M (tl.dot needs >= 16)
-# up to max_block_m. Measured at D = 128: fp16 64 x 64 with 4 warps spills 28-372 bytes, with 8 warps
-# 214-230 registers and none; fp32 (3xTF32 dots hold hi/lo halves of each operand) spills from 32 x 32,
-# 16 x 32 with 8 warps uses 177-216 registers. Unaligned rows keep one 64-bit address per element, hence
-# 16 x 16 tiles; fp32 at D = 256 spills with 3xTF32 and runs plain fp32 dots (one stage when unaligned).
+# up to max_block_m. Measured at D = 128: fp16 64 x 64 tiles spill 28-372 bytes with 4 warps and use
+# 214-230 registers with 8; fp32 (3xTF32 dots hold hi/lo halves of each operand) spills from 32 x 32, and
+# 16 x 32 with 8 warps uses 177-216 registers. At D <= 64, 8 warps on such small tiles spilled where 4 did
+# not. Unaligned rows keep one 64-bit address per element, hence 16 x 16 tiles. fp32 at D = 256 spills with
+# 3xTF32 and uses plain fp32 dots instead (and one pipeline stage when unaligned).
 _TILES = {
-    (True, True, False): _Tiles(64, 64, 8, 2),
-    (True, True, True): _Tiles(64, 16, 8, 2),
-    (False, True, False): _Tiles(16, 32, 8, 2),
-    (False, True, True): _Tiles(16, 16, 8, 2),
-    (True, False, False): _Tiles(16, 16, 4, 2),
-    (True, False, True): _Tiles(16, 16, 8, 2),
-    (False, False, False): _Tiles(16, 16, 8, 2),
-    (False, False, True): _Tiles(16, 16, 8, 1),
+    (True, True, "small"): _Tiles(64, 64, 4, 2),
+    (True, True, "mid"): _Tiles(64, 64, 8, 2),
+    (True, True, "large"): _Tiles(64, 16, 8, 2),
+    (False, True, "small"): _Tiles(16, 32, 4, 2),
+    (False, True, "mid"): _Tiles(16, 32, 8, 2),
+    (False, True, "large"): _Tiles(16, 16, 8, 2),
+    (True, False, "small"): _Tiles(16, 16, 4, 2),
+    (True, False, "mid"): _Tiles(16, 16, 4, 2),
+    (True, False, "large"): _Tiles(16, 16, 8, 2),
+    (False, False, "small"): _Tiles(16, 16, 4, 2),
+    (False, False, "mid"): _Tiles(16, 16, 8, 2),
+    (False, False, "large"): _Tiles(16, 16, 8, 1),
 }
+
+
+def _tiles(half: bool, aligned: bool, block_d: int) -> _Tiles:
+    size = "small" if block_d <= 64 else "mid" if block_d <= 128 else "large"
+    return _TILES[(half, aligned, size)]
 # Cache slots per split, at least: each split writes a partial (m, l, acc[M tile, D]) fp32 state; with
 # 512 slots a bf16 split reads 512 * D * 2 * 2 bytes of K/V against 64 * D * 4 bytes of partial output
 # (one eighth), so the split overhead stays small while L = 4096 still gives 8 splits per (b, head, tile).
@@ -249,7 +259,7 @@ def _attention_combine_kernel(
     m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for split in range(0, live_splits):
+    for split in range(live_splits):
         state = (pid_bh.to(tl.int64) * num_splits + split) * M + m_idx
         m_s = tl.load(part_m_ptr + state, mask=m_ok, other=float("-inf"))
         l_s = tl.load(part_l_ptr + state, mask=m_ok, other=0.0)
@@ -302,7 +312,7 @@ def _pick_config(head_dim: int, rows: int, dtype: torch.dtype, paged: bool, alig
     interpreted."""
     half = dtype != torch.float32
     block_d = max(16, triton.next_power_of_2(head_dim))
-    tiles = _TILES[(half, aligned, block_d > 128)]
+    tiles = _tiles(half, aligned, block_d)
     block_m = min(tiles.max_block_m, max(16, triton.next_power_of_2(rows)))
     input_precision = "tf32x3" if on_gpu and not half and block_d <= 128 else "ieee"
     return _Config(block_m, tiles.block_n, block_d, tiles.num_warps, tiles.num_stages, on_gpu and half,
@@ -337,7 +347,7 @@ def _rows_aligned(*tensors: torch.Tensor) -> bool:
 def block_attention_with_kvcache(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor, num_causal: torch.Tensor, block_size: int,
-    block_table: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+    block_table: torch.Tensor | None = None, softmax_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher of the op (same signature and side effect); CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1. Returns out [B, S, Hq, D] (dtype of q) and lse [B, Hq, S] fp32. No host sync."""
@@ -396,17 +406,17 @@ def _split_spec(dtype: torch.dtype, block_m: int, block_d: int, paged: bool, ali
     """The stage-1 kernel as a GPU launch compiles it: q/k/v last-dim strides of 1 are specialised."""
     config = _pick_config(block_d, block_m, dtype, paged, aligned, on_gpu=True)
     ty = "*" + _TRITON_DTYPES[dtype]
-    signature = dict(q_ptr=ty, k_ptr=ty, v_ptr=ty, k_cache_ptr=ty, v_cache_ptr=ty, cache_seqlens_ptr="*i32",
-                     num_causal_ptr="*i32", block_table_ptr="*i32", part_acc_ptr="*fp32",
-                     part_m_ptr="*fp32", part_l_ptr="*fp32")
+    signature = {"q_ptr": ty, "k_ptr": ty, "v_ptr": ty, "k_cache_ptr": ty, "v_cache_ptr": ty, "cache_seqlens_ptr": "*i32",
+                     "num_causal_ptr": "*i32", "block_table_ptr": "*i32", "part_acc_ptr": "*fp32",
+                     "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
     signature |= {f"stride_{t}{a}": "constexpr" if a == "d" else "i32"
                   for t, axes in _STRIDE_AXES.items() for a in axes}
     signature |= {name: "i32" for name in ("stride_btb", "S", "C", "Hkv", "G", "D", "M", "capacity", "page_size",
                                            "num_pages", "split_len", "num_splits")}
     signature["qk_scale"] = "fp32"
-    constexprs = dict(stride_qd=1, stride_kd=1, stride_vd=1, PAGED=paged, BLOCK_M=block_m,
-                      BLOCK_N=config.block_n, BLOCK_D=block_d, HALF_DOT=config.half_dot,
-                      INPUT_PRECISION=config.input_precision, ALIGNED=aligned)
+    constexprs = {"stride_qd": 1, "stride_kd": 1, "stride_vd": 1, "PAGED": paged, "BLOCK_M": block_m,
+                      "BLOCK_N": config.block_n, "BLOCK_D": block_d, "HALF_DOT": config.half_dot,
+                      "INPUT_PRECISION": config.input_precision, "ALIGNED": aligned}
     signature |= {name: "constexpr" for name in constexprs if name not in signature}
     name = (f"attention/split {_TRITON_DTYPES[dtype]} M{block_m} N{config.block_n} D{block_d} "
             f"{'paged' if paged else 'contig'} {'aligned' if aligned else 'unaligned'}")
@@ -416,14 +426,14 @@ def _split_spec(dtype: torch.dtype, block_m: int, block_d: int, paged: bool, ali
 
 def _combine_spec(dtype: torch.dtype, block_d: int, aligned: bool) -> KernelSpec:
     ty = "*" + _TRITON_DTYPES[dtype]
-    signature = dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", cache_seqlens_ptr="*i32",
-                     out_ptr=ty, lse_ptr="*fp32")
+    signature = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "cache_seqlens_ptr": "*i32",
+                     "out_ptr": ty, "lse_ptr": "*fp32"}
     signature |= {name: "i32" for name in ("stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_lh",
                                            "Hkv", "G", "D", "M", "capacity", "split_len", "num_splits")}
-    signature |= dict(BLOCK_M="constexpr", BLOCK_D="constexpr", ALIGNED="constexpr")
+    signature |= {"BLOCK_M": "constexpr", "BLOCK_D": "constexpr", "ALIGNED": "constexpr"}
     return KernelSpec(f"attention/combine {_TRITON_DTYPES[dtype]} D{block_d} "
                       f"{'aligned' if aligned else 'unaligned'}", _attention_combine_kernel, signature,
-                      dict(BLOCK_M=COMBINE_BLOCK_M, BLOCK_D=block_d, ALIGNED=aligned), num_warps=4)
+                      {"BLOCK_M": COMBINE_BLOCK_M, "BLOCK_D": block_d, "ALIGNED": aligned}, num_warps=4)
 
 
 def aot_specs() -> list[KernelSpec]:
@@ -433,7 +443,7 @@ def aot_specs() -> list[KernelSpec]:
     for dtype in _TRITON_DTYPES:
         for aligned in (True, False):
             for block_d in _BLOCK_D_CHOICES:
-                tiles = _TILES[(dtype != torch.float32, aligned, block_d > 128)]
+                tiles = _tiles(dtype != torch.float32, aligned, block_d)
                 specs += [_split_spec(dtype, block_m, block_d, paged, aligned)
                           for block_m in _block_m_choices(tiles) for paged in (False, True)]
                 specs.append(_combine_spec(dtype, block_d, aligned))

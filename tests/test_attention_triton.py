@@ -1,0 +1,280 @@
+"""`sbd.block_attention_with_kvcache`, Triton backend: the split-KV kernel against the oracle on the shared
+cases (tests/attention_cases.py), its split / combine / alignment paths, errors and the AOT spec list.
+
+On this CPU-only machine the launcher runs on CPU tensors under TRITON_INTERPRET=1 (set by conftest).
+Where CUDA is present and TRITON_INTERPRET is unset, the same tests run the compiled kernels on the GPU.
+Every temporary the launcher allocates (out, lse, the partial split states) is NaN-filled first, so an
+element the kernels fail to write, or a partial state read although its split never ran, fails the test.
+"""
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from attention_cases import AXES, BASE, assert_matches_oracle, axis_params, make_case
+from test_attention import (
+    DIM,
+    HEAD,
+    HKV,
+    error_cases,
+    forward,
+    full_recompute,
+    make_layers,
+    sbd_decode_mask,
+)
+
+from sbd_kernels.ops.attention import naive
+from sbd_kernels.ops.attention import triton as attention_triton
+from sbd_kernels.ops.attention._checks import check_block_attention_args
+from sbd_kernels.testing import assert_close, poison_
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+DEVICE = "cuda" if ON_GPU else "cpu"
+LAUNCH = attention_triton.block_attention_with_kvcache
+# Long-cache cases use one KV head and B = 1: the interpreter runs programs one by one (~0.5 ms each).
+LONG = {"B": 1, "C": 5, "K": 7, "L": 4099, "Hkv": 1, "D": 64}
+
+
+@contextlib.contextmanager
+def _poisoned_allocations():
+    """torch.empty / torch.empty_like return NaN-filled tensors inside the block."""
+    empty, empty_like = torch.empty, torch.empty_like
+    torch.empty = lambda *a, **kw: poison_(empty(*a, **kw))
+    torch.empty_like = lambda *a, **kw: poison_(empty_like(*a, **kw))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
+
+
+def triton_op(*args):
+    """The Triton launcher with every buffer it allocates poisoned first."""
+    with _poisoned_allocations():
+        return LAUNCH(*args)
+
+
+def case(**shape):
+    return make_case(**shape, device=DEVICE)
+
+
+def split_plan(c):
+    """How the launcher cuts the cache of case `c` into splits."""
+    dims = check_block_attention_args(*c.args()[:9])
+    rows = dims.seq * dims.q_heads // dims.kv_heads
+    config = attention_triton._pick_config(dims.head_dim, rows, c.q.dtype, dims.paged, True, ON_GPU)
+    return attention_triton._plan_splits(dims, config)
+
+
+AXIS_CASES = [(case_id, kw) for case_id, kw in axis_params() if kw["L"] < 1000]
+
+
+@pytest.mark.parametrize("shape", [kw for _, kw in AXIS_CASES], ids=[i for i, _ in AXIS_CASES])
+def test_triton_matches_oracle(shape):
+    """Guards against wrong math, row-class masks, GQA packing of the M tile, paging or cache writes, on
+    every axis of the shared grid (B, C incl. 0 and K, L 0/1/127, K 0..32, GQA 1/4/8, D 64/128, dtypes,
+    page sizes 1/16/48); NaN-poisoned cache slots must stay untouched bit for bit and never leak."""
+    assert_matches_oracle(case(**shape), triton_op)
+
+
+@pytest.mark.parametrize("dtype,paged,hq", [(torch.float32, False, 1), (torch.bfloat16, True, 4)],
+                         ids=["fp32", "bf16-paged-gqa4"])
+def test_long_cache_is_split_and_combined(dtype, paged, hq):
+    """Guards against errors in the split-KV path and its log-sum-exp combine: 4099 cached keys cut into
+    several splits (checked), with the last split partial."""
+    c = case(**LONG, Hq=hq, dtype=dtype, paged=paged, page_size=32)
+    assert split_plan(c).num_splits > 3
+    assert_matches_oracle(c, triton_op)
+
+
+@pytest.mark.parametrize("L", [0, 37])
+def test_splits_past_the_length_exit_unread(L):
+    """Guards against a combine that reads partial states of splits that started past L_b (never written:
+    NaN here) or a split that reads cache slots past L_b: a 2048-slot cache holds at most 40 slots."""
+    c = case(B=2, C=3, K=4, L=L, Hq=4, Hkv=1, D=64, dtype=torch.float16)
+    wide = torch.full((2, 2048, 1, 64), float("nan"), dtype=c.k_cache.dtype, device=DEVICE)
+    c.k_cache = wide.clone().index_copy_(1, torch.arange(c.k_cache.shape[1], device=DEVICE), c.k_cache)
+    c.v_cache = wide.clone().index_copy_(1, torch.arange(c.v_cache.shape[1], device=DEVICE), c.v_cache)
+    assert split_plan(c).num_splits > 2
+    assert_matches_oracle(c, triton_op)
+
+
+@pytest.mark.parametrize("D", [256, 80, 33])
+@pytest.mark.parametrize("dtype", AXES["dtype"], ids=str)
+def test_head_dims(D, dtype):
+    """Guards against BLOCK_D masking errors and the unaligned path: D = 256 (largest tile), 80 (padded
+    to 128), 33 (odd: rows not 16-byte aligned, so the kernels run without vector hints)."""
+    assert_matches_oracle(case(B=2, C=2, K=3, L=20, Hq=4, Hkv=2, D=D, dtype=dtype), triton_op)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_paged_low_precision(dtype, page_size):
+    """Guards against paging errors that only show with the 64-row M tiles of fp16/bf16 (fp32 uses 16)."""
+    assert_matches_oracle(case(**{**BASE, "dtype": dtype, "paged": True, "page_size": page_size}), triton_op)
+
+
+@pytest.mark.parametrize("dtype", AXES["dtype"], ids=str)
+def test_noncontiguous_inputs(dtype):
+    """Guards against a kernel that assumes contiguous q / k / v (strided last dimension here)."""
+    assert_matches_oracle(case(**{**BASE, "dtype": dtype, "contiguous": False}), triton_op)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_strided_caches(paged):
+    """Guards against a kernel that assumes densely packed caches: each cache here is one slice of a
+    larger NaN buffer (other outer strides, k_cache and v_cache differ); the rest must stay NaN."""
+    c = case(**{**BASE, "paged": paged})
+    stacked_k = torch.full((3, *c.k_cache.shape), float("nan"), device=DEVICE)
+    stacked_v = torch.full((*c.v_cache.shape[:2], 2 * c.v_cache.shape[2], c.v_cache.shape[3]), float("nan"),
+                           device=DEVICE)
+    stacked_k[1] = c.k_cache
+    stacked_v[:, :, 1::2] = c.v_cache
+    c.k_cache, c.v_cache = stacked_k[1], stacked_v[:, :, 1::2]
+    assert_matches_oracle(c, triton_op)
+    assert torch.isnan(stacked_k[0]).all() and torch.isnan(stacked_k[2]).all()
+    assert torch.isnan(stacked_v[:, :, 0::2]).all()
+
+
+@pytest.mark.parametrize("scale", [0.05, -0.3])
+def test_softmax_scale(scale):
+    """Guards against an ignored softmax_scale, or a max taken before scaling (wrong for scale < 0)."""
+    assert_matches_oracle(case(**BASE, softmax_scale=scale), triton_op)
+
+
+def test_padding_rows_and_poisoned_inputs():
+    """Guards against padding rows getting values and against reads of rows that must not be read: the
+    padding rows of q, k and v are NaN, so any read of them reaches a result (0 * NaN = NaN). Padding
+    rows must give out = 0 and lse = -inf, every other output must be finite."""
+    c = case(B=3, C=6, K=4, L=50, Hq=4, Hkv=2, D=64, dtype=torch.float32)
+    for b, n in enumerate(c.num_causal.tolist()):
+        for t in (c.q, c.k, c.v):
+            t[b, n:6] = float("nan")
+    out, lse = triton_op(*c.args())
+    for b, n in enumerate(c.num_causal.tolist()):
+        assert torch.equal(out[b, n:6], torch.zeros_like(out[b, n:6]))
+        assert torch.equal(lse[b, :, n:6], torch.full_like(lse[b, :, n:6], float("-inf")))
+        assert torch.isfinite(out[b, :n]).all() and torch.isfinite(out[b, 6:]).all()
+        assert torch.isfinite(lse[b, :, :n]).all() and torch.isfinite(lse[b, :, 6:]).all()
+
+
+@pytest.mark.parametrize("gqa", AXES["gqa"], ids=str)
+def test_agrees_with_sdpa(gqa):
+    """Guards against the kernel and the oracle sharing a wrong reading of the contract: the kernel must
+    equal torch SDPA (enable_gqa) over [cache ; k] with the SBD decode mask written independently."""
+    hq, hkv = gqa
+    c = case(B=3, C=4, K=5, L=40, Hq=hq, Hkv=hkv, D=64, dtype=torch.float32)
+    cache_k, cache_v = c.k_cache.clone(), c.v_cache.clone()
+    out, _ = triton_op(*c.args())
+    for b, (length, causal) in enumerate(zip(c.cache_seqlens.tolist(), c.num_causal.tolist())):
+        keys = torch.cat([cache_k[b, :length], c.k[b]]).transpose(0, 1)  # [Hkv, L + S, D]
+        values = torch.cat([cache_v[b, :length], c.v[b]]).transpose(0, 1)
+        mask = sbd_decode_mask(length, causal, 4, 5).to(DEVICE)
+        expected = F.scaled_dot_product_attention(c.q[b].transpose(0, 1), keys, values, attn_mask=mask,
+                                                  enable_gqa=True).transpose(0, 1)
+        assert_close(out[b, :causal], expected[:causal], name="causal rows")
+        assert_close(out[b, 4:], expected[4:], name="block rows")
+
+
+def test_cached_decode_equals_full_recompute():
+    """Guards against any break of SBD_SPEC 3.10 through the Triton kernel: prefill (K = 0), a first
+    block pass with the previous block as causal rows and a later block-only pass must give the block
+    outputs of a full recompute over the whole sequence (tiny random 2-layer transformer, RoPE, GQA)."""
+    gen = torch.Generator().manual_seed(0)
+    layers = make_layers(gen)
+    prompt, previous, block = (torch.randn(n, DIM, generator=gen) for n in (11, 4, 4))
+    caches = [tuple(torch.full((1, 32, HKV, HEAD), float("nan"), device=DEVICE) for _ in "kv") for _ in layers]
+    length = 0
+
+    def sbd_pass(causal_x, block_x):
+        nonlocal length
+        c, k = causal_x.shape[0], block_x.shape[0]
+        lengths = torch.tensor([length], dtype=torch.int32, device=DEVICE)
+        causal = torch.tensor([c], dtype=torch.int32, device=DEVICE)
+
+        def attend(i, q, kk, v):  # the model runs on the CPU, the op on DEVICE
+            q, kk, v = (t[None].to(DEVICE) for t in (q, kk, v))
+            return triton_op(q, kk, v, *caches[i], lengths, causal, k)[0][0].cpu()
+        out = forward(layers, torch.cat([causal_x, block_x]), length + torch.arange(c + k), attend)
+        length += c
+        return out[c:]
+
+    sbd_pass(prompt, prompt[:0])
+    cached = sbd_pass(previous, block)
+    assert_close(cached, full_recompute(layers, torch.cat([prompt, previous, block]), 15)[15:], atol_scale=5,
+                 name="first pass")
+    revealed = block.clone()
+    revealed[1] = torch.randn(DIM, generator=gen)
+    cached = sbd_pass(revealed[:0], revealed)
+    assert_close(cached, full_recompute(layers, torch.cat([prompt, previous, revealed]), 15)[15:],
+                 atol_scale=5, name="later pass")
+    for k_cache, _ in caches:
+        assert torch.isfinite(k_cache[0, :15]).all() and torch.isnan(k_cache[0, 15:]).all()
+
+
+@pytest.mark.parametrize("mutate,message", [e[1:] for e in error_cases()], ids=[e[0] for e in error_cases()])
+def test_bad_inputs_name_the_argument(mutate, message):
+    """Guards against silent out-of-bounds writes or cryptic failures on bad inputs (capacity overflow,
+    Hq % Hkv != 0, wrong dtypes of lengths, device mismatch, ...): a RuntimeError naming the argument."""
+    c = make_case(**BASE)
+    mutate(c)
+    before = c.k_cache.clone()
+    with pytest.raises(RuntimeError, match=message):
+        LAUNCH(*c.args())
+    assert torch.equal(c.k_cache.isnan(), before.isnan())
+
+
+def test_bad_page_id():
+    """Guards against reading or writing a page outside the pool through a corrupt block_table."""
+    c = make_case(**{**BASE, "paged": True})
+    c.block_table[0, 1] = c.k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="block_table holds a page id outside"):
+        LAUNCH(*c.args())
+
+
+def _spec_key(constexprs: dict, num_warps: int, num_stages: int) -> tuple:
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "PAGED", "ALIGNED", "HALF_DOT", "INPUT_PRECISION")
+    return tuple(constexprs[n] for n in names) + (num_warps, num_stages)
+
+
+def test_aot_specs_cover_every_launch_config():
+    """Guards against a launch configuration that the GPU compile check never compiles (it would first
+    fail, or spill, on a user's GPU): every (dtype, D, rows, paged, aligned) maps to a listed spec."""
+    listed = {}
+    for spec in attention_triton.aot_specs():
+        if spec.fn is attention_triton._attention_split_kernel:
+            dtype = spec.signature["q_ptr"]
+            listed.setdefault(dtype, set()).add(_spec_key(spec.constexprs, spec.num_warps, spec.num_stages))
+    names = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+    for dtype, name in names.items():
+        for head_dim in (1, 16, 17, 33, 64, 80, 128, 129, 256):
+            for rows in (1, 16, 17, 33, 64, 65, 1000):
+                for paged in (False, True):
+                    for aligned in (False, True):
+                        cfg = attention_triton._pick_config(head_dim, rows, dtype, paged, aligned, on_gpu=True)
+                        constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_D": cfg.block_d,
+                                          "PAGED": paged, "ALIGNED": aligned, "HALF_DOT": cfg.half_dot,
+                                          "INPUT_PRECISION": cfg.input_precision}
+                        assert _spec_key(constexprs, cfg.num_warps, cfg.num_stages) in listed[name], cfg
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the CUDA registration runs on CUDA tensors (no GPU here)")
+def test_opcheck_cuda():
+    """Guards against the CUDA registration, fake kernel and aliasing of the Triton path being out of step."""
+    c = case(B=2, C=2, K=3, L=9, Hq=4, Hkv=2, D=16, dtype=torch.float32, paged=True, page_size=4)
+    torch.library.opcheck(torch.ops.sbd.block_attention_with_kvcache, c.args())
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiles a CUDA decode step (no GPU here)")
+def test_decode_step_compiles_fullgraph_cuda():
+    """Guards against graph breaks or a host sync in the CUDA path of a compiled decode step."""
+    def decode_step(*args):
+        out, lse = torch.ops.sbd.block_attention_with_kvcache(*args)
+        return out.float() * 2, lse
+
+    c = case(B=2, C=2, K=3, L=9, Hq=4, Hkv=2, D=64, dtype=torch.bfloat16)
+    expected_case = c.with_cache_copies()
+    out, lse = torch.compile(decode_step, fullgraph=True)(*c.args())
+    expected_out, expected_lse = naive.block_attention_with_kvcache(*expected_case.args())
+    assert_close(out / 2, expected_out.float(), dtype=torch.bfloat16)
+    assert_close(lse, expected_lse, dtype=torch.float32)
