@@ -33,7 +33,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=None, help="prompts per batch (default: all)")
     parser.add_argument("--ops", choices=("fused", "naive"), default="fused")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     return parser
 
 

@@ -224,7 +224,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--kv-prompts", type=int, default=3, help="prompts of the exact-KV check")
     parser.add_argument("--ops", choices=("fused", "naive"), default="fused",
                         help="decode with the fused torch.ops.sbd kernels or their pure-PyTorch oracles")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    # One thread: a batch-1 decode of the 0.8M-parameter model is a chain of small ops (1-80 rows x 128),
+    # which a second thread only slows down: NTP measured 166 tokens/s with 1 thread, 35 with 2, on this
+    # 2-core machine shared with other jobs.
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--plot", default=None, help="write accuracy vs NFE speedup to this PNG file")
     return parser

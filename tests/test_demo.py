@@ -1,0 +1,81 @@
+"""`sbd demo` end to end on random `tiny` models (`--quick`), its JSON schema, table and plot; and, with the
+bundled checkpoints, the headline numbers on a few held-out prompts."""
+import argparse
+import json
+
+import pytest
+
+from sbd_kernels import demo
+
+ROW_KEYS = {"model": str, "method": str, "gamma": (float, type(None)), "accuracy": float, "nfe": int,
+            "answer_tokens": int, "nfe_speedup": float, "tokens_per_s": float, "wall_speedup": float}
+
+
+def demo_args(*argv: str) -> argparse.Namespace:
+    return demo.add_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One `--quick` run shared by the tests below: (results returned, JSON file, PNG file)."""
+    out = tmp_path_factory.mktemp("demo")
+    json_path, png_path = out / "demo.json", out / "demo.png"
+    results = demo.main(demo_args("--quick", "--num-prompts", "2", "--kv-prompts", "1", "--threads", "1",
+                                  "--json", str(json_path), "--plot", str(png_path)))
+    return results, json_path, png_path
+
+
+def test_quick_demo_writes_the_documented_json(quick_run):
+    """Guards against a JSON file that drifts from the documented schema (keys, types, one object per
+    task, one row per model/method/gamma)."""
+    results, json_path, _ = quick_run
+    written = json.loads(json_path.read_text())
+    assert written == json.loads(json.dumps(results))
+    assert [r["task"] for r in written] == ["add", "rot13"]
+    for task in written:
+        assert set(task) == {"task", "rows", "exact_kv_check"}
+        assert task["exact_kv_check"] is True
+        runs = [(r["model"], r["method"], r["gamma"]) for r in task["rows"]]
+        assert runs == [("sbd", "ntp", None), *(("sbd", "sbd", g) for g in demo.GAMMAS), ("ntp_only", "ntp", None)]
+        for row in task["rows"]:
+            assert set(row) == set(ROW_KEYS)
+            for key, kind in ROW_KEYS.items():
+                assert isinstance(row[key], kind), (key, row[key])
+            assert 0.0 <= row["accuracy"] <= 1.0 and row["nfe"] >= 1 and row["answer_tokens"] >= 1
+
+
+def test_speedups_are_relative_to_ntp_of_the_same_model(quick_run):
+    """Guards against speedups taken against the wrong baseline row (the other model, or SBD itself)."""
+    results, _, _ = quick_run
+    for task in results:
+        rows = task["rows"]
+        base = {r["model"]: r for r in rows if r["method"] == "ntp"}
+        for row in rows:
+            ref = base[row["model"]]
+            nfe_ratio = (ref["nfe"] / ref["answer_tokens"]) / (row["nfe"] / row["answer_tokens"])
+            assert row["nfe_speedup"] == pytest.approx(nfe_ratio)
+            assert row["wall_speedup"] == pytest.approx(row["tokens_per_s"] / ref["tokens_per_s"])
+        assert base["sbd"]["nfe"] == base["sbd"]["answer_tokens"], "NTP must pay one pass per token"
+
+
+def test_quick_demo_prints_table_and_plot(quick_run, capsys):
+    """Guards against a demo that computes results but shows no table, no exact-KV line or no plot."""
+    _, _, png_path = quick_run
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = [demo.Row("sbd", "ntp", None, 1.0, 33, 33, 1.0, 100.0, 1.0),
+            demo.Row("sbd", "sbd", 0.1, 0.5, 3, 33, 11.0, 900.0, 9.0)]
+    table = demo.format_table("add", rows)
+    assert "NFE speedup" in table and "11.00x" in table and "50.0%" in table
+
+
+@pytest.mark.slow
+def test_bundled_checkpoints_reach_the_headline():
+    """Guards against a regression of the decode loop on the trained models: on held-out prompts the SBD
+    model decoded with SBD at gamma 0.1 is as accurate as NTP with >= 3x fewer forward passes."""
+    if not (demo.SBD_CHECKPOINT.exists() and demo.NTP_CHECKPOINT.exists()):
+        pytest.skip("bundled checkpoints missing")
+    models = demo.bundled_models(threads=1)
+    rows = demo.measure_task(models, "add", num_prompts=4, batch_size=4, gammas=(0.1,), ops=demo.fused_ops())
+    ntp, sbd, baseline = rows
+    assert sbd.accuracy >= ntp.accuracy - 0.01 and ntp.accuracy >= baseline.accuracy - 0.01
+    assert sbd.nfe_speedup >= 3.0
