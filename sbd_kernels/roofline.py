@@ -270,20 +270,24 @@ def nfe_stats_from_demo(results: list[dict], block_size: int = 16,
                         gammas: Iterable[float] | None = None) -> list[NfeStat]:
     """NFE statistics of the SBD model's SBD rows of `sbd demo --json` output (a list of
     {"task", "rows": [{"model", "method", "gamma", "accuracy", "nfe", "answer_tokens", ...}]}), relative to
-    the same model's NTP row of the same task. gammas: keep only these (None = every gamma > 0)."""
+    the same model's NTP row of the same task. gammas: keep only these (None = every gamma > 0). Gammas of
+    one task with the same NFE and accuracy become one statistic ("gamma 0.1, 0.35")."""
     stats = []
     for task in results:
         rows = task["rows"]
         ntp = next(r for r in rows if r["model"] == "sbd" and r["method"] == "ntp")
         ntp_per_token = ntp["nfe"] / ntp["answer_tokens"]
+        merged: dict[tuple, list[float]] = {}
         for r in rows:
             if r["model"] != "sbd" or r["method"] != "sbd" or not r["gamma"]:
                 continue
             if gammas is not None and r["gamma"] not in gammas:
                 continue
             speedup = ntp_per_token / (r["nfe"] / r["answer_tokens"])
-            stats.append(NfeStat(f"measured: {task['task']}, gamma {r['gamma']:g}", speedup,
-                                 task.get("block_size", block_size), r.get("accuracy")))
+            merged.setdefault((speedup, r.get("accuracy")), []).append(r["gamma"])
+        for (speedup, accuracy), task_gammas in merged.items():
+            label = f"measured: {task['task']}, gamma " + ", ".join(f"{g:g}" for g in task_gammas)
+            stats.append(NfeStat(label, speedup, task.get("block_size", block_size), accuracy))
     return stats
 
 

@@ -179,6 +179,14 @@ def test_nfe_stats_from_demo_json():
     assert stats[1].passes_per_block == pytest.approx(16 / 5)
 
 
+def test_nfe_stats_merge_equal_gammas():
+    """Guards against a projection table repeating one measurement once per gamma that gave the same NFE."""
+    results = demo_results()
+    results[0]["rows"][3].update(nfe=30, accuracy=1.0)              # gamma 0.35 now equals gamma 0.1
+    (stat,) = rl.nfe_stats_from_demo(results)
+    assert stat.label == "measured: add, gamma 0.1, 0.35" and stat.nfe_speedup == pytest.approx(11.0)
+
+
 def test_projection_from_demo_json(tmp_path):
     """Guards against a projection that does not apply the formula to the roofline times of each batch, and
     a table that is not labelled as a projection."""
