@@ -6,6 +6,7 @@ are sharp and varied: entropies spread over [0, log V], several tokens get accep
 moderate gamma, and greedy answers are not one repeated token.
 """
 import dataclasses
+import doctest
 from pathlib import Path
 
 import pytest
@@ -263,3 +264,9 @@ def test_bundled_checkpoint_cached_matches_oracle():
             cached = generate(trained, prompts, cfg, eos_id=TOKENIZER.EOS, pad_id=TOKENIZER.PAD)
             assert_same_decode(cached, oracle_decode(trained, prompts, cfg, eos_id=TOKENIZER.EOS,
                                                      pad_id=TOKENIZER.PAD))
+
+
+def test_docstring_example_runs():
+    """Guards against the `generate` docstring example drifting from what the function returns."""
+    result = doctest.testmod(gen, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
