@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -177,19 +178,47 @@ inline void philox_block(const PhiloxRow& row, uint32_t c0_base, uint32_t* words
 }
 #endif
 
-// u = (2 (r >> 9) + 1) 2^-24 (exact in fp32), and an upper bound of g = -log(-log u) from the exponent
-// of n = 2^24 (1 - u): g <= -log(1 - u) = ln 2 (24 - log2 n) <= ln 2 (24 - floor(log2 n)).
-inline void uniforms_and_bounds(const uint32_t* words, float* u, float* bound) {
-  for (int i = 0; i < kGroup; ++i) {
-    const int32_t k = static_cast<int32_t>(2 * (words[i] >> 9) + 1);
-    u[i] = static_cast<float>(k) * 0x1p-24f;
-    const float n = static_cast<float>((1 << 24) - k);  // exact: an odd integer < 2^24
+// u = (2 (r >> 9) + 1) 2^-24 of the Vec::size() words at `words`: exact in fp32 (an odd integer < 2^24
+// times a power of two). Only needed for the few entries that pass the filter below.
+inline Vec uniforms(const uint32_t* words) {
+  alignas(64) float u[Vec::size()];
+  for (int64_t l = 0; l < Vec::size(); ++l) u[l] = static_cast<float>(2 * (words[l] >> 9) + 1) * 0x1p-24f;
+  return Vec::loadu(u);
+}
+
+// Upper bound of g = -log(-log u) for the Vec::size() words at `words`: g <= -log(1 - u)
+// = ln 2 (24 - log2 n) <= ln 2 (24 - floor(log2 n)), n = 2^24 (1 - u) = 2^24 - 1 - 2 (r >> 9), an integer
+// exact in fp32 whose floor(log2) is its float exponent; kBoundMargin covers the rounding of g.
+constexpr float kLn2 = 0.69314718f;
+constexpr float kBoundAt0 = 24 * kLn2 + kBoundMargin;
+#if defined(CPU_CAPABILITY_AVX512)
+inline Vec gumbel_bound(const uint32_t* words) {
+  const __m512i half = _mm512_srli_epi32(_mm512_loadu_si512(words), 9);
+  const __m512i n = _mm512_sub_epi32(_mm512_set1_epi32((1 << 24) - 1), _mm512_add_epi32(half, half));
+  const __m512 floor_log2_n = _mm512_getexp_ps(_mm512_cvtepi32_ps(n));
+  return Vec(_mm512_fnmadd_ps(floor_log2_n, _mm512_set1_ps(kLn2), _mm512_set1_ps(kBoundAt0)));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+inline Vec gumbel_bound(const uint32_t* words) {
+  const __m256i half = _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words)), 9);
+  const __m256i n = _mm256_sub_epi32(_mm256_set1_epi32((1 << 24) - 1), _mm256_add_epi32(half, half));
+  const __m256i biased = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(n)), 23);
+  const __m256 floor_log2_n = _mm256_cvtepi32_ps(_mm256_sub_epi32(biased, _mm256_set1_epi32(127)));
+  return Vec(_mm256_fnmadd_ps(floor_log2_n, _mm256_set1_ps(kLn2), _mm256_set1_ps(kBoundAt0)));
+}
+#else
+inline Vec gumbel_bound(const uint32_t* words) {
+  alignas(64) float bound[Vec::size()];
+  for (int64_t l = 0; l < Vec::size(); ++l) {
+    const float n = static_cast<float>((1 << 24) - 1 - 2 * static_cast<int32_t>(words[l] >> 9));
     uint32_t bits;
     std::memcpy(&bits, &n, sizeof(bits));
     const int32_t floor_log2_n = static_cast<int32_t>(bits >> 23) - 127;
-    bound[i] = static_cast<float>(24 - floor_log2_n) * 0.69314718f + kBoundMargin;
+    bound[l] = kBoundAt0 - static_cast<float>(floor_log2_n) * kLn2;
   }
+  return Vec::loadu(bound);
 }
+#endif
 
 // Result of one work item (a vocabulary chunk of one row); combined over items in vocabulary order.
 struct Partial {
@@ -217,6 +246,19 @@ inline void load_tile(const scalar_t* src, int64_t n, float* dst) {
     }
   }
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// The tile [src, src + n) as fp32 padded with -inf to `padded` entries, entry mask_offset (if >= 0) set to
+// -inf: in place for an fp32 tile that needs neither (the copy cost 5% of the fp32 time), else in buf.
+template <typename scalar_t>
+inline const float* tile_data(const scalar_t* src, int64_t n, int64_t padded, int64_t mask_offset, float* buf) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (n == padded && mask_offset < 0) return src;
+  }
+  load_tile(src, n, buf);
+  std::fill(buf + n, buf + padded, -kInf);
+  if (mask_offset >= 0) buf[mask_offset] = -kInf;
+  return buf;
 }
 
 inline float reduce_max(const Vec& v) {
@@ -287,9 +329,7 @@ inline int64_t first_index_of(const float* buf, int64_t n, float value) {
 inline void gumbel_race_tile(const float* buf, int64_t n, int64_t start, float temperature,
                              const PhiloxRow& row, float& best, int64_t& best_idx) {
   alignas(64) uint32_t words[kGroup];
-  alignas(64) float u[kGroup];
-  alignas(64) float bound[kGroup];
-  alignas(64) float score[kGroup];
+  alignas(64) float score[Vec::size()];
   const Vec t(temperature), inv_t(1.f / temperature), rel_margin(kScaleMargin);
   for (int64_t g = 0; g < n; g += kGroup) {
     Vec group_max = Vec::loadu(buf + g);
@@ -298,20 +338,19 @@ inline void gumbel_race_tile(const float* buf, int64_t n, int64_t start, float t
     }
     if (reduce_max(group_max) / temperature + kGumbelMax < best) continue;
     philox_block(row, static_cast<uint32_t>((start + g) / 4), words);
-    uniforms_and_bounds(words, u, bound);
     for (int64_t i = 0; i < kGroup; i += Vec::size()) {
       const Vec x = Vec::loadu(buf + g + i);
       // Filter with x * (1/T) (a multiply, ~5x cheaper than vdivps here), widened by kScaleMargin of its
       // magnitude so that it stays >= the exact score x / T + g of every lane that could win.
       const Vec approx = x * inv_t;
-      const Vec reach = at::vec::fmadd(approx.abs(), rel_margin, approx + Vec::loadu(bound + i));
+      const Vec reach = at::vec::fmadd(approx.abs(), rel_margin, approx + gumbel_bound(words + i));
       // zero_mask: bit l set when lane l of (reach >= best) is all-zero, i.e. the lane cannot win.
       if ((reach >= Vec(best)).zero_mask() == (1 << Vec::size()) - 1) continue;
-      const Vec gumbel = Vec::loadu(u + i).log().neg().log().neg();
-      (x / t + gumbel).store(score + i);
+      const Vec gumbel = uniforms(words + i).log().neg().log().neg();
+      (x / t + gumbel).store(score);
       for (int64_t l = 0; l < Vec::size(); ++l) {
-        if (score[i + l] > best) {
-          best = score[i + l];
+        if (score[l] > best) {
+          best = score[l];
           best_idx = start + g + i + l;
         }
       }
@@ -328,11 +367,11 @@ Partial process_chunk(const scalar_t* row_ptr, int64_t begin, int64_t end, int64
   for (int64_t start = begin; start < end; start += kTile) {
     const int64_t n = std::min(kTile, end - start);
     const int64_t padded = (n + kGroup - 1) / kGroup * kGroup;
-    load_tile(row_ptr + start, n, buf);
-    std::fill(buf + n, buf + padded, -kInf);
-    if (mask_token_id >= start && mask_token_id < start + n) buf[mask_token_id - start] = -kInf;
+    const bool has_mask_token = mask_token_id >= start && mask_token_id < start + n;
+    const int64_t mask_offset = has_mask_token ? mask_token_id - start : -1;
+    const float* data = tile_data(row_ptr + start, n, padded, mask_offset, buf);
 
-    const float m = tile_max(buf, padded);
+    const float m = tile_max(data, padded);
     if (std::isnan(m) || m == kInf) {
       out.bad = true;
       return out;
@@ -340,11 +379,11 @@ Partial process_chunk(const scalar_t* row_ptr, int64_t begin, int64_t end, int64
     if (m == -kInf) continue;  // nothing but -inf: no probability mass, never drawn
     if (m > out.greedy) {
       out.greedy = m;
-      out.greedy_idx = start + first_index_of(buf, n, m);
+      out.greedy_idx = start + first_index_of(data, n, m);
     }
     if (m > sums.max) sums.rebase(m);
-    sums.add(buf, padded);
-    if (temperature > 0.f) gumbel_race_tile(buf, padded, start, temperature, row, out.best, out.best_idx);
+    sums.add(data, padded);
+    if (temperature > 0.f) gumbel_race_tile(data, padded, start, temperature, row, out.best, out.best_idx);
   }
   out.max = sums.max;
   out.sum_exp = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; },
