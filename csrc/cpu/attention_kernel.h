@@ -81,6 +81,15 @@ inline int64_t gemm_pad(int64_t n) {
   return kVnni<op_t> ? (n + 1) / 2 * 2 : n;
 }
 
+// Key count a tile's GEMMs run with: n rounded up to a multiple of kKeyQuantum (zero keys, zero
+// probabilities). oneDNN generates one micro-kernel per GEMM shape and thread; as L grows by a few tokens
+// per decode step, the last tile would otherwise bring a new shape (a fresh JIT) on almost every call.
+constexpr int64_t kKeyQuantum = 64;
+
+inline int64_t key_pad(int64_t n, int64_t key_tile) {
+  return std::min(key_tile, (n + kKeyQuantum - 1) / kKeyQuantum * kKeyQuantum);
+}
+
 // C[M, N] (+)= A[M, K] B[K, N] in fp32.
 inline void gemm(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
                  const float* a, const float* b, float* c) {
@@ -307,7 +316,7 @@ inline void transpose_words(const uint32_t* const* rows, int64_t n, int64_t word
   }
 }
 
-// K^T of keys [j0, j0 + n) into ws.k [dim_pad, key_tile]; bf16 pads the key count to even with zeros.
+// K^T of keys [j0, j0 + n) into ws.k [dim_pad, key_tile]; columns [n, n_pad) zero.
 template <typename scalar_t, typename op_t>
 void pack_keys(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t n_pad, const Geometry& geo,
                Workspace<op_t>& ws) {
@@ -334,7 +343,7 @@ inline void interleave_rows(const c10::BFloat16* even, const c10::BFloat16* odd,
 }
 
 // V of keys [j0, j0 + n) into ws.v [n_pad, dim_pad]: row copies for fp32, pairs of rows interleaved
-// (VNNI-2) for bf16, with a zero row when n is odd.
+// (VNNI-2) for bf16; rows [n, n_pad) are zero (their probabilities are zero, and 0 * stale NaN is NaN).
 template <typename scalar_t, typename op_t>
 void pack_values(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t n_pad, const Geometry& geo,
                  Workspace<op_t>& ws) {
@@ -349,11 +358,14 @@ void pack_values(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t 
         for (int64_t d = 0; d < dp; ++d) dst[d] = static_cast<float>(src[d]);
       }
     }
+    std::fill(ws.v.data() + n * dp, ws.v.data() + n_pad * dp, 0.0f);
   } else {
     gather_rows<scalar_t>([&](int64_t j) { return view.value(j); }, j0, n, geo, ws);
-    for (int64_t jj = 0; jj < n_pad; jj += 2) {
+    for (int64_t jj = 0; jj < n; jj += 2) {
       interleave_rows(ws.rows[jj], jj + 1 < n ? ws.rows[jj + 1] : nullptr, dp, ws.v.data() + jj * dp);
     }
+    const int64_t written = (n + 1) / 2 * 2;
+    std::fill(ws.v.data() + written * dp, ws.v.data() + n_pad * dp, op_t(0.0f));
   }
 }
 
@@ -408,7 +420,7 @@ inline void scale_row(float* row, int64_t n, float factor) {
 template <typename scalar_t, typename op_t>
 void attend_tile(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t rows, const Geometry& geo,
                  float scale, Workspace<op_t>& ws) {
-  const int64_t n_pad = gemm_pad<op_t>(n);
+  const int64_t n_pad = key_pad(n, geo.key_tile);
   pack_keys(view, j0, n, n_pad, geo, ws);
   pack_values(view, j0, n, n_pad, geo, ws);
   gemm(rows, n_pad, geo.dim_pad, geo.dim_pad, geo.key_tile, geo.key_tile, false, ws.q.data(), ws.k.data(),
