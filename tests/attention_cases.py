@@ -8,8 +8,8 @@ The shape grid (`BASE`, `AXES`) varies one axis at a time around a small base ca
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -17,7 +17,8 @@ from sbd_kernels.ops.attention import naive
 from sbd_kernels.testing import assert_close, noncontiguous
 
 # Base case and the values of each axis (one axis varied at a time). "C": "K" means C = block_size.
-BASE = dict(B=3, C=4, K=4, L=37, Hq=8, Hkv=2, D=64, dtype=torch.float32, paged=False, page_size=16)
+BASE = {"B": 3, "C": 4, "K": 4, "L": 37, "Hq": 8, "Hkv": 2, "D": 64, "dtype": torch.float32, "paged": False,
+        "page_size": 16}
 AXES = {
     "B": [1, 3],
     "C": [0, 1, "K"],
@@ -62,14 +63,14 @@ class AttentionCase:
     cache_seqlens: torch.Tensor
     num_causal: torch.Tensor
     block_size: int
-    block_table: Optional[torch.Tensor] = None
-    softmax_scale: Optional[float] = None
+    block_table: torch.Tensor | None = None
+    softmax_scale: float | None = None
 
     def args(self) -> tuple:
         return (self.q, self.k, self.v, self.k_cache, self.v_cache, self.cache_seqlens, self.num_causal,
                 self.block_size, self.block_table, self.softmax_scale)
 
-    def with_cache_copies(self) -> "AttentionCase":
+    def with_cache_copies(self) -> AttentionCase:
         """The same call on fresh copies of the caches (for running two implementations side by side)."""
         return dataclasses.replace(self, k_cache=self.k_cache.clone(), v_cache=self.v_cache.clone())
 
@@ -81,7 +82,7 @@ def ragged_lengths(B: int, C: int, L: int) -> tuple[list[int], list[int]]:
     return lengths, causal
 
 
-def _fill_cache(cache: torch.Tensor, lengths: list[int], page_size: int, table: Optional[torch.Tensor]):
+def _fill_cache(cache: torch.Tensor, lengths: list[int], page_size: int, table: torch.Tensor | None):
     """NaN everywhere, then random values in slots [0, L_b) of every sequence."""
     cache.fill_(float("nan"))
     for b, length in enumerate(lengths):
@@ -94,7 +95,7 @@ def _fill_cache(cache: torch.Tensor, lengths: list[int], page_size: int, table: 
 
 def make_case(B: int, C: int, K: int, L: int, Hq: int, Hkv: int, D: int, dtype: torch.dtype,
               paged: bool = False, page_size: int = 16, contiguous: bool = True,
-              softmax_scale: Optional[float] = None, device: str = "cpu") -> AttentionCase:
+              softmax_scale: float | None = None, device: str = "cpu") -> AttentionCase:
     """One call with ragged L_b <= L and c_b <= C; caches NaN outside the filled slots.
 
     Contiguous cache: [B, max(L_b + c_b) + SLACK_SLOTS, Hkv, D]. Paged: each sequence gets enough pages for

@@ -6,8 +6,8 @@ The Triton backend is tested in test_attention_triton.py on the same cases (test
 import pytest
 import torch
 import torch.nn.functional as F
-
 from attention_cases import AXES, BASE, assert_matches_oracle, axis_params, make_case
+
 from sbd_kernels import block_attention_with_kvcache
 from sbd_kernels.ops.attention import naive
 from sbd_kernels.testing import assert_close
@@ -120,8 +120,8 @@ DIM, HQ, HKV, HEAD, LAYERS = 32, 4, 2, 8, 2
 def make_layers(generator: torch.Generator) -> list[dict]:
     def w(*shape):
         return torch.randn(*shape, generator=generator) / shape[0] ** 0.5
-    return [dict(wq=w(DIM, HQ * HEAD), wk=w(DIM, HKV * HEAD), wv=w(DIM, HKV * HEAD), wo=w(HQ * HEAD, DIM),
-                 w1=w(DIM, 4 * DIM), w2=w(4 * DIM, DIM)) for _ in range(LAYERS)]
+    return [{"wq": w(DIM, HQ * HEAD), "wk": w(DIM, HKV * HEAD), "wv": w(DIM, HKV * HEAD),
+             "wo": w(HQ * HEAD, DIM), "w1": w(DIM, 4 * DIM), "w2": w(4 * DIM, DIM)} for _ in range(LAYERS)]
 
 
 def rms_norm(x):

@@ -5,8 +5,6 @@ The CPU kernel is C++ (csrc/cpu/attention.cpp); the oracle is `naive.py`.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from sbd_kernels.ops.attention._checks import check_block_attention_args
@@ -15,7 +13,7 @@ from sbd_kernels.ops.attention._checks import check_block_attention_args
 def block_attention_with_kvcache(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor, num_causal: torch.Tensor, block_size: int,
-    block_table: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+    block_table: torch.Tensor | None = None, softmax_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one SBD pass over a KV cache: causal rows (appended to the cache) + a bidirectional block.
 

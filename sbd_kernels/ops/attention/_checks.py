@@ -7,7 +7,7 @@ Two kinds, both with messages that name the argument (same wording as the C++ CP
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -58,7 +58,7 @@ def _check_int32_vector(name: str, t: torch.Tensor, batch: int, device: torch.de
 def check_block_attention_args(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor, num_causal: torch.Tensor, block_size: int,
-    block_table: Optional[torch.Tensor] = None,
+    block_table: torch.Tensor | None = None,
 ) -> AttentionDims:
     """Check shapes, dtypes and devices; return the sizes of the call. Raises RuntimeError naming the argument."""
     _require(q.dim() == 4, f"q must be 4-D [B, S, Hq, D], got shape {tuple(q.shape)}")
@@ -96,7 +96,7 @@ def check_block_attention_args(
 
 def assert_block_attention_values(
     cache_seqlens: torch.Tensor, num_causal: torch.Tensor, dims: AttentionDims,
-    block_table: Optional[torch.Tensor] = None,
+    block_table: torch.Tensor | None = None,
 ) -> None:
     """Check values without a host sync: 0 <= num_causal <= C, cache_seqlens >= 0, L + c <= capacity,
     and the pages holding slots [0, L + c) are in [0, num_pages). Raises RuntimeError on CPU tensors."""

@@ -14,8 +14,6 @@ slots [L, L + c) (contiguous cache, or the pages named by block_table); nothing 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from sbd_kernels.ops.attention._checks import (
@@ -25,7 +23,7 @@ from sbd_kernels.ops.attention._checks import (
 )
 
 
-def _slot_index(b: int, length: int, dims: AttentionDims, block_table: Optional[torch.Tensor],
+def _slot_index(b: int, length: int, dims: AttentionDims, block_table: torch.Tensor | None,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(page, offset) of cache slots 0..length-1 of sequence b. Contiguous cache: page = b."""
     slots = torch.arange(length, device=device)
@@ -65,7 +63,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
 def block_attention_with_kvcache(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor, num_causal: torch.Tensor, block_size: int,
-    block_table: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+    block_table: torch.Tensor | None = None, softmax_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Oracle of the op (same signature and side effect). Returns out [B, S, Hq, D] (q.dtype), lse [B, Hq, S] fp32."""
     dims = check_block_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size,
