@@ -210,7 +210,8 @@ def test_projection_from_demo_json(tmp_path):
 
 
 def test_measured_comparison_from_benchmark_json():
-    """Guards against pairing the wrong widths of a decode case, or a case missing one width being shown."""
+    """Guards against pairing the wrong widths of a decode case, a case missing one width being shown, and a
+    fixed cost per forward that is not the measured time(1) minus the roofline's."""
     ceilings = {"copy_gbs": 10.0, "matmul_gflops": {"fp32": 100.0, "bf16": 200.0}}
     cfg = tiny_config().__dict__
 
@@ -228,6 +229,8 @@ def test_measured_comparison_from_benchmark_json():
     assert row["slowdown_k"] == pytest.approx(1.5) and row["slowdown_2k"] == pytest.approx(3.0)
     times = rl.block_times(tiny_config(), rl.cpu_hardware(ceilings), FP32, 2, 4, 8)
     assert row["pred_slowdown_k"] == pytest.approx(times.slowdown_k)
+    fixed = 0.010 - times.t1                                    # what the roofline misses of time(1)
+    assert row["pred_fixed_slowdown_2k"] == pytest.approx((times.t2k + fixed) / 0.010)
     assert "| full |" in rl.compare_markdown([row])
 
 
