@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.common import DTYPES_BY_NAME, record, run_timed
+from bench.common import DTYPES_BY_NAME, bench_rounds, record, run_timed
 from sbd_kernels.ops.attention import naive
 from sbd_kernels.testing import TOLERANCES
 
@@ -39,6 +39,7 @@ else:
     DTYPES, BATCHES = ["fp32", "bf16"], [1]
 # Timed rounds by cache length (after 3 warm-up calls), so that the whole file stays near 2 minutes on
 # this loaded 2-core machine: one SDPA call takes ~70 ms at L = 512 and ~1.2 s at L = 16384 here.
+# SBD_BENCH_ROUNDS, when set, overrides them.
 ROUNDS_BY_LENGTH = {512: 10, 4096: 5, 16384: 3}
 # The oracle expands K/V to every query head and builds the dense mask (0.6 s per call at L = 512, 4 s at
 # L = 16384 here): timed at the shortest length only, and run once per case for the correctness gate.
@@ -193,4 +194,5 @@ def test_block_attention(benchmark, batch, length, dtype_name, provider):
            case=f"B={batch} Hq={Q_HEADS} Hkv={KV_HEADS} D={HEAD_DIM} C={CAUSAL} K={BLOCK} L={length} {dtype_name}",
            provider=provider, baseline="sdpa", bytes_moved=bytes_moved(batch, length, dtype),
            flops=4 * Q_HEADS * HEAD_DIM * visible_pairs(batch, length), correct=correct)
-    run_timed(benchmark, call, rounds=ROUNDS_BY_LENGTH[length])
+    rounds = bench_rounds() if "SBD_BENCH_ROUNDS" in os.environ else ROUNDS_BY_LENGTH[length]
+    run_timed(benchmark, call, rounds=rounds)

@@ -39,6 +39,13 @@ def test_long_ragged_batch_splits_the_keys(dtype, paged):
 
 
 @pytest.mark.parametrize("dtype", AXES["dtype"], ids=str)
+@pytest.mark.parametrize("dim", [33, 256])
+def test_odd_and_widest_head_dims(dim, dtype):
+    """Guards against errors in the padding of an odd D (bf16 GEMMs pair up D) and at the largest D."""
+    assert_matches_oracle(make_case(**{**BASE, "D": dim, "dtype": dtype}), OP)
+
+
+@pytest.mark.parametrize("dtype", AXES["dtype"], ids=str)
 def test_noncontiguous_inputs(dtype):
     """Guards against kernels that assume contiguous q / k / v (strided last dimension here)."""
     assert_matches_oracle(make_case(**{**BASE, "dtype": dtype, "contiguous": False}), OP)
