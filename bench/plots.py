@@ -121,27 +121,51 @@ def tokens_per_s(per_tokens: dict[int, float], batch: int, k: int, stat: NfeStat
     return batch * k / (per_tokens[2 * k] + (stat.passes_per_block - 1) * per_tokens[k])
 
 
+def _stat_name(stat: NfeStat | None) -> str:
+    if stat is None:
+        return "NTP"
+    task = stat.label.removeprefix("measured: ").split(",")[0]
+    return f"SBD {task} (l={stat.passes_per_block:.2f} passes/block)"
+
+
 def plot_decode_tokens_per_s(families: dict[str, list[dict]], demo: list[dict] | None, path: Path,
                              k: int = 16) -> Path | None:
+    """One panel per (config, cache length): NTP and each measured SBD setting, tokens/s against batch."""
     rows = families.get("decode")
     if not rows:
         return _skip(path.name, "no decode results")
     if not demo:
         return _skip(path.name, "no `sbd demo --json` results for the passes per block")
     stats: list[NfeStat | None] = [None, *nfe_stats_from_demo(demo, k)]
-    series: dict[str, list] = {}
+    panels = {}
     for (words, kv_len), by_batch in sorted(decode_times(rows).items()):
+        series = {}
         for stat in stats:
-            name = "NTP" if stat is None else (f"SBD ({stat.label.removeprefix('measured: ')}, "
-                                               f"l={stat.passes_per_block:.2f})")
             points = [(b, tokens_per_s(by_batch[b], b, k, stat)) for b in sorted(by_batch)]
-            points = [p for p in points if p[1] is not None]
-            if points:
-                series[f"{name} {words} L={kv_len}"] = points
-    if not series:
+            if all(p[1] is not None for p in points):
+                series[_stat_name(stat)] = points
+        if len(series) == len(stats):
+            panels[f"{words} L={kv_len}"] = series
+    if not panels:
         return _skip(path.name, "decode results lack the 1, k, 2k widths")
-    return _line_plot(series, path, "decode throughput from measured forward times (this CPU)", "batch",
-                      "tokens/s", logy=True)
+    plt = _pyplot()
+    cols = min(3, len(panels))
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.6 * nrows), squeeze=False)
+    for ax, (title, series) in zip(axes.flat, panels.items()):
+        for label, points in series.items():
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
+        ax.set(title=title, xlabel="batch", ylabel="tokens/s", xscale="log", yscale="log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle("decode tokens/s from measured forward times: NTP B/time(1), SBD Bk/(time(2k)+(l-1)time(k))",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot_accuracy_vs_nfe(demo: list[dict] | None, path: Path) -> Path | None:
