@@ -1,11 +1,12 @@
-"""The `sbd` command: `sbd train`, `sbd generate`, `sbd demo` (one subcommand per module).
+"""The `sbd` command: `sbd train`, `sbd generate`, `sbd demo`, `sbd roofline` (one subcommand per module).
 
     sbd demo [--quick] [--json PATH] [--plot PATH]   # the main job: accuracy vs NFE speedup table
     sbd train --objective sbd --init_from ntp.pt --out sbd.pt ...
     sbd generate --task add --num-prompts 8 --method sbd --gamma 0.1
     sbd generate --prompt "12+34" --method ntp
+    sbd roofline --project --demo-json demo.json
 
-Each subcommand's flags come from its module (`train.add_arguments`, `demo.add_arguments`).
+Each subcommand's flags come from its module (`train`, `demo`, `roofline`: `add_arguments` and `main`).
 """
 from __future__ import annotations
 
@@ -104,6 +105,18 @@ def run_demo(args: argparse.Namespace) -> None:
     demo.main(args)
 
 
+def add_roofline_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from sbd_kernels import roofline
+
+    return roofline.add_arguments(parser)
+
+
+def run_roofline(args: argparse.Namespace) -> None:
+    from sbd_kernels import roofline
+
+    roofline.main(args)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Entry point
 # ----------------------------------------------------------------------------------------------------
@@ -113,6 +126,8 @@ SUBCOMMANDS = {
                  add_generate_arguments, run_generate),
     "demo": ("the main job: accuracy vs forward-pass speedup of SBD against NTP on the held-out tasks",
              add_demo_arguments, run_demo),
+    "roofline": ("roofline model of a decoder forward: SBD wall-clock speedup from NFE statistics, GPU projection",
+                 add_roofline_arguments, run_roofline),
 }
 
 

@@ -21,12 +21,12 @@ def test_help_lists_subcommands():
     """Guards against a subcommand that fails to register (an import error in its module breaks `sbd`)."""
     out = subprocess.run([sys.executable, "-m", "sbd_kernels.cli", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    for name in ("train", "generate", "demo"):
+    for name in ("train", "generate", "demo", "roofline"):
         assert name in out
 
 
 @pytest.mark.parametrize("name,run", [("train", cli.run_train), ("generate", cli.run_generate),
-                                      ("demo", cli.run_demo)])
+                                      ("demo", cli.run_demo), ("roofline", cli.run_roofline)])
 def test_subcommand_dispatch(name, run):
     """Guards against a subcommand wired to another command's runner."""
     assert cli.build_parser().parse_args([name]).run is run
