@@ -364,7 +364,10 @@ def projection_markdown(rows: list[dict[str, Any]], hardware: str, precision: st
     lines = [
         (f"**Projection, not a measurement**: roofline model (`sbd roofline --project`) of {hw.name} "
         f"({hw.source}), {precision} weights, KV cache {kv_len} tokens, block k = 16; wall-clock speedup "
-        "= k time(1) / (time(2k) + (l - 1) time(k)) with l = passes per block from the NFE speedup."),
+        "= k time(1) / (time(2k) + (l - 1) time(k)) with l = passes per block from the NFE speedup. "
+        "NFE sources: \"measured\" rows come from `sbd demo` on the bundled small models and synthetic "
+        "tasks, where whole blocks are revealed in 1-2 passes (a best case, not a forecast for 8B models "
+        "on natural text); \"paper Table 1\" rows use the NFE speedups the paper measured on the 8B models."),
         "",
         "| model | NFE source | NFE speedup | passes per block | "
         + " | ".join(f"batch {b}" for b in batches) + " |",
