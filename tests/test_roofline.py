@@ -272,3 +272,30 @@ def test_write_plots(tmp_path, capsys):
                                                "sampling_latency.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
     assert "attention_gflops.png skipped: no attention results" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------------
+# End-to-end decode benchmark inputs (bench/bench_decode.py)
+# ----------------------------------------------------------------------------------------------------
+def test_decode_bench_pass_kinds():
+    """Guards against the benchmark timing other passes than the three SBD pass kinds the roofline predicts:
+    t = 1 NTP step (1 causal row), t = k later block pass (no causal row), t = 2k first block pass."""
+    import torch
+
+    from bench.bench_decode import BLOCK, pass_inputs
+
+    cfg = ModelConfig.preset("small")
+    for tokens, causal, block_size in ((1, 1, 0), (BLOCK, 0, BLOCK), (2 * BLOCK, BLOCK, BLOCK)):
+        ids, num_causal, size = pass_inputs(cfg, 3, tokens)
+        assert ids.shape == (3, tokens) and int(ids.max()) < cfg.vocab_size
+        assert num_causal.dtype == torch.int32 and num_causal.tolist() == [causal] * 3 and size == block_size
+
+
+def test_decode_bench_cache_size():
+    """Guards against the full grid allocating a KV cache beyond the machine's memory: the size the skip
+    rule reads is the cache the benchmark allocates."""
+    from bench.bench_decode import BLOCK, cache_gib
+
+    # 1B config, bf16: 16 layers x K and V x 16 rows x (16384 + 2k) slots x 8 heads x 64 dims x 2 bytes
+    assert cache_gib("1b", 16, 16384) == pytest.approx(16 * 2 * 16 * (16384 + 2 * BLOCK) * 8 * 64 * 2 / 2**30)
+    assert cache_gib("1b", 16, 16384) > 4 > cache_gib("1b", 4, 4096)
