@@ -34,6 +34,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=None, help="prompts per batch (default: all)")
     parser.add_argument("--ops", choices=("fused", "naive"), default="fused")
+    parser.add_argument("--device", default="cpu", help="cpu (C++ kernels) or cuda (Triton kernels)")
     parser.add_argument("--threads", type=int, default=1)
     return parser
 
@@ -47,7 +48,7 @@ def run_generate(args: argparse.Namespace) -> None:
     from sbd_kernels.tasks import TOKENIZER, exact_match, get_task, make_examples
 
     torch.set_num_threads(args.threads)
-    model, _ = load_checkpoint(args.checkpoint or SBD_CHECKPOINT)
+    model, _ = load_checkpoint(args.checkpoint or SBD_CHECKPOINT, map_location=args.device)
     if args.prompt:
         texts, references, budget = args.prompt, None, args.max_new_tokens or 64
     else:

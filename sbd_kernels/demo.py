@@ -29,7 +29,14 @@ from pathlib import Path
 import torch
 
 from sbd_kernels.generate import (
-    DecodeConfig, DecodeOps, DecodeResult, block_logit_error, fused_ops, generate, naive_ops, oracle_decode,
+    DecodeConfig,
+    DecodeOps,
+    DecodeResult,
+    block_logit_error,
+    fused_ops,
+    generate,
+    naive_ops,
+    oracle_decode,
 )
 from sbd_kernels.model import ModelConfig, Transformer, load_checkpoint
 from sbd_kernels.tasks import TASKS, TOKENIZER, exact_match, get_task, make_examples
@@ -46,11 +53,11 @@ BLOCK_SIZE = 16             # the paper's k; the tasks' prompts are multiples of
 # from scratch did not reach parity at this scale). They were trained on a GPU in 2 + 7 minutes; on a CPU
 # the same schedule runs under the wall-time budgets below (the cosine follows the budget).
 TRAINING_RECIPE = {
-    "ntp": dict(preset="small", objective="ntp", batch_size=128, lr=1.5e-3, warmup_steps=200,
-                min_lr_ratio=0.05, steps=3189, eval_every=1000, eval_examples=200),
-    "sbd": dict(preset="small", objective="sbd", init_from=str(NTP_CHECKPOINT), batch_size=128, lr=1e-3,
-                warmup_steps=200, min_lr_ratio=0.05, steps=30000, max_minutes=7, eval_every=1500,
-                eval_examples=100),
+    "ntp": {"preset": "small", "objective": "ntp", "batch_size": 128, "lr": 1.5e-3, "warmup_steps": 200,
+            "min_lr_ratio": 0.05, "steps": 3189, "eval_every": 1000, "eval_examples": 200},
+    "sbd": {"preset": "small", "objective": "sbd", "init_from": str(NTP_CHECKPOINT), "batch_size": 128,
+            "lr": 1e-3, "warmup_steps": 200, "min_lr_ratio": 0.05, "steps": 30000, "max_minutes": 7,
+            "eval_every": 1500, "eval_examples": 100},
 }
 CPU_MAX_MINUTES = {"ntp": 20, "sbd": 60}
 TIMING_MIN_S = 2.0
@@ -248,6 +255,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # which a second thread only slows down: NTP measured 166 tokens/s with 1 thread, 35 with 2, on this
     # 2-core machine shared with other jobs.
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--device", default="cpu", help="cpu (C++ kernels) or cuda (Triton kernels)")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--plot", default=None, help="write accuracy vs NFE speedup to this PNG file")
     return parser
@@ -261,9 +269,11 @@ def main(args: argparse.Namespace) -> list[dict]:
     ops = fused_ops() if args.ops == "fused" else naive_ops()
     start = time.perf_counter()
     models = random_models(preset) if preset else bundled_models(args.threads)
+    models = {name: model.to(args.device) for name, model in models.items()}
     source = f"random {preset} models" if preset else f"checkpoints in {CHECKPOINT_DIR}"
     print(f"sbd demo: {source}; block size {BLOCK_SIZE}; batch {args.batch_size}; {num_prompts} held-out "
-          f"prompts per task; {args.ops} ops; {torch.get_num_threads()} threads; torch {torch.__version__}\n")
+          f"prompts per task; {args.ops} ops on {args.device}; {torch.get_num_threads()} threads; "
+          f"torch {torch.__version__}\n")
     results = []
     for task in (t for t in args.tasks.split(",") if t):
         rows = measure_task(models, task, num_prompts, args.batch_size, gammas, ops,

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -137,7 +137,7 @@ class DecodeResult:
         return self.total_generated / self.wall_s if self.wall_s > 0 else float("nan")
 
     @staticmethod
-    def concat(parts: list["DecodeResult"]) -> "DecodeResult":
+    def concat(parts: list[DecodeResult]) -> DecodeResult:
         """One result for prompts decoded in several batches (in order)."""
         return DecodeResult(
             answers=[a for p in parts for a in p.answers],
@@ -229,7 +229,7 @@ class NtpState:
     offset: torch.Tensor
 
     @staticmethod
-    def empty(batch: int, sp: _Special, seed: torch.Tensor) -> "NtpState":
+    def empty(batch: int, sp: _Special, seed: torch.Tensor) -> NtpState:
         dev = seed.device
         zeros = torch.zeros(batch, dtype=torch.int64, device=dev)
         return NtpState(
@@ -319,7 +319,7 @@ class SbdState:
     offset: torch.Tensor
 
     @staticmethod
-    def empty(batch: int, sp: _Special, seed: torch.Tensor) -> "SbdState":
+    def empty(batch: int, sp: _Special, seed: torch.Tensor) -> SbdState:
         dev, k = seed.device, sp.block_size
         width = k * math.ceil(sp.max_new_tokens / k)
         zeros = torch.zeros(batch, dtype=torch.int64, device=dev)
