@@ -22,6 +22,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -588,9 +589,16 @@ void run(const BlockAttentionArgs& args) {
     partial_stats.resize(2 * items * geo.max_rows);
     partials = {partial_acc.data(), partial_stats.data(), partial_stats.data() + items * geo.max_rows};
   }
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // Items are taken from a shared counter rather than in fixed ranges: items are ragged (L_b, c_b differ),
+  // and on a shared machine a thread that is descheduled would otherwise hold back its whole range (at
+  // L = 512 with 2 threads on a loaded 2-core machine, fixed ranges took 36 ms against 14 ms on 1 thread).
+  std::atomic<int64_t> next_item{0};
+  const int64_t workers = std::min<int64_t>(items, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Workspace<op_t>& ws = thread_workspace<op_t>(geo);
-    for (int64_t item = begin; item < end; ++item) run_item<scalar_t, op_t>(args, geo, item, ws, partials);
+    for (int64_t item = next_item.fetch_add(1); item < items; item = next_item.fetch_add(1)) {
+      run_item<scalar_t, op_t>(args, geo, item, ws, partials);
+    }
     if constexpr (kVnni<op_t>) at::native::cpublas::brgemm_release(true);
   });
   if (geo.splits == 1) return;
