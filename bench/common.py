@@ -20,7 +20,7 @@ import platform
 import statistics
 import subprocess
 import time
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -94,7 +94,7 @@ def measure_matmul_peak_gflops(dtype: torch.dtype, n: int = 2048) -> float:
 PEAK_DTYPE_FOR = {"fp32": "fp32", "fp16": "fp32", "bf16": "bf16"}
 
 
-@lru_cache(maxsize=None)
+@cache
 def machine_ceilings() -> dict:
     """Measured copy bandwidth and matmul peaks of this machine (cached for the process)."""
     return {
@@ -118,7 +118,7 @@ def git_commit() -> str:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                              text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True).stdout.strip()
+                               capture_output=True, text=True, check=False).stdout.strip()
         return out + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

@@ -8,7 +8,9 @@ For each case the table lists every provider with its median time and p20-p80 sp
 its fraction of the measured copy bandwidth (ops that stream memory), achieved GFLOP/s and its fraction of
 the measured matmul peak (ops with flops), and the speedup against the case's baseline provider measured in
 the same run. A provider that failed its oracle check on the benchmark inputs gets no speedup: the cell
-says so instead.
+says so instead. After the tables: the roofline model's prediction against the measured decode forwards
+(`sbd_kernels.roofline`), the GPU static report of every Triton kernel configuration (`sbd_kernels.aot`:
+registers, spills, shared memory, occupancy on sm_80 / sm_90), and the plots (`bench/plots.py`).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.common import PEAK_DTYPE_FOR, REPO_ROOT, machine_header
+from bench.plots import write_plots
 
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 COLUMNS = ["case", "provider", "median_ms", "p20_ms", "p80_ms", "gbs", "pct_copy", "gflops", "pct_peak",
@@ -42,7 +45,7 @@ def run_benchmarks(raw_json: Path, only: list[str], keyword: str | None, rounds:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if rounds:
         env["SBD_BENCH_ROUNDS"] = str(rounds)
-    return subprocess.run(cmd, cwd=REPO_ROOT, env=env).returncode
+    return subprocess.run(cmd, check=False, cwd=REPO_ROOT, env=env).returncode
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -109,21 +112,21 @@ def markdown(header: dict, families: dict[str, list[dict]]) -> str:
     lines = [
         "# sbd_kernels benchmark report",
         "",
-        f"- machine: {header['cpu']}, {header['cores']} cores, torch threads {header['torch_threads']}, "
-        f"CPU kernels {header['cpu_isa']}",
+        (f"- machine: {header['cpu']}, {header['cores']} cores, torch threads {header['torch_threads']}, "
+        f"CPU kernels {header['cpu_isa']}"),
         f"- GPU: {gpu_line}",
-        f"- measured ceilings: copy bandwidth {header['copy_gbs']:.1f} GB/s (read + write), "
-        f"torch.mm peak GFLOP/s: {peaks}",
-        f"- torch {header['torch']}, triton {header['triton']}, python {header['python']}, "
-        f"commit {header['commit']}, {header['date']}",
+        (f"- measured ceilings: copy bandwidth {header['copy_gbs']:.1f} GB/s (read + write), "
+        f"torch.mm peak GFLOP/s: {peaks}"),
+        (f"- torch {header['torch']}, triton {header['triton']}, python {header['python']}, "
+        f"commit {header['commit']}, {header['date']}"),
         "",
-        "Times are medians with the p20-p80 spread; speedup = baseline median / provider median, same run. "
-        "A provider whose outputs failed the oracle check on these inputs gets no speedup.",
+        ("Times are medians with the p20-p80 spread; speedup = baseline median / provider median, same run. "
+        "A provider whose outputs failed the oracle check on these inputs gets no speedup."),
     ]
     for family, rows in families.items():
         lines += ["", f"## {family}", "",
-                  "| case | provider | median ms | p20-p80 ms | GB/s | % copy BW | GFLOP/s | % matmul peak "
-                  "| speedup vs baseline | oracle |",
+                  ("| case | provider | median ms | p20-p80 ms | GB/s | % copy BW | GFLOP/s | % matmul peak "
+                  "| speedup vs baseline | oracle |"),
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             speed = ("oracle check FAILED" if r["oracle"] == "FAIL"
@@ -136,10 +139,30 @@ def markdown(header: dict, families: dict[str, list[dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(out_dir: Path, header: dict, families: dict[str, list[dict]]) -> Path:
+def roofline_section(raw: dict) -> str:
+    """Roofline prediction vs the measured decode forwards of this run ("" without decode results)."""
+    from sbd_kernels.roofline import compare_markdown, compare_rows, measured_cases
+
+    rows = compare_rows(measured_cases(raw))
+    return f"\n## decode: roofline vs measurement\n\n{compare_markdown(rows)}\n" if rows else ""
+
+
+def gpu_static_section() -> tuple[str, int]:
+    """The GPU compile check's table for every Triton kernel configuration, and its exit status."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "sbd_kernels.aot"], check=False, cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True)
+    body = (proc.stdout + proc.stderr).strip()
+    return (("\n## GPU static report (compiled with no GPU present; not timed)\n\n"
+            "Every Triton kernel configuration the launchers can pick, compiled to cubin: registers per "
+            "thread, spilled bytes, shared memory per block, theoretical occupancy.\n\n"
+            f"```\n{body}\n```\n"), proc.returncode)
+
+
+def write_outputs(out_dir: Path, header: dict, families: dict[str, list[dict]], extra: str = "") -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = out_dir / "report.md"
-    report.write_text(markdown(header, families))
+    report.write_text(markdown(header, families) + extra)
     (out_dir / "report.json").write_text(json.dumps({"machine": header, "results": families}, indent=1))
     with open(out_dir / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["family", *COLUMNS, "baseline"], extrasaction="ignore")
@@ -156,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="timed rounds per provider and case (default 20)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
     parser.add_argument("--from-json", type=Path, help="build the report from an earlier raw.json")
+    parser.add_argument("--no-gpu-static", action="store_true", help="skip the GPU compile check section")
     args = parser.parse_args(argv)
 
     import sbd_kernels  # noqa: F401  (the header names the active CPU kernel variant)
@@ -169,10 +193,18 @@ def main(argv: list[str] | None = None) -> int:
         if not raw_json.exists():
             return status or 1
     header = machine_header()
-    families = rows_from_raw(json.loads(raw_json.read_text()), header)
-    report = write_outputs(args.out, header, families)
+    raw = json.loads(raw_json.read_text())
+    families = rows_from_raw(raw, header)
+    extra = roofline_section(raw)
+    if not args.no_gpu_static:
+        section, aot_status = gpu_static_section()
+        extra += section
+        status = status or aot_status
+    report = write_outputs(args.out, header, families, extra)
     print(report.read_text())
     print(f"written: {report}, {report.with_suffix('.json')}, {report.with_suffix('.csv')}")
+    for plot in write_plots(args.out, families):
+        print(f"written: {plot}")
     return status
 
 

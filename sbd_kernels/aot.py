@@ -91,7 +91,7 @@ def compile_spec(spec, arch: int) -> CompileResult:
         result.shared_bytes = compiled.metadata.shared
         result.occupancy = theoretical_occupancy(arch, result.regs, result.shared_bytes, spec.num_warps)
         result.ok = True
-    except Exception as err:  # report every failing configuration, not just the first
+    except Exception as err:  # noqa: BLE001  (report every failing configuration, not just the first)
         lines = [line for line in str(err).splitlines() if line.strip()]
         result.error = f"{type(err).__name__}: {lines[-1] if lines else ''}"
     return result
@@ -106,8 +106,9 @@ def collect_specs(families=FAMILIES) -> list:
 
 
 def format_table(results: list[CompileResult]) -> str:
-    lines = [f"{'kernel configuration':<64} {'arch':>5} {'warps':>5} {'regs':>5} {'spill B':>8} "
-             f"{'smem B':>8} {'occup.':>6}  status"]
+    header = (f"{'kernel configuration':<64} {'arch':>5} {'warps':>5} {'regs':>5} {'spill B':>8} "
+              f"{'smem B':>8} {'occup.':>6}  status")
+    lines = [header]
     for r in results:
         if r.ok:
             lines.append(f"{r.kernel:<64} sm_{r.arch:<2} {r.num_warps:>5} {r.regs:>5} {r.spill_bytes:>8} "
