@@ -39,7 +39,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -245,6 +245,25 @@ void pack_queries(const scalar_t* q, const Geometry& geo, int64_t b, int64_t g, 
   }
 }
 
+// dst[0, n) = src[0, n) converted to op_t. fp16 -> fp32 uses the F16C instruction (the scalar c10::Half
+// conversion held fp16 at 51 GFLOP/s per core, F16C at 68, fp32 at 75-80, at D = 128).
+template <typename scalar_t, typename op_t>
+inline void convert_row(const scalar_t* src, op_t* dst, int64_t n) {
+  int64_t d = 0;
+  if constexpr (std::is_same_v<scalar_t, c10::Half> && std::is_same_v<op_t, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    for (; d + 16 <= n; d += 16) {
+      _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    for (; d + 8 <= n; d += 8) {
+      _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+    }
+#endif
+  }
+  for (; d < n; ++d) dst[d] = static_cast<op_t>(src[d]);
+}
+
 // Source rows (dim_pad elements of op_t each) of keys or values [j0, j0 + n) into ws.rows: pointers into
 // the cache / k / v when they already hold op_t with an even-enough dim, else rows converted (fp16 -> fp32)
 // or zero-padded (odd D for bf16) into ws.stage.
@@ -258,7 +277,7 @@ void gather_rows(RowOf row_of, int64_t j0, int64_t n, const Geometry& geo, Works
   for (int64_t jj = 0; jj < n; ++jj) {
     const scalar_t* src = row_of(j0 + jj);
     op_t* dst = ws.stage.data() + jj * geo.dim_pad;
-    for (int64_t d = 0; d < geo.dim; ++d) dst[d] = static_cast<op_t>(src[d]);
+    convert_row(src, dst, geo.dim);
     for (int64_t d = geo.dim; d < geo.dim_pad; ++d) dst[d] = op_t(0.0f);
     ws.rows[jj] = dst;
   }
@@ -356,7 +375,7 @@ void pack_values(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t 
       if constexpr (std::is_same_v<scalar_t, float>) {
         std::memcpy(dst, src, dp * sizeof(float));
       } else {
-        for (int64_t d = 0; d < dp; ++d) dst[d] = static_cast<float>(src[d]);
+        convert_row(src, dst, dp);
       }
     }
     std::fill(ws.v.data() + n * dp, ws.v.data() + n_pad * dp, 0.0f);
