@@ -98,7 +98,7 @@ def sdpa_provider(length: int, device: str):
 _FLEX = {}
 
 
-def flex_provider(length: int, batch: int, device: str):
+def flex_provider(length: int, device: str):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if "fn" not in _FLEX:
@@ -120,7 +120,7 @@ def op_args(x: dict) -> tuple:
     return (x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], x["cache_seqlens"], x["num_causal"], BLOCK)
 
 
-def provider_fn(provider: str, length: int, batch: int):
+def provider_fn(provider: str, length: int):
     """(function of the input dict returning out [B, S, Hq, D], device) of one provider."""
     if provider == "sbd":
         return lambda x: torch.ops.sbd.block_attention_with_kvcache(*op_args(x))[0], "cpu"
@@ -129,7 +129,7 @@ def provider_fn(provider: str, length: int, batch: int):
     if provider == "sdpa":
         return sdpa_provider(length, "cpu"), "cpu"
     if provider == "flex":
-        return flex_provider(length, batch, "cpu"), "cpu"
+        return flex_provider(length, "cpu"), "cpu"
     from sbd_kernels.ops.attention import triton as attention_triton
     return lambda x: attention_triton.block_attention_with_kvcache(*op_args(x))[0], "cuda"
 
@@ -176,7 +176,7 @@ def test_block_attention(benchmark, batch, length, dtype_name, provider):
         pytest.skip(f"naive provider: timed only at L in {NAIVE_LENGTHS} (seconds per call)")
     dtype = DTYPES_BY_NAME[dtype_name]
     try:
-        fn, device = provider_fn(provider, length, batch)
+        fn, device = provider_fn(provider, length)
         x = make_inputs(batch, length, dtype, device)
         correct = matches_oracle(fn(x), batch, length) if provider != "naive" else None
     except Exception as err:  # FlexAttention not compiling on this machine is a result, not a crash
