@@ -68,7 +68,8 @@ class _Tiles(NamedTuple):
 # 16 x 32 with 8 warps uses 177-216 registers. At D <= 64, 8 warps on such small tiles spilled where 4 did
 # not. Unaligned rows keep one 64-bit address per element, hence 16 x 16 tiles (fp16 at D = 64: 4 warps
 # spill 20 bytes on sm_90, 2 warps use 205 registers and none). fp32 at D = 256 spills with
-# 3xTF32 and uses plain fp32 dots instead (and one pipeline stage when unaligned).
+# 3xTF32 and uses plain fp32 dots instead; unaligned it also needs one pipeline stage and 16 warps (8 warps
+# spilled 20-112 bytes, 16 use 92-120 registers).
 _TILES = {
     (True, True, "small"): _Tiles(64, 64, 4, 2),
     (True, True, "mid"): _Tiles(64, 64, 8, 2),
@@ -81,13 +82,16 @@ _TILES = {
     (True, False, "large"): _Tiles(16, 16, 8, 2),
     (False, False, "small"): _Tiles(16, 16, 4, 2),
     (False, False, "mid"): _Tiles(16, 16, 8, 2),
-    (False, False, "large"): _Tiles(16, 16, 8, 1),
+    (False, False, "large"): _Tiles(16, 16, 16, 1),
 }
 
 
 def _tiles(half: bool, aligned: bool, block_d: int) -> _Tiles:
+    """The _TILES row of a launch: BLOCK_D <= 64 is "small", 128 "mid", 256 "large"."""
     size = "small" if block_d <= 64 else "mid" if block_d <= 128 else "large"
     return _TILES[(half, aligned, size)]
+
+
 # Cache slots per split, at least: each split writes a partial (m, l, acc[M tile, D]) fp32 state; with
 # 512 slots a bf16 split reads 512 * D * 2 * 2 bytes of K/V against 64 * D * 4 bytes of partial output
 # (one eighth), so the split overhead stays small while L = 4096 still gives 8 splits per (b, head, tile).
@@ -108,7 +112,7 @@ def _tile_ptrs(base, row_offsets, d_idx, stride_d, ALIGNED: tl.constexpr):
 
     ALIGNED (checked by the launcher: 16-byte aligned data, strides of 16 bytes, stride_d == 1) tells the
     compiler that every row starts on a 16-byte boundary, so rows load and store as 16-byte vectors; without
-    it each element keeps its own 64-bit address, and the tiles below spill registers.
+    it each element keeps its own 64-bit address (hence the smaller unaligned tiles of _TILES).
     """
     ptrs = base + row_offsets[:, None] + d_idx[None, :] * stride_d
     if ALIGNED:
@@ -142,7 +146,8 @@ def _cache_rows(slots, live, b, block_table_ptr, stride_btb, page_size, num_page
         ok = live & (page >= 0) & (page < num_pages)
         return page.to(tl.int64), slots % page_size, ok
     else:
-        return tl.zeros_like(slots).to(tl.int64) + b, slots, live
+        # int64: slot * stride passes 2^31 elements beyond about 2M slots of 8 heads x 128.
+        return tl.zeros_like(slots).to(tl.int64) + b, slots.to(tl.int64), live
 
 
 @triton.jit
