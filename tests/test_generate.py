@@ -23,6 +23,16 @@ BLOCK = 4
 BUDGET = 9                              # not a multiple of BLOCK: the last block overhangs the budget
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Decode tests run on one thread: their ops are tiny (1-80 rows x 128), and a second OpenMP thread
+    on this shared 2-core machine made each linear layer ~5x slower (spinning on a busy core)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     torch.manual_seed(1)
@@ -257,9 +267,10 @@ def test_bundled_checkpoint_cached_matches_oracle():
     if not Path(SBD_CHECKPOINT).exists():
         pytest.skip(f"no bundled checkpoint at {SBD_CHECKPOINT}")
     trained, _ = load_checkpoint(SBD_CHECKPOINT)
-    for task in ("add", "rot13"):
+    # NTP on `add` only: its oracle recomputes the whole sequence for each of the 33 tokens.
+    for task, methods in (("add", ("ntp", "sbd")), ("rot13", ("sbd",))):
         prompts = [TOKENIZER.encode_prompt(ex.prompt) for ex in make_examples(task, "held_out", 1)]
-        for method in ("ntp", "sbd"):
+        for method in methods:
             cfg = DecodeConfig(method=method, block_size=16, gamma=0.1, max_new_tokens=get_task(task).answer_tokens)
             cached = generate(trained, prompts, cfg, eos_id=TOKENIZER.EOS, pad_id=TOKENIZER.PAD)
             assert_same_decode(cached, oracle_decode(trained, prompts, cfg, eos_id=TOKENIZER.EOS,
