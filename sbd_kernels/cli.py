@@ -69,7 +69,8 @@ def run_generate(args: argparse.Namespace) -> None:
             hits += ok
             line += "  correct" if ok else f"  WRONG (expected {references[i]})"
         print(line)
-    print(f"\n{args.method.upper()} (block {cfg.block_size}, gamma {cfg.gamma}, temperature {cfg.temperature}): "
+    setting = f"block {cfg.block_size}, gamma {cfg.gamma}, " if args.method == "sbd" else ""
+    print(f"\n{args.method.upper()} ({setting}temperature {cfg.temperature}): "
           f"{result.total_nfe} forward passes for {result.total_generated} tokens = "
           f"{result.nfe_per_token:.3f} NFE/token; {result.tokens_per_s:.1f} tokens/s")
     if args.method == "sbd":
