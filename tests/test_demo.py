@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sbd_kernels import demo
+from sbd_kernels.model import load_checkpoint
 
 ROW_KEYS = {"model": str, "method": str, "gamma": (float, type(None)), "accuracy": float, "nfe": int,
             "answer_tokens": int, "nfe_speedup": float, "tokens_per_s": float, "wall_speedup": float}
@@ -91,3 +92,20 @@ def test_bundled_checkpoints_reach_the_headline():
     ntp, sbd, baseline = rows
     assert sbd.accuracy >= ntp.accuracy - 0.01 and ntp.accuracy >= baseline.accuracy - 0.01
     assert sbd.nfe_speedup >= 3.0
+
+
+def test_missing_checkpoints_are_trained(tmp_path, monkeypatch):
+    """Guards against `sbd demo` failing instead of training when the bundled checkpoints are absent, and
+    against the SBD run not starting from the NTP baseline it is meant to fine-tune."""
+    ntp_path, sbd_path = tmp_path / "ntp.pt", tmp_path / "sbd.pt"
+    tiny = {"preset": "tiny", "tasks": "add", "steps": 2, "batch_size": 2, "eval_every": 1000,
+            "eval_examples": 1, "checkpoint_every": 1000}
+    monkeypatch.setattr(demo, "CHECKPOINT_DIR", tmp_path)
+    monkeypatch.setattr(demo, "NTP_CHECKPOINT", ntp_path)
+    monkeypatch.setattr(demo, "SBD_CHECKPOINT", sbd_path)
+    monkeypatch.setattr(demo, "TRAINING_RECIPE", {"ntp": {**tiny, "objective": "ntp"},
+                                                  "sbd": {**tiny, "objective": "sbd", "init_from": str(ntp_path)}})
+    models = demo.bundled_models(threads=1)
+    assert ntp_path.exists() and sbd_path.exists()
+    assert set(models) == {"sbd", "ntp_only"}
+    assert load_checkpoint(sbd_path)[1]["train_config"]["init_from"] == str(ntp_path)
