@@ -37,7 +37,11 @@ import_installed_torch()
 from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
 ROOT = Path(__file__).parent
-COMMON_FLAGS = ["-O3", "-g0", "-std=c++17", "-fvisibility=hidden"]
+# -fopenmp: torch's CPU build runs `at::parallel_for` on OpenMP, and its implementation is inline in the
+# ATen headers; compiled without the flag the pragma is dropped and every kernel runs on one thread. The
+# extension then resolves libgomp.so.1 to the copy torch has already loaded (one OpenMP runtime).
+COMMON_FLAGS = ["-O3", "-g0", "-std=c++17", "-fvisibility=hidden", "-fopenmp"]
+LINK_FLAGS = ["-fopenmp"]
 # Flags per instruction-set variant, chosen by the source file's suffix.
 ISA_FLAGS = {
     "_default.cpp": ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"],
@@ -68,6 +72,7 @@ def get_extensions():
             include_dirs=[str(ROOT / "csrc")],
             define_macros=[("SBD_PYTHON_MODULE", None)],
             extra_compile_args=COMMON_FLAGS,
+            extra_link_args=LINK_FLAGS,
         )
     ]
 
