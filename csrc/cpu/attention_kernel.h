@@ -584,7 +584,7 @@ Geometry make_geometry(const BlockAttentionArgs& args, int64_t dim_pad) {
   geo.max_rows = geo.group * geo.seq;
   int64_t max_keys = 1;
   for (int64_t b = 0; b < geo.batch; ++b) {
-    max_keys = std::max<int64_t>(max_keys, args.cache_seqlens[b] + args.num_causal[b] + geo.block);
+    max_keys = std::max<int64_t>(max_keys, int64_t{args.cache_seqlens[b]} + args.num_causal[b] + geo.block);
   }
   const int64_t units = geo.batch * geo.kv_heads;
   const int64_t wanted = (kItemsPerThread * at::get_num_threads() + units - 1) / units;
