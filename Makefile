@@ -19,8 +19,11 @@ demo: $(BUILT)
 test: $(BUILT)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests -q
 
+# The demo's JSON feeds the report's accuracy-vs-NFE plot.
 bench: $(BUILT)
-	$(BIN)/python -m bench.report
+	mkdir -p bench/results
+	$(BIN)/python -m sbd_kernels.cli demo --json bench/results/demo.json
+	$(BIN)/python -m sbd_kernels.cli bench
 
 aot: $(BUILT)
 	$(BIN)/python -m sbd_kernels.aot

@@ -172,16 +172,18 @@ def write_outputs(out_dir: Path, header: dict, families: dict[str, list[dict]], 
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--only", default="", help="comma-separated families, e.g. sampling,attention")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression selecting cases")
     parser.add_argument("--rounds", type=int, help="timed rounds per provider and case (default 20)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
     parser.add_argument("--from-json", type=Path, help="build the report from an earlier raw.json")
     parser.add_argument("--no-gpu-static", action="store_true", help="skip the GPU compile check section")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the selected benchmarks (or reads --from-json), writes the report; returns an exit status."""
     import sbd_kernels  # noqa: F401  (the header names the active CPU kernel variant)
 
     raw_json = args.from_json or args.out / "raw.json"
@@ -206,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     for plot in write_plots(args.out, families):
         print(f"written: {plot}")
     return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return run(add_arguments(parser).parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""The `sbd` command: `sbd train`, `sbd generate`, `sbd demo`, `sbd roofline` (one subcommand per module).
+"""The `sbd` command: `sbd train`, `sbd generate`, `sbd demo`, `sbd roofline`, `sbd bench`.
 
     sbd demo [--quick] [--json PATH] [--plot PATH]   # the main job: accuracy vs NFE speedup table
     sbd train --objective sbd --init_from ntp.pt --out sbd.pt ...
     sbd generate --task add --num-prompts 8 --method sbd --gamma 0.1
     sbd generate --prompt "12+34" --method ntp
     sbd roofline --project --demo-json demo.json
+    sbd bench [--only sampling,attention] [-k EXPR] [--rounds N]   # from a source checkout
 
 Each subcommand's flags come from its module (`train`, `demo`, `roofline`: `add_arguments` and `main`).
 """
@@ -120,6 +121,26 @@ def run_roofline(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
+# sbd bench
+# ----------------------------------------------------------------------------------------------------
+def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    try:
+        from bench import report
+    except ImportError:  # an installed package without the source checkout: run_bench says so
+        return parser
+    return report.add_arguments(parser)
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    try:
+        from bench import report
+    except ImportError as err:
+        raise SystemExit("sbd bench runs the benchmark suite of a source checkout (bench/ is not part of the "
+                         f"installed package): run it from the repository root ({err})") from err
+    sys.exit(report.run(args))
+
+
+# ----------------------------------------------------------------------------------------------------
 # Entry point
 # ----------------------------------------------------------------------------------------------------
 SUBCOMMANDS = {
@@ -130,6 +151,8 @@ SUBCOMMANDS = {
              add_demo_arguments, run_demo),
     "roofline": ("roofline model of a decoder forward: SBD wall-clock speedup from NFE statistics, GPU projection",
                  add_roofline_arguments, run_roofline),
+    "bench": ("run every benchmark family and write one report (Markdown, JSON, CSV, plots) under bench/results",
+              add_bench_arguments, run_bench),
 }
 
 
