@@ -4,4 +4,4 @@ import os
 if os.environ.get("TRITON_INTERPRET") == "1":
     raise RuntimeError("bench: unset TRITON_INTERPRET; the interpreter would time Python, not kernels")
 
-import sbd_kernels  # noqa: E402,F401
+import sbd_kernels  # noqa: F401

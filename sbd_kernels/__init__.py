@@ -7,8 +7,8 @@ from sbd_kernels._loader import SbdLibraryLoadError, load_extension
 
 load_extension()
 
-from sbd_kernels import ops  # noqa: E402
-from sbd_kernels.ops import block_attention_with_kvcache, entropy_sample, mask_scatter_  # noqa: E402
+from sbd_kernels import ops
+from sbd_kernels.ops import block_attention_with_kvcache, entropy_sample, mask_scatter_
 
 __version__ = "0.1.0"
 __all__ = [

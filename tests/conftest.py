@@ -6,10 +6,10 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-import sbd_kernels  # noqa: E402,F401
+import sbd_kernels  # noqa: F401
 
 
 def supported_cpu_isas() -> list[str]:
