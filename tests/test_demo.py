@@ -103,8 +103,9 @@ def test_missing_checkpoints_are_trained(tmp_path, monkeypatch):
     monkeypatch.setattr(demo, "CHECKPOINT_DIR", tmp_path)
     monkeypatch.setattr(demo, "NTP_CHECKPOINT", ntp_path)
     monkeypatch.setattr(demo, "SBD_CHECKPOINT", sbd_path)
-    monkeypatch.setattr(demo, "TRAINING_RECIPE", {"ntp": {**tiny, "objective": "ntp"},
-                                                  "sbd": {**tiny, "objective": "sbd", "init_from": str(ntp_path)}})
+    recipe = {"ntp": {**tiny, "objective": "ntp"}, "sbd": {**tiny, "objective": "sbd", "init_from": str(ntp_path)}}
+    monkeypatch.setattr(demo, "TRAINING_RECIPE", recipe)
+    monkeypatch.setattr(demo, "CPU_TRAINING_RECIPE", recipe)
     models = demo.bundled_models(threads=1)
     assert ntp_path.exists() and sbd_path.exists()
     assert set(models) == {"sbd", "ntp_only"}
