@@ -7,7 +7,12 @@ Each `sbd_kernels/ops/<family>/triton.py` lists in `aot_specs()` every configura
 Each is compiled to PTX and cubin for the target (what the interpreter cannot catch: tl.dot shape limits,
 shared memory overflow, unsupported ops, register pressure), then `ptxas -v` is run on the PTX with the
 flags Triton uses to read registers and spill bytes, and the theoretical occupancy is derived from
-registers, shared memory and warps. Exits 1 if any configuration fails to compile or spills registers.
+registers, shared memory and warps.
+
+A second table shows, for every benchmark shape, the configurations the launchers pick there (each
+family's `benchmark_picks()`, computed by the launcher's own selection functions) with their registers,
+spills and occupancy. Exits 1 if any configuration fails to compile or spills registers, or if a picked
+configuration is not among the listed ones.
 """
 from __future__ import annotations
 
@@ -120,6 +125,15 @@ def collect_specs(families=FAMILIES) -> list:
     return specs
 
 
+def collect_picks(families=FAMILIES) -> list[tuple[str, str]]:
+    """(shape label, spec name) of every kernel launched at every benchmark shape, family by family."""
+    picks = []
+    for family in families:
+        module = importlib.import_module(f"sbd_kernels.ops.{family}.triton")
+        picks.extend(module.benchmark_picks())
+    return picks
+
+
 def _compile_job(job: tuple[int, int]) -> CompileResult:
     """Worker side of `compile_all`: specs are rebuilt in the worker (jit functions do not pickle)."""
     index, arch = job
@@ -150,6 +164,42 @@ def format_table(results: list[CompileResult]) -> str:
     return "\n".join(lines)
 
 
+def _pick_cell(result: CompileResult | None) -> str:
+    """`regs spill occupancy` of one compile, or why there is none."""
+    if result is None:
+        return f"{'missing':>22}"
+    if not result.ok:
+        return f"{'FAILED':>22}"
+    return f"{result.regs:>10} {result.spill_bytes:>5} {result.occupancy:>5.0%}"
+
+
+def format_picks(picks: list[tuple[str, str]], results: list[CompileResult], archs) -> tuple[str, list[str]]:
+    """Table of the configurations picked for the benchmark shapes, and the list of bad picks (a spec
+    that is not listed, failed to compile or spills)."""
+    by_key = {(r.kernel, r.arch): r for r in results}
+    listed = {r.kernel for r in results}
+    shape_w = max([len("benchmark shape")] + [len(shape) for shape, _ in picks])
+    spec_w = max([len("picked configuration")] + [len(spec) for _, spec in picks])
+    header = (f"{'benchmark shape':<{shape_w}} {'picked configuration':<{spec_w}}"
+              + "".join(f" {f'sm_{arch} regs':>10} {'spill':>5} {'occ.':>5}" for arch in archs) + "  status")
+    lines, bad = [header], []
+    for shape, spec in picks:
+        cells = [by_key.get((spec, arch)) for arch in archs]
+        if spec not in listed:
+            status = "NOT LISTED"
+        elif any(c is None or not c.ok for c in cells):
+            status = "FAILED"
+        elif any(c.spill_bytes for c in cells):
+            status = "SPILLS"
+        else:
+            status = "ok"
+        if status != "ok":
+            bad.append(f"{shape}: {spec} {status}")
+        cells_text = "".join(f" {_pick_cell(c)}" for c in cells)
+        lines.append(f"{shape:<{shape_w}} {spec:<{spec_w}}{cells_text}  {status}")
+    return "\n".join(lines), bad
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, action="append", choices=sorted(SM_LIMITS),
@@ -161,16 +211,21 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: interpreted kernels cannot be compiled for a GPU")
 
-    results = compile_all(args.arch or DEFAULT_ARCHS, args.jobs)
+    archs = args.arch or DEFAULT_ARCHS
+    results = compile_all(archs, args.jobs)
     print(format_table(results))
     failed = [r for r in results if not r.ok]
     spilled = [r for r in results if r.ok and r.spill_bytes]
     print(f"\n{len(results)} compiles: {len(results) - len(failed)} ok, {len(failed)} failed, "
           f"{len(spilled)} with register spills")
+    picks = collect_picks()
+    picks_table, bad_picks = format_picks(picks, results, archs)
+    print("\nconfigurations picked for the benchmark shapes\n" + picks_table)
+    print(f"\n{len(picks)} picks: {len(bad_picks)} not listed, failed or spilling")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)
-    return 1 if failed or spilled else 0
+    return 1 if failed or spilled or bad_picks else 0
 
 
 if __name__ == "__main__":

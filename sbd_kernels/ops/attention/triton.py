@@ -416,6 +416,16 @@ def _block_m_choices(tiles: _Tiles) -> list[int]:
     return [m for m in (16, 32, 64) if m <= tiles.max_block_m]
 
 
+def _split_name(dtype: torch.dtype, config: _Config) -> str:
+    """Readable id of the stage-1 configuration a launch with `config` compiles."""
+    return (f"attention/split {_TRITON_DTYPES[dtype]} M{config.block_m} N{config.block_n} D{config.block_d} "
+            f"{'paged' if config.paged else 'contig'} {'aligned' if config.aligned else 'unaligned'}")
+
+
+def _combine_name(dtype: torch.dtype, block_d: int, aligned: bool) -> str:
+    return f"attention/combine {_TRITON_DTYPES[dtype]} D{block_d} {'aligned' if aligned else 'unaligned'}"
+
+
 def _split_spec(dtype: torch.dtype, block_m: int, block_d: int, paged: bool, aligned: bool) -> KernelSpec:
     """The stage-1 kernel as a GPU launch compiles it: q/k/v last-dim strides of 1 are specialised."""
     config = _pick_config(block_d, block_m, dtype, paged, aligned, on_gpu=True)
@@ -432,9 +442,7 @@ def _split_spec(dtype: torch.dtype, block_m: int, block_d: int, paged: bool, ali
                       "BLOCK_N": config.block_n, "BLOCK_D": block_d, "HALF_DOT": config.half_dot,
                       "INPUT_PRECISION": config.input_precision, "ALIGNED": aligned}
     signature |= {name: "constexpr" for name in constexprs if name not in signature}
-    name = (f"attention/split {_TRITON_DTYPES[dtype]} M{block_m} N{config.block_n} D{block_d} "
-            f"{'paged' if paged else 'contig'} {'aligned' if aligned else 'unaligned'}")
-    return KernelSpec(name, _attention_split_kernel, signature, constexprs, num_warps=config.num_warps,
+    return KernelSpec(_split_name(dtype, config), _attention_split_kernel, signature, constexprs, num_warps=config.num_warps,
                       num_stages=config.num_stages)
 
 
@@ -445,8 +453,7 @@ def _combine_spec(dtype: torch.dtype, block_d: int, aligned: bool) -> KernelSpec
     signature |= {name: "i32" for name in ("stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_lh",
                                            "Hkv", "G", "D", "M", "capacity", "split_len", "num_splits")}
     signature |= {"BLOCK_M": "constexpr", "BLOCK_D": "constexpr", "ALIGNED": "constexpr"}
-    return KernelSpec(f"attention/combine {_TRITON_DTYPES[dtype]} D{block_d} "
-                      f"{'aligned' if aligned else 'unaligned'}", _attention_combine_kernel, signature,
+    return KernelSpec(_combine_name(dtype, block_d, aligned), _attention_combine_kernel, signature,
                       {"BLOCK_M": COMBINE_BLOCK_M, "BLOCK_D": block_d, "ALIGNED": aligned},
                       num_warps=COMBINE_WARPS[aligned])
 
@@ -463,3 +470,29 @@ def aot_specs() -> list[KernelSpec]:
                           for block_m in _block_m_choices(tiles) for paged in (False, True)]
                 specs.append(_combine_spec(dtype, block_d, aligned))
     return specs
+
+
+# Shapes of bench/bench_attention.py (B = 1, Hq = 32, Hkv = 8, D = 128, C = K = 16, fp32 / bf16), on a
+# contiguous cache and on a paged one with 16-slot pages. Fresh torch allocations of such shapes are 16-byte
+# aligned with D % 4 == 0, so the launcher's `_rows_aligned` check gives ALIGNED.
+_BENCH_BATCH, _BENCH_Q_HEADS, _BENCH_KV_HEADS, _BENCH_HEAD_DIM, _BENCH_SEQ = 1, 32, 8, 128, 16 + 16
+_BENCH_LENGTHS = (512, 4096, 16384)
+_BENCH_DTYPES = (torch.float32, torch.bfloat16)
+_BENCH_PAGE_SIZE = 16
+
+
+def benchmark_picks() -> list[tuple[str, str]]:
+    """(shape label, spec name) of both stages at every benchmark shape, chosen by the launcher's
+    `_pick_config` on the M = S * G rows of a KV group (the cache length only sets the runtime split plan)."""
+    rows = _BENCH_SEQ * (_BENCH_Q_HEADS // _BENCH_KV_HEADS)
+    picks = []
+    for dtype in _BENCH_DTYPES:
+        for paged in (False, True):
+            config = _pick_config(_BENCH_HEAD_DIM, rows, dtype, paged, aligned=True, on_gpu=True)
+            layout = f"paged page_size={_BENCH_PAGE_SIZE}" if paged else "contig"
+            for length in _BENCH_LENGTHS:
+                shape = (f"attention B={_BENCH_BATCH} Hq={_BENCH_Q_HEADS} Hkv={_BENCH_KV_HEADS} "
+                         f"D={_BENCH_HEAD_DIM} S={_BENCH_SEQ} L={length} {_TRITON_DTYPES[dtype]} {layout}")
+                picks += [(shape, _split_name(dtype, config)),
+                          (shape, _combine_name(dtype, config.block_d, config.aligned))]
+    return picks

@@ -275,9 +275,23 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+def _flags_label(name: str, flags: dict) -> str:
+    """Readable id of a logits dtype name ("fp32", ...) and the two constexpr flags of both kernels."""
+    return (f"{name} temperature={'tensor' if flags['HAS_TEMPERATURE'] else 'scalar'} "
+            f"mask={flags['HAS_COMPUTE_MASK']}")
+
+
+def _partial_name(label: str, block: int) -> str:
+    return f"entropy_sample/partial {label} BLOCK={block}"
+
+
+def _combine_name(label: str) -> str:
+    return f"entropy_sample/combine {label} SPLITS={MAX_SPLITS}"
+
+
 def _partial_spec(name: str, label: str, flags: dict, block: int) -> KernelSpec:
     return KernelSpec(
-        name=f"entropy_sample/partial {label} BLOCK={block}",
+        name=_partial_name(label, block),
         fn=_sampling_partial_kernel,
         signature={
             "logits_ptr": f"*{name}", "stride_b": "i64", "stride_k": "i64", "seed_ptr": "*i64",
@@ -295,7 +309,7 @@ def _partial_spec(name: str, label: str, flags: dict, block: int) -> KernelSpec:
 
 def _combine_spec(name: str, label: str, flags: dict) -> KernelSpec:
     return KernelSpec(
-        name=f"entropy_sample/combine {label} SPLITS={MAX_SPLITS}",
+        name=_combine_name(label),
         fn=_sampling_combine_kernel,
         signature={
             "logits_ptr": f"*{name}", "stride_b": "i64", "stride_k": "i64",
@@ -317,8 +331,29 @@ def aot_specs() -> list[KernelSpec]:
     for name in _TRITON_DTYPES.values():
         for has_temperature in (False, True):
             for has_mask in (False, True):
-                label = f"{name} temperature={'tensor' if has_temperature else 'scalar'} mask={has_mask}"
                 flags = {"HAS_TEMPERATURE": has_temperature, "HAS_COMPUTE_MASK": has_mask}
+                label = _flags_label(name, flags)
                 specs += [_partial_spec(name, label, flags, block) for block in (SMALL_BLOCK_V, BLOCK_V)]
                 specs.append(_combine_spec(name, label, flags))
     return specs
+
+
+# Shapes of bench/bench_sampling.py (its full grid): logits [B, K, V], scalar temperature, no compute_mask.
+_BENCH_VOCABS, _BENCH_POSITIONS, _BENCH_BATCHES = (32000, 128256, 151936), (1, 16), (1, 8)
+_BENCH_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def benchmark_picks() -> list[tuple[str, str]]:
+    """(shape label, spec name) of both kernels at every benchmark shape, chosen by the launcher's own
+    `_block_size` (the tile size is the only shape-dependent compile-time choice; the split plan is a
+    runtime argument)."""
+    flags = {"HAS_TEMPERATURE": False, "HAS_COMPUTE_MASK": False}
+    picks = []
+    for dtype in _BENCH_DTYPES:
+        label = _flags_label(_TRITON_DTYPES[dtype], flags)
+        for vocab in _BENCH_VOCABS:
+            for positions in _BENCH_POSITIONS:
+                for batch in _BENCH_BATCHES:
+                    shape = f"entropy_sample B={batch} K={positions} V={vocab} {_TRITON_DTYPES[dtype]}"
+                    picks += [(shape, _partial_name(label, _block_size(vocab))), (shape, _combine_name(label))]
+    return picks

@@ -120,6 +120,12 @@ def mask_scatter_(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampled: 
     return accepted, num_accepted, block_done
 
 
+def _accept_name(block: int, is_eb: bool, has_gamma: bool, has_valid: bool) -> str:
+    """Readable id of one configuration of `_scatter_accept_kernel` (its constexprs)."""
+    return (f"mask_scatter_/accept BLOCK_K={block} rule={'eb' if is_eb else 'threshold'} "
+            f"gamma={'tensor' if has_gamma else 'scalar'} valid={'yes' if has_valid else 'no'}")
+
+
 def aot_specs():
     """Every configuration the launcher can pick: BLOCK_K x rule x gamma tensor/scalar x valid given."""
     from sbd_kernels.ops._aot import KernelSpec
@@ -140,11 +146,20 @@ def aot_specs():
         for is_eb in (True, False):
             for has_gamma in (True, False):
                 for has_valid in (True, False):
-                    name = (f"mask_scatter_/accept BLOCK_K={block} rule={'eb' if is_eb else 'threshold'} "
-                            f"gamma={'tensor' if has_gamma else 'scalar'} valid={'yes' if has_valid else 'no'}")
+                    name = _accept_name(block, is_eb, has_gamma, has_valid)
                     constexprs = {"BLOCK_K": block, "IS_EB": is_eb, "HAS_GAMMA": has_gamma,
                                   "HAS_VALID": has_valid}
                     specs.append(KernelSpec(name, _scatter_accept_kernel, signature, constexprs,
                                             num_warps=NUM_WARPS))
         block *= 2
     return specs
+
+
+# Shapes of bench/bench_scatter.py: [B, K] blocks, rule "eb", gamma per row, no valid mask.
+_BENCH_BATCHES, _BENCH_BLOCKS = (1, 16, 128), (16, 32)
+
+
+def benchmark_picks() -> list[tuple[str, str]]:
+    """(shape label, spec name) at every benchmark shape, BLOCK_K chosen by the launcher's `_block_k`."""
+    return [(f"mask_scatter_ B={batch} K={k} eb gamma=tensor", _accept_name(_block_k(k), True, True, False))
+            for batch in _BENCH_BATCHES for k in _BENCH_BLOCKS]
