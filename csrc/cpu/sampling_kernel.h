@@ -336,6 +336,44 @@ inline int64_t first_index_of(const float* buf, int64_t n, float value) {
   return n;
 }
 
+// Word prefilter of a group whose largest logit is group_max: an entry can only win if its bound
+// kBoundAt0 - ln 2 floor(log2 n) reaches best - group_max / T, i.e. floor(log2 n) <= the returned exponent
+// (-1: no entry of the group can win; 23 or more: any can). Computed in double with kBoundMargin and
+// kScaleMargin slack, so that it keeps every entry the exact per-entry filter keeps. One unsigned compare
+// per vector instead of the per-entry bound: 2.00 -> 1.94 ms per 2M fp32 entries on one Zen 4 core.
+inline int64_t max_winning_exponent(float group_max, float temperature, float best) {
+  if (best == -kInf) return 23;
+  const double reach = static_cast<double>(group_max) / temperature;
+  const double need = best - (reach + std::abs(reach) * 4 * kScaleMargin) - 2 * kBoundMargin;
+  const double exponent = std::floor((kBoundAt0 - need) / kLn2);
+  return exponent >= 23 ? 23 : (exponent >= 0 ? static_cast<int64_t>(exponent) : -1);
+}
+
+// Smallest word r whose n = 2^24 - 1 - 2 (r >> 9) has floor(log2 n) <= max_exponent in [0, 23]:
+// n < 2^(e + 1) <=> r >> 9 >= 2^23 - 2^e.
+inline uint32_t min_winning_word(int64_t max_exponent) {
+  return max_exponent >= 23 ? 0u : ((1u << 23) - (1u << max_exponent)) << 9;
+}
+
+// Whether any of the Vec::size() words at `words` is >= min_word (unsigned).
+#if defined(CPU_CAPABILITY_AVX512)
+inline bool any_word_at_least(const uint32_t* words, uint32_t min_word) {
+  return _mm512_cmpge_epu32_mask(_mm512_loadu_si512(words), set1(min_word)) != 0;
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+inline bool any_word_at_least(const uint32_t* words, uint32_t min_word) {
+  const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words));
+  return _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_max_epu32(r, set1(min_word)), r)) != 0;
+}
+#else
+inline bool any_word_at_least(const uint32_t* words, uint32_t min_word) {
+  for (int64_t l = 0; l < Vec::size(); ++l) {
+    if (words[l] >= min_word) return true;
+  }
+  return false;
+}
+#endif
+
 // Gumbel-max race over one tile (n a multiple of kGroup, padded with -inf): updates best / best_idx.
 inline void gumbel_race_tile(const float* buf, int64_t n, int64_t start, float temperature,
                              const PhiloxRow& row, float& best, int64_t& best_idx) {
@@ -347,9 +385,12 @@ inline void gumbel_race_tile(const float* buf, int64_t n, int64_t start, float t
     for (int64_t i = Vec::size(); i < kGroup; i += Vec::size()) {
       group_max = at::vec::maximum(group_max, Vec::loadu(buf + g + i));
     }
-    if (reduce_max(group_max) / temperature + kGumbelMax < best) continue;
+    const int64_t max_exponent = max_winning_exponent(reduce_max(group_max), temperature, best);
+    if (max_exponent < 0) continue;
     philox_block(row, static_cast<uint32_t>((start + g) / 4), words);
+    const uint32_t min_word = min_winning_word(max_exponent);
     for (int64_t i = 0; i < kGroup; i += Vec::size()) {
+      if (!any_word_at_least(words + i, min_word)) continue;
       const Vec x = Vec::loadu(buf + g + i);
       // Filter with x * (1/T) (a multiply, ~5x cheaper than vdivps here), widened by kScaleMargin of its
       // magnitude so that it stays >= the exact score x / T + g of every lane that could win.
