@@ -303,6 +303,16 @@ inline Vec max_of_numbers(const Vec& a, const Vec& b) {
 #endif
 }
 
+// Largest lane of a vector without NaN: four shuffle + vmaxps steps, without the unordered compare, mask
+// to vector and or that reduce_max adds to each step to keep NaN.
+inline float reduce_max_of_numbers(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_max_ps(v);
+#else
+  return reduce_max(v);
+#endif
+}
+
 // Online entropy sums of one item: lane-wise accumulators relative to the running max.
 struct EntropySums {
   float max = -kInf;
@@ -353,11 +363,13 @@ inline int64_t first_index_of(const float* buf, int64_t n, float value) {
 // (-1: no entry of the group can win; 23 or more: any can). Computed in double with kBoundMargin and
 // kScaleMargin slack, so that it keeps every entry the exact per-entry filter keeps. One unsigned compare
 // per vector instead of the per-entry bound: 2.00 -> 1.94 ms per 2M fp32 entries on one Zen 4 core.
-inline int64_t max_winning_exponent(float group_max, float temperature, float best) {
+// Multiplies by inv_t = 1 / T and by 1 / ln 2 rather than dividing: two ~13-cycle divisions per group.
+inline int64_t max_winning_exponent(float group_max, double inv_t, float best) {
+  constexpr double kInvLn2 = 1.4426950408889634;
   if (best == -kInf) return 23;
-  const double reach = static_cast<double>(group_max) / temperature;
+  const double reach = static_cast<double>(group_max) * inv_t;
   const double need = best - (reach + std::abs(reach) * 4 * kScaleMargin) - 2 * kBoundMargin;
-  const double exponent = std::floor((kBoundAt0 - need) / kLn2);
+  const double exponent = std::floor((kBoundAt0 - need) * kInvLn2);
   return exponent >= 23 ? 23 : (exponent >= 0 ? static_cast<int64_t>(exponent) : -1);
 }
 
@@ -392,12 +404,13 @@ inline void gumbel_race_tile(const float* buf, int64_t n, int64_t start, float t
   alignas(64) uint32_t words[kGroup];
   alignas(64) float score[Vec::size()];
   const Vec t(temperature), inv_t(1.f / temperature), rel_margin(kScaleMargin);
+  const double inv_t_double = 1.0 / temperature;
   for (int64_t g = 0; g < n; g += kGroup) {
     Vec group_max = Vec::loadu(buf + g);
     for (int64_t i = Vec::size(); i < kGroup; i += Vec::size()) {
       group_max = max_of_numbers(group_max, Vec::loadu(buf + g + i));
     }
-    const int64_t max_exponent = max_winning_exponent(reduce_max(group_max), temperature, best);
+    const int64_t max_exponent = max_winning_exponent(reduce_max_of_numbers(group_max), inv_t_double, best);
     if (max_exponent < 0) continue;
     philox_block(row, static_cast<uint32_t>((start + g) / 4), words);
     const uint32_t min_word = min_winning_word(max_exponent);
