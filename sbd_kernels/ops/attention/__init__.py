@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from sbd_kernels.ops._cuda import register_triton_kernel
 from sbd_kernels.ops.attention._checks import check_block_attention_args
 
 
@@ -70,14 +71,4 @@ def _block_attention_with_kvcache_fake(q, k, v, k_cache, v_cache, cache_seqlens,
     return out, lse
 
 
-def _block_attention_with_kvcache_cuda(*args):
-    try:
-        from sbd_kernels.ops.attention import triton as attention_triton
-    except ImportError as err:
-        raise RuntimeError(
-            "sbd.block_attention_with_kvcache on CUDA tensors needs Triton (`pip install triton`): "
-            f"{err}") from err
-    return attention_triton.block_attention_with_kvcache(*args)
-
-
-torch.library.register_kernel("sbd::block_attention_with_kvcache", "cuda", _block_attention_with_kvcache_cuda)
+register_triton_kernel("block_attention_with_kvcache", "attention")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from sbd_kernels.ops._cuda import register_triton_kernel
 from sbd_kernels.ops.sampling._checks import check_entropy_sample_args
 
 __all__ = ["entropy_sample"]
@@ -82,15 +83,4 @@ def _entropy_sample_fake(logits, seed, offset, temperature=None, temperature_val
     return tokens, entropy, logprob, valid
 
 
-def _entropy_sample_cuda(*args):
-    try:
-        from sbd_kernels.ops.sampling import triton as sampling_triton
-    except ImportError as err:
-        raise RuntimeError(
-            "sbd.entropy_sample on CUDA tensors needs Triton, which could not be imported "
-            f"({err}); install it with `pip install triton`"
-        ) from err
-    return sampling_triton.entropy_sample(*args)
-
-
-torch.library.register_kernel("sbd::entropy_sample", "cuda", _entropy_sample_cuda)
+register_triton_kernel("entropy_sample", "sampling")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from sbd_kernels.ops._cuda import register_triton_kernel
+
 __all__ = ["mask_scatter_"]
 
 
@@ -77,15 +79,4 @@ def _mask_scatter_fake(block_tokens, is_masked, sampled, entropy, gamma=None, ga
     return accepted, num_accepted, block_done
 
 
-def _mask_scatter_cuda(*args):
-    try:
-        from sbd_kernels.ops.scatter import triton as triton_kernels
-    except ImportError as err:
-        raise RuntimeError(
-            "sbd.mask_scatter_ on CUDA tensors needs Triton, which could not be imported "
-            f"({err}); install it with `pip install triton`"
-        ) from err
-    return triton_kernels.mask_scatter_(*args)
-
-
-torch.library.register_kernel("sbd::mask_scatter_", "cuda", _mask_scatter_cuda)
+register_triton_kernel("mask_scatter_", "scatter")
