@@ -40,3 +40,14 @@ def cpu_isa(request):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """Runs a test on one torch thread. Model and decode tests multiply small matrices (1-80 rows x 128):
+    on this shared 2-core machine a second OpenMP thread made one forward of the small model ~10x slower
+    (measured 65 ms on one thread vs 630 ms on two) by spinning on a busy core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

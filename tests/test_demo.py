@@ -4,7 +4,6 @@ import argparse
 import json
 
 import pytest
-import torch
 
 from sbd_kernels import demo
 from sbd_kernels.model import load_checkpoint
@@ -13,14 +12,7 @@ ROW_KEYS = {"model": str, "method": str, "gamma": (float, type(None)), "accuracy
             "answer_tokens": int, "nfe_speedup": float, "tokens_per_s": float, "wall_speedup": float}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Decode tests run on one thread: their ops are tiny (1-80 rows x 128), and a second OpenMP thread
-    on this shared 2-core machine made each linear layer ~5x slower (spinning on a busy core)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def demo_args(*argv: str) -> argparse.Namespace:

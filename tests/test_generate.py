@@ -23,14 +23,7 @@ BLOCK = 4
 BUDGET = 9                              # not a multiple of BLOCK: the last block overhangs the budget
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Decode tests run on one thread: their ops are tiny (1-80 rows x 128), and a second OpenMP thread
-    on this shared 2-core machine made each linear layer ~5x slower (spinning on a busy core)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

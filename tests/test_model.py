@@ -22,14 +22,7 @@ CHECKPOINTS = Path(__file__).resolve().parents[1] / "sbd_kernels" / "checkpoints
 ATTENTION_OPS = {"naive": naive_attention, "cpp": torch.ops.sbd.block_attention_with_kvcache}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run small matrices: on a 2-core machine shared with other jobs, one thread is
-    faster than two (measured 65 ms vs 630 ms for one forward of the small model)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(dtype=torch.float32) -> Transformer:

@@ -30,13 +30,7 @@ from sbd_kernels.train import (
 MASK = TOKENIZER.MASK
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small matrices on a 2-core machine shared with other jobs: one thread is faster than two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def spec_table(n: int, k: int) -> list[list[bool]]:
