@@ -135,6 +135,25 @@ def _to_device(case: AttentionCase, device: str) -> AttentionCase:
     return AttentionCase(**moved)
 
 
+def embed_caches_in_nan_buffers(case: AttentionCase) -> Callable[[], None]:
+    """Replaces the case's caches by slices of larger NaN buffers (k_cache: one layer of three; v_cache:
+    every other KV head), so outer strides differ from the sizes and between k_cache and v_cache. Returns a
+    check that everything outside the slices is still NaN."""
+    device = case.k_cache.device
+    stacked_k = torch.full((3, *case.k_cache.shape), float("nan"), device=device)
+    stacked_v = torch.full((*case.v_cache.shape[:2], 2 * case.v_cache.shape[2], case.v_cache.shape[3]),
+                           float("nan"), device=device)
+    stacked_k[1] = case.k_cache
+    stacked_v[:, :, 1::2] = case.v_cache
+    case.k_cache, case.v_cache = stacked_k[1], stacked_v[:, :, 1::2]
+
+    def assert_rest_untouched() -> None:
+        assert torch.isnan(stacked_k[0]).all() and torch.isnan(stacked_k[2]).all()
+        assert torch.isnan(stacked_v[:, :, 0::2]).all()
+
+    return assert_rest_untouched
+
+
 def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     """Equal bit patterns (NaN poison included): cache writes are copies, never arithmetic."""
     int_dtype = {4: torch.int32, 2: torch.int16}[actual.element_size()]

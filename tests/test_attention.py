@@ -6,7 +6,14 @@ The Triton backend is tested in test_attention_triton.py on the same cases (test
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_cases import AXES, BASE, assert_matches_oracle, axis_params, make_case
+from attention_cases import (
+    AXES,
+    BASE,
+    assert_matches_oracle,
+    axis_params,
+    embed_caches_in_nan_buffers,
+    make_case,
+)
 
 from sbd_kernels import block_attention_with_kvcache
 from sbd_kernels.ops.attention import naive
@@ -56,15 +63,9 @@ def test_strided_caches(paged):
     """Guards against kernels that assume densely packed caches: here each cache is one layer / one
     half of a larger buffer (outer strides differ from the sizes, and k_cache and v_cache differ)."""
     case = make_case(**{**BASE, "paged": paged})
-    stacked_k = torch.full((3, *case.k_cache.shape), float("nan"))
-    stacked_v = torch.full((*case.v_cache.shape[:2], 2 * case.v_cache.shape[2], case.v_cache.shape[3]),
-                           float("nan"))
-    stacked_k[1] = case.k_cache
-    stacked_v[:, :, 1::2] = case.v_cache
-    case.k_cache, case.v_cache = stacked_k[1], stacked_v[:, :, 1::2]
+    assert_rest_untouched = embed_caches_in_nan_buffers(case)
     assert_matches_oracle(case, OP)
-    assert torch.isnan(stacked_k[0]).all() and torch.isnan(stacked_k[2]).all()
-    assert torch.isnan(stacked_v[:, :, 0::2]).all()
+    assert_rest_untouched()
 
 
 @pytest.mark.parametrize("scale", [0.05, 1.0, -0.3])

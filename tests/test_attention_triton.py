@@ -12,7 +12,14 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_cases import AXES, BASE, assert_matches_oracle, axis_params, make_case
+from attention_cases import (
+    AXES,
+    BASE,
+    assert_matches_oracle,
+    axis_params,
+    embed_caches_in_nan_buffers,
+    make_case,
+)
 from test_attention import (
     DIM,
     HEAD,
@@ -125,15 +132,9 @@ def test_strided_caches(paged):
     """Guards against a kernel that assumes densely packed caches: each cache here is one slice of a
     larger NaN buffer (other outer strides, k_cache and v_cache differ); the rest must stay NaN."""
     c = case(**{**BASE, "paged": paged})
-    stacked_k = torch.full((3, *c.k_cache.shape), float("nan"), device=DEVICE)
-    stacked_v = torch.full((*c.v_cache.shape[:2], 2 * c.v_cache.shape[2], c.v_cache.shape[3]), float("nan"),
-                           device=DEVICE)
-    stacked_k[1] = c.k_cache
-    stacked_v[:, :, 1::2] = c.v_cache
-    c.k_cache, c.v_cache = stacked_k[1], stacked_v[:, :, 1::2]
+    assert_rest_untouched = embed_caches_in_nan_buffers(c)
     assert_matches_oracle(c, triton_op)
-    assert torch.isnan(stacked_k[0]).all() and torch.isnan(stacked_k[2]).all()
-    assert torch.isnan(stacked_v[:, :, 0::2]).all()
+    assert_rest_untouched()
 
 
 @pytest.mark.parametrize("scale", [0.05, -0.3])
