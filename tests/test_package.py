@@ -1,6 +1,9 @@
-"""Package-level guarantees: the public schemas, the extension loader, the CPU instruction-set switch."""
+"""Package-level guarantees: the public schemas, the extension loader, the CPU instruction-set switch,
+and what a plain `pip install .` would pull."""
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,3 +60,25 @@ def test_cpu_isa_environment_variable_is_honoured():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "default"
+
+
+def test_plain_pip_install_keeps_the_installed_torch(tmp_path):
+    """Guards against `pip install .` replacing the user's torch (a CUDA build of several GB from PyPI).
+
+    A dry run with build isolation, as a user would type it: pip builds the metadata in an isolated
+    environment without torch (setup.py must find the installed torch from there) and resolves the dependencies against
+    this environment. The only package it may install is ours.
+    """
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = Path(__file__).resolve().parents[1]
+    build_requires = tomllib.loads((root / "pyproject.toml").read_text())["build-system"]["requires"]
+    assert not [r for r in build_requires if r.startswith("torch")], build_requires
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report), "."],
+        cwd=root, capture_output=True, text=True, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    to_install = sorted(item["metadata"]["name"] for item in json.loads(report.read_text())["install"])
+    assert to_install == ["sbd_kernels"], to_install
+    assert "BuildBackendWarning" not in proc.stderr, proc.stderr
