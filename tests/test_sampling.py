@@ -328,6 +328,23 @@ def test_invalid_rows_flagged(backend, mode):
     assert (logprob[0, :4] == float("-inf")).all()
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter on NaN rows
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_invalid_entry_anywhere_in_a_long_row_is_flagged(backend, mode):
+    """Guards against a NaN / +inf lost by a vectorised max: in any lane, tile or vocabulary chunk."""
+    vocab = 40_003  # several 2048-entry tiles and vocabulary chunks, a ragged last one
+    places = [0, 13, 2047, 2048 + 17, 20_000, vocab - 1]
+    logits = make_logits(2, len(places), vocab)
+    for row, v in enumerate(places):
+        logits[0, row, v] = float("nan")
+        logits[1, row, v] = float("inf")
+    seed, offset = make_seeds(2)
+    tokens, entropy, _, valid = check_backend(backend, logits, seed, offset, **temperature_args(mode, 2))
+    assert not valid.any()
+    assert (tokens == 0).all() and (entropy == float("inf")).all()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_single_entry_vocabulary(backend):
     """Guards against V == 1: the only token has entropy 0, and is invalid once it is the mask token."""
