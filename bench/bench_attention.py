@@ -1,7 +1,7 @@
 """Benchmark of sbd.block_attention_with_kvcache: the C++ op against SDPA, FlexAttention and the oracle.
 
     python -m pytest bench/bench_attention.py -q         # or: python -m bench.report --only attention
-    SBD_BENCH_FULL=1 python -m pytest bench/bench_attention.py -q   # adds fp16 and B = 4
+    SBD_BENCH_QUICK=1 python -m pytest bench/bench_attention.py -q  # fp32 and bf16 at B = 1 only
 
 One SBD decode pass of a Llama-3-8B-like layer (Hq = 32, Hkv = 8, D = 128) with C = 16 causal rows (the
 previous block, appended to the cache) and a K = 16 block, over a cache of L tokens. Providers on the same
@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.common import DTYPES_BY_NAME, bench_rounds, record, run_timed
+from bench.common import DTYPES_BY_NAME, bench_rounds, quick_grid, record, run_timed
 from sbd_kernels.ops.attention import naive
 from sbd_kernels.testing import TOLERANCES
 
@@ -33,10 +33,10 @@ FAMILY = "attention"
 PROVIDERS = ["sbd", "sdpa", "flex", "naive", "triton"]
 Q_HEADS, KV_HEADS, HEAD_DIM, CAUSAL, BLOCK = 32, 8, 128, 16, 16
 LENGTHS = [512, 4096, 16384]
-if os.environ.get("SBD_BENCH_FULL") == "1":
-    DTYPES, BATCHES = ["fp32", "bf16", "fp16"], [1, 4]
-else:
+if quick_grid():
     DTYPES, BATCHES = ["fp32", "bf16"], [1]
+else:
+    DTYPES, BATCHES = ["fp32", "bf16", "fp16"], [1, 4]
 # Timed rounds by cache length (after 3 warm-up calls), so that the whole file stays near 2 minutes on
 # this loaded 2-core machine: one SDPA call takes ~70 ms at L = 512 and ~1.2 s at L = 16384 here.
 # SBD_BENCH_ROUNDS, when set, overrides them.

@@ -1,7 +1,7 @@
 """End-to-end decode benchmark: one model forward (`Transformer.decode_pass`) with 1, k and 2k query tokens.
 
-    python -m pytest bench/bench_decode.py -q                  # default grid, 3 minutes on this machine
-    SBD_BENCH_DECODE=full python -m pytest bench/bench_decode.py -q   # batch 1/4/8/16 x cache 512..16384
+    python -m pytest bench/bench_decode.py -q                  # batch 1/4/8/16 x cache 512..16384
+    SBD_BENCH_QUICK=1 python -m pytest bench/bench_decode.py -q   # the grid's corners, 3 minutes here
     python -m sbd_kernels.roofline --measured <pytest --benchmark-json output>   # prediction vs measurement
 
 The three widths are the three pass kinds of decoding (SBD_SPEC 3): t = 1 an NTP step (1 causal row
@@ -31,6 +31,7 @@ from bench.common import (
     DTYPES_BY_NAME,
     measure_copy_bandwidth_gbs,
     measure_matmul_peak_gflops,
+    quick_grid,
     record,
     run_timed,
 )
@@ -50,11 +51,11 @@ SMALL = {**ModelConfig.preset("small").__dict__, "max_seq_len": 16384 + 2 * BLOC
 # 16-512 rows ran 4-10x faster than fp32 (measured: 27.7 vs 4.0 GFLOP/s at 16 x 2048 x 8192).
 CONFIGS = {"small": (SMALL, "fp32"), "1b": (ONE_B, "bf16")}
 
-# Default grid: the small model at the corners of the batch/cache range, the 1B model at one small case (a
-# 1-token forward of it takes 0.8 s here, a 2k-token one 1.8 s, on 1 thread). SBD_BENCH_DECODE=full runs every combination
-# whose KV cache fits SBD_BENCH_DECODE_CACHE_GB (default 4 GiB: the 1B cache at batch 16 x 16384 is 8.6 GB).
-DEFAULT_GRID = {"small": ([1, 16], [512, 16384]), "1b": ([1], [512])}
+# Every batch x cache length whose KV cache fits SBD_BENCH_DECODE_CACHE_GB (default 4 GiB: the 1B cache at
+# batch 16 x 16384 is 8.6 GB). SBD_BENCH_QUICK=1: the small model at the corners of the range, the 1B model
+# at batch 1 x 512 only (its 1-token forward took 0.25 s here, its 2k-token one 0.6 s, on 1 thread).
 FULL_GRID = ([1, 4, 8, 16], [512, 1024, 2048, 4096, 8192, 16384])
+QUICK_GRID = {"small": ([1, 16], [512, 16384]), "1b": ([1], [512])}
 # torch threads while timing. 1 by default: on this 2-core machine shared with other jobs, 2 OpenMP threads
 # stalled at every GEMM barrier (small preset, 16-row fp32 matmuls of 128 x 384: 49 ms each with 2 threads,
 # a full forward 1.4 ms with 1 thread). SBD_BENCH_DECODE_THREADS sets another count.
@@ -85,10 +86,9 @@ def ceilings(threads: int) -> dict:
 def grid() -> list[tuple[str, int, int, int]]:
     """(config name, batch, cache length, tokens), grouped by config and cache so each model and cache is
     built once."""
-    full = os.environ.get("SBD_BENCH_DECODE") == "full"
     cases = []
     for name in CONFIGS:
-        batches, lengths = FULL_GRID if full else DEFAULT_GRID[name]
+        batches, lengths = QUICK_GRID[name] if quick_grid() else FULL_GRID
         for batch in batches:
             for kv_len in lengths:
                 for tokens in (1, BLOCK, 2 * BLOCK):

@@ -1,7 +1,7 @@
 """Benchmark of sbd.entropy_sample: the C++ op against the oracle, eager torch and torch.compile.
 
     python -m pytest bench/bench_sampling.py -q         # or: python -m bench.report --only sampling
-    SBD_BENCH_FULL=1 python -m pytest bench/bench_sampling.py -q   # every V x K x B x dtype
+    SBD_BENCH_QUICK=1 python -m pytest bench/bench_sampling.py -q  # B = 1, V in {32000, 128256} only
 
 Providers on the same inputs: `sbd` (torch.ops.sbd.entropy_sample on CPU), `naive` (the oracle: int64
 Philox over every entry, seconds per call, so only on the small cases), `eager` (what a user would write:
@@ -14,23 +14,21 @@ GB/s = bytes_moved / time with bytes_moved = logits bytes read once (B K V x dty
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from bench.common import DTYPES_BY_NAME, record, run_timed
+from bench.common import DTYPES_BY_NAME, quick_grid, record, run_timed
 from sbd_kernels.ops.sampling import naive
 
 FAMILY = "sampling"
 PROVIDERS = ["sbd", "naive", "eager", "compile", "triton"]
 TEMPERATURE = 1.0
-# Default grid: the Llama-3 vocabulary at one position and at a k = 16 block, plus a 32000 vocabulary;
-# SBD_BENCH_FULL=1 adds V = 151936 (Qwen) and B = 8 (every V x K x B x dtype of the design).
-if os.environ.get("SBD_BENCH_FULL") == "1":
-    VOCABS, POSITIONS, BATCHES = [32000, 128256, 151936], [1, 16], [1, 8]
-else:
+# Every V x K x B x dtype of the design: Llama-2 / Llama-3 / Qwen vocabularies, one position and a k = 16
+# block, batch 1 and 8. SBD_BENCH_QUICK=1 keeps batch 1 and the first two vocabularies.
+if quick_grid():
     VOCABS, POSITIONS, BATCHES = [32000, 128256], [1, 16], [1]
+else:
+    VOCABS, POSITIONS, BATCHES = [32000, 128256, 151936], [1, 16], [1, 8]
 DTYPES = ["fp32", "bf16"]
 # The oracle draws int64 Philox words for every entry: ~1 s per 32000-entry row on this loaded machine, so
 # it is timed only up to 32768 entries per call, with 3 rounds, and the correctness gate runs it on the

@@ -34,6 +34,12 @@ DEFAULT_ROUNDS = 20
 WARMUP_ROUNDS = 3
 
 
+def quick_grid() -> bool:
+    """SBD_BENCH_QUICK=1: each family's small subset of cases (about 5 minutes here for the four families)
+    instead of the full grid of the design (about N minutes here)."""
+    return os.environ.get("SBD_BENCH_QUICK") == "1"
+
+
 def bench_rounds() -> int:
     return int(os.environ.get("SBD_BENCH_ROUNDS", DEFAULT_ROUNDS))
 
