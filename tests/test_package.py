@@ -66,8 +66,8 @@ def test_plain_pip_install_keeps_the_installed_torch(tmp_path):
     """Guards against `pip install .` replacing the user's torch (a CUDA build of several GB from PyPI).
 
     A dry run with build isolation, as a user would type it: pip builds the metadata in an isolated
-    environment without torch (setup.py must find the installed torch from there) and resolves the dependencies against
-    this environment. The only package it may install is ours.
+    environment without torch (setup.py must find the installed torch from there) and resolves the
+    dependencies against this environment. The only package it may install is ours.
     """
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     root = Path(__file__).resolve().parents[1]

@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "cpu/isa.h"
+
 namespace sbd::cpu {
 
 // Validated arguments of sbd::block_attention_with_kvcache.
@@ -22,13 +24,6 @@ struct BlockAttentionArgs {
   float scale;
 };
 
-#define SBD_DECLARE_BLOCK_ATTENTION_KERNEL(isa) \
-  namespace isa {                               \
-  void block_attention_kernel(const BlockAttentionArgs& args); \
-  }
-SBD_DECLARE_BLOCK_ATTENTION_KERNEL(DEFAULT)
-SBD_DECLARE_BLOCK_ATTENTION_KERNEL(AVX2)
-SBD_DECLARE_BLOCK_ATTENTION_KERNEL(AVX512)
-#undef SBD_DECLARE_BLOCK_ATTENTION_KERNEL
+SBD_ISA_DECLARE(void block_attention_kernel(const BlockAttentionArgs& args))
 
 }  // namespace sbd::cpu

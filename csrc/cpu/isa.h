@@ -32,3 +32,16 @@ void set_active_isa(const std::string& name);
         ::sbd::cpu::DEFAULT::fn(__VA_ARGS__);                    \
     }                                                            \
   } while (0)
+
+// Declares `declaration` in each variant's namespace (sbd::cpu::DEFAULT, ::AVX2, ::AVX512); use inside
+// namespace sbd::cpu, beside the kernel's argument struct.
+#define SBD_ISA_DECLARE(...)      \
+  namespace DEFAULT {             \
+  __VA_ARGS__;                    \
+  }                               \
+  namespace AVX2 {                \
+  __VA_ARGS__;                    \
+  }                               \
+  namespace AVX512 {              \
+  __VA_ARGS__;                    \
+  }

@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "cpu/isa.h"
+
 namespace sbd::cpu {
 
 // Validated arguments of sbd::entropy_sample. `logits` is [B, K, V] with stride(2) == 1; per-row inputs
@@ -26,13 +28,6 @@ struct EntropySampleArgs {
   bool* valid;
 };
 
-#define SBD_DECLARE_ENTROPY_SAMPLE_KERNEL(isa) \
-  namespace isa {                              \
-  void entropy_sample_kernel(const EntropySampleArgs& args); \
-  }
-SBD_DECLARE_ENTROPY_SAMPLE_KERNEL(DEFAULT)
-SBD_DECLARE_ENTROPY_SAMPLE_KERNEL(AVX2)
-SBD_DECLARE_ENTROPY_SAMPLE_KERNEL(AVX512)
-#undef SBD_DECLARE_ENTROPY_SAMPLE_KERNEL
+SBD_ISA_DECLARE(void entropy_sample_kernel(const EntropySampleArgs& args))
 
 }  // namespace sbd::cpu

@@ -515,8 +515,9 @@ Partial process_chunk(const scalar_t* row_ptr, int64_t begin, int64_t end, int64
     }
     if (m > sums.max) sums.rebase(m);
     sums.add(data, padded);
-    if (temperature > 0.f) gumbel_race_tile(data, group_max, padded, start, temperature, row, out.best,
-                                                  out.best_idx);
+    if (temperature > 0.f) {
+      gumbel_race_tile(data, group_max, padded, start, temperature, row, out.best, out.best_idx);
+    }
   }
   out.max = sums.max;
   out.sum_exp = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; },
