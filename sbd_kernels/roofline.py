@@ -786,7 +786,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="mean passes per block l: also print the wall-clock speedup")
     parser.add_argument("--paper", action="store_true",
                         help="the paper's Table 3, time(k)/time(1): published, its roofline as published "
-                        "(quirks named), ours, and what each difference changes (its own sizes)")
+                        "(quirks named), ours, and what each difference changes, at the paper's batch, block and KV sizes")
     parser.add_argument("--project", action="store_true",
                         help="GPU projection table (Llama-3.1-8B, Qwen3-8B on --hardware, batch 1/4/8/16)")
     parser.add_argument("--demo-json", type=Path, help="`sbd demo --json` output: measured NFE statistics")
