@@ -72,3 +72,74 @@ def noncontiguous(t: torch.Tensor) -> torch.Tensor:
     view = wide[..., ::2]
     view.copy_(t)
     return view
+
+
+class Embedded:
+    """A tensor argument placed inside a larger poisoned allocation, to catch strided-index bugs and
+    writes outside the argument.
+
+    layout:
+        "contiguous": the tensor itself (a fresh copy), with poisoned slack after it;
+        "offset":     a contiguous view starting `offset` elements into the buffer;
+        "strided":    every dimension strided by `step` (elements in between are poison);
+        "expanded":   stride 0 along dimension 0 (only for tensors whose rows are all equal: the view
+                      reads row 0 for every row, like `torch.tensor([5]).expand(B)`).
+
+    `view` is the argument to pass; `buffer` the allocation. `check_outside()` asserts that no element
+    of the buffer outside the view changed; `check_unchanged()` that nothing in the buffer changed
+    (for read-only arguments).
+    """
+
+    def __init__(self, t: torch.Tensor, layout: str = "strided", step: int = 2, offset: int = 3):
+        if layout not in ("contiguous", "offset", "strided", "expanded"):
+            raise ValueError(f"Embedded: unknown layout {layout!r}")
+        shape = tuple(t.shape)
+        if layout == "expanded":
+            if t.dim() == 0 or not bool((t == t[:1]).all()):
+                raise ValueError("Embedded: an expanded view needs a tensor whose rows are all equal")
+            inner = _contiguous_strides(shape[1:])
+            strides = (0, *inner)
+            numel = max(1, t[0].numel())
+            start = offset
+        else:
+            step = step if layout == "strided" else 1
+            strides = tuple(s * step for s in _contiguous_strides(shape))
+            start = offset if layout in ("offset", "strided") else 0
+            numel = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if t.numel() else 0
+        self.buffer = poison_(torch.empty(start + numel + offset, dtype=t.dtype, device=t.device))
+        self.view = self.buffer.as_strided(shape, strides, start)
+        if t.numel():
+            source = t[:1] if layout == "expanded" else t
+            self.buffer.as_strided(source.shape, _contiguous_strides(tuple(source.shape)) if layout == "expanded"
+                                   else strides, start).copy_(source)
+        self._covered = torch.zeros(self.buffer.numel(), dtype=torch.bool, device=t.device)
+        if t.numel():
+            self._covered.as_strided(shape, strides, start).fill_(True)
+        self._snapshot = self.buffer.clone()
+
+    def check_outside(self, name: str = "argument") -> None:
+        """No element of the buffer outside the view changed (in-place arguments)."""
+        _assert_same(self.buffer[~self._covered], self._snapshot[~self._covered], f"{name} (outside the view)")
+
+    def check_unchanged(self, name: str = "argument") -> None:
+        """No element of the buffer changed (read-only arguments)."""
+        _assert_same(self.buffer, self._snapshot, name)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, running = [], 1
+    for n in reversed(shape):
+        strides.append(running)
+        running *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _assert_same(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """Bitwise equality, NaN == NaN (the poison is NaN for float buffers)."""
+    if actual.is_floating_point():
+        same = (actual == expected) | (torch.isnan(actual) & torch.isnan(expected))
+    else:
+        same = actual == expected
+    if not bool(same.all()):
+        bad = (~same).nonzero().flatten()[:5].tolist()
+        raise AssertionError(f"{name}: {int((~same).sum())} elements were written, first at {bad}")
