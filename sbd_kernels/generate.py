@@ -29,9 +29,10 @@ With temperature 0 it must give the same tokens as the cached decode.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -149,10 +150,16 @@ class DecodeResult:
 
 
 @dataclass(frozen=True)
-class _Special:
-    """Token ids and scalars the step functions need (Python values: constants under torch.compile)."""
+class DecodeConstants:
+    """Everything a decode step needs besides tensors: token ids and the decode settings, as Python values
+    (constants under torch.compile, so one compiled step serves a whole decode).
 
-    eos_id: int
+    eos_ids: every id that ends a sequence (HF models often have several, e.g. Llama 3's 128001 / 128009).
+    pad_id: written into answers after the end. mask_id: the mask token m of the model.
+    block_size: K of SBD (1 for NTP). Other fields: see `DecodeConfig`.
+    """
+
+    eos_ids: tuple[int, ...]
     pad_id: int
     mask_id: int
     block_size: int
@@ -160,6 +167,24 @@ class _Special:
     gamma: float
     temperature: float
     rule: str
+
+    @staticmethod
+    def of(model_mask_id: int, cfg: DecodeConfig, eos_id: int | Sequence[int], pad_id: int) -> DecodeConstants:
+        """The constants of decoding with `cfg` (block size 1 for NTP)."""
+        eos_ids = (eos_id,) if isinstance(eos_id, int) else tuple(int(e) for e in eos_id)
+        if not eos_ids:
+            raise ValueError("generate: eos_id must name at least one token id")
+        return DecodeConstants(eos_ids=eos_ids, pad_id=pad_id, mask_id=model_mask_id,
+                               block_size=cfg.block_size if cfg.method == "sbd" else 1,
+                               max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma, temperature=cfg.temperature,
+                               rule=cfg.rule)
+
+    def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Bool tensor of tokens' shape: which tokens are one of `eos_ids`."""
+        hit = tokens == self.eos_ids[0]
+        for eos in self.eos_ids[1:]:
+            hit = hit | (tokens == eos)
+        return hit
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -177,30 +202,27 @@ def pad_prompts(prompts: list[list[int]], pad_id: int, device: torch.device) -> 
     return tokens.to(device), lengths.to(device)
 
 
-def new_cache(model: Transformer, batch: int, max_len: int) -> KVCache:
-    """An empty KV cache for `batch` sequences of up to `max_len` cached tokens, in the model's dtype."""
-    cfg = model.config
-    weight = next(model.parameters())
-    return KVCache(cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim, weight.dtype, weight.device)
-
-
 def _sample(ops: DecodeOps, logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
-            compute: torch.Tensor, sp: _Special) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            compute: torch.Tensor, sp: DecodeConstants) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """entropy_sample over logits [B, K, V] -> (tokens [B, K] int64, entropy [B, K] fp32, valid [B, K])."""
     tokens, entropy, _, valid = ops.entropy_sample(
         logits, seed, offset, temperature_val=sp.temperature, compute_mask=compute, mask_token_id=sp.mask_id)
     return tokens, entropy, valid
 
 
-def _strip_after_eos(tokens: list[int], eos_id: int) -> list[int]:
-    return tokens[: tokens.index(eos_id)] if eos_id in tokens else tokens
+def _strip_after_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
+    """tokens up to (not including) the first of `eos_ids`."""
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[:i]
+    return tokens
 
 
-def _answers(buffer: torch.Tensor, generated: torch.Tensor, eos_id: int) -> list[list[int]]:
+def _answers(buffer: torch.Tensor, generated: torch.Tensor, eos_ids: tuple[int, ...]) -> list[list[int]]:
     """Host copy of the answers: the first `generated[b]` tokens of each row, cut at the first EOS."""
     rows = buffer.cpu().tolist()
     lengths = generated.cpu().tolist()
-    return [_strip_after_eos(row[:n], eos_id) for row, n in zip(rows, lengths)]
+    return [_strip_after_eos(row[:n], eos_ids) for row, n in zip(rows, lengths)]
 
 
 def _sync(device: torch.device) -> None:
@@ -229,7 +251,7 @@ class NtpState:
     offset: torch.Tensor
 
     @staticmethod
-    def empty(batch: int, sp: _Special, seed: torch.Tensor) -> NtpState:
+    def empty(batch: int, sp: DecodeConstants, seed: torch.Tensor) -> NtpState:
         dev = seed.device
         zeros = torch.zeros(batch, dtype=torch.int64, device=dev)
         return NtpState(
@@ -239,7 +261,7 @@ class NtpState:
             nfe=zeros.clone(), seed=seed, offset=zeros.clone())
 
 
-def _ntp_accept(state: NtpState, logits: torch.Tensor, ops: DecodeOps, sp: _Special) -> None:
+def _ntp_accept(state: NtpState, logits: torch.Tensor, ops: DecodeOps, sp: DecodeConstants) -> None:
     """Sample one token per running row from logits [B, 1, V] and append it to the answer."""
     running = ~state.finished
     tokens, _, _ = _sample(ops, logits, state.seed, state.offset, running[:, None], sp)
@@ -249,19 +271,19 @@ def _ntp_accept(state: NtpState, logits: torch.Tensor, ops: DecodeOps, sp: _Spec
     state.nfe.add_(step)
     state.offset.add_(step)
     state.generated.add_(step)
-    state.finished.logical_or_(running & ((token == sp.eos_id) | (state.generated >= sp.max_new_tokens)))
+    state.finished.logical_or_(running & (sp.is_eos(token) | (state.generated >= sp.max_new_tokens)))
     state.last.copy_(torch.where(running, token, state.last))
 
 
 def ntp_prefill(model: Transformer, cache: KVCache, state: NtpState, prompt: torch.Tensor,
-                prompt_lens: torch.Tensor, ops: DecodeOps, sp: _Special) -> None:
+                prompt_lens: torch.Tensor, ops: DecodeOps, sp: DecodeConstants) -> None:
     """Pass 1: prompt [B, P] (right-padded, lengths [B] int32) into the cache; first token from row len-1."""
     logits = model.decode_pass(prompt, prompt_lens, 0, cache, attention_op=ops.attention)   # [B, P, V]
     last_row = (prompt_lens.long() - 1)[:, None, None].expand(-1, 1, logits.shape[-1])
     _ntp_accept(state, logits.gather(1, last_row), ops, sp)
 
 
-def ntp_decode_step(model: Transformer, cache: KVCache, state: NtpState, ops: DecodeOps, sp: _Special) -> None:
+def ntp_decode_step(model: Transformer, cache: KVCache, state: NtpState, ops: DecodeOps, sp: DecodeConstants) -> None:
     """One pass: the last token of every running row is appended to the cache and predicts the next."""
     num_causal = (~state.finished).int()                       # finished rows: padding, nothing cached
     logits = model.decode_pass(state.last[:, None], num_causal, 0, cache, attention_op=ops.attention)
@@ -269,23 +291,23 @@ def ntp_decode_step(model: Transformer, cache: KVCache, state: NtpState, ops: De
 
 
 def _decode_ntp_batch(model: Transformer, prompts: list[list[int]], seed: torch.Tensor, ops: DecodeOps,
-                      sp: _Special, steps: dict[str, Callable]) -> DecodeResult:
+                      sp: DecodeConstants, steps: StepFunctions) -> DecodeResult:
     device = seed.device
     prompt, prompt_lens = pad_prompts(prompts, sp.pad_id, device)
-    cache = new_cache(model, len(prompts), prompt.shape[1] + sp.max_new_tokens)
+    cache = KVCache.for_model(model, len(prompts), prompt.shape[1] + sp.max_new_tokens)
     state = NtpState.empty(len(prompts), sp, seed)
     start = time.perf_counter()
-    steps["ntp_prefill"](model, cache, state, prompt, prompt_lens, ops, sp)
+    steps.ntp_prefill(model, cache, state, prompt, prompt_lens, ops, sp)
     for _ in range(sp.max_new_tokens - 1):
         # The loop's only host sync, one bool per pass: stop as soon as every sequence has finished
         # (running up to max_new_tokens passes instead would waste most of them on short answers).
         if bool(state.finished.all()):
             break
-        steps["ntp_decode_step"](model, cache, state, ops, sp)
+        steps.ntp_decode_step(model, cache, state, ops, sp)
     _sync(device)
     wall = time.perf_counter() - start
     hist = torch.tensor([0, state.nfe.sum().item()], dtype=torch.int64)
-    return DecodeResult(_answers(state.answer, state.generated, sp.eos_id), state.nfe.cpu(),
+    return DecodeResult(_answers(state.answer, state.generated, sp.eos_ids), state.nfe.cpu(),
                         state.generated.cpu(), hist, wall)
 
 
@@ -319,7 +341,7 @@ class SbdState:
     offset: torch.Tensor
 
     @staticmethod
-    def empty(batch: int, sp: _Special, seed: torch.Tensor) -> SbdState:
+    def empty(batch: int, sp: DecodeConstants, seed: torch.Tensor) -> SbdState:
         dev, k = seed.device, sp.block_size
         width = k * math.ceil(sp.max_new_tokens / k)
         zeros = torch.zeros(batch, dtype=torch.int64, device=dev)
@@ -334,7 +356,7 @@ class SbdState:
             accepted_hist=torch.zeros(k + 1, dtype=torch.int64, device=dev), seed=seed, offset=zeros.clone())
 
 
-def _in_budget(block_start: torch.Tensor, sp: _Special) -> torch.Tensor:
+def _in_budget(block_start: torch.Tensor, sp: DecodeConstants) -> torch.Tensor:
     """[B, K] bool: block positions inside the answer budget. Positions past it keep their mask token as
     model input but are never candidates (an answer budget of 33 with K = 16 costs no passes for the 15
     positions past it)."""
@@ -342,7 +364,7 @@ def _in_budget(block_start: torch.Tensor, sp: _Special) -> torch.Tensor:
     return cols < sp.max_new_tokens
 
 
-def _sbd_accept(state: SbdState, block_logits: torch.Tensor, ops: DecodeOps, sp: _Special) -> None:
+def _sbd_accept(state: SbdState, block_logits: torch.Tensor, ops: DecodeOps, sp: DecodeConstants) -> None:
     """Reveal a set of block positions from block_logits [B, K, V], then apply the EOS rule and move rows
     whose block is complete to a fresh block. Everything is batched tensor math: no host sync."""
     k = sp.block_size
@@ -360,7 +382,7 @@ def _sbd_accept(state: SbdState, block_logits: torch.Tensor, ops: DecodeOps, sp:
 
     # EOS rule: a revealed EOS whose block prefix is fully revealed ends the sequence.
     prefix_revealed = (~state.is_masked).int().cumprod(1).bool()                           # [B, K]
-    eos_hit = (state.block == sp.eos_id) & prefix_revealed
+    eos_hit = sp.is_eos(state.block) & prefix_revealed
     has_eos = eos_hit.any(1)
     first_eos = eos_hit.int().argmax(1)                                                     # [B]
     block_full = prefix_revealed[:, -1]
@@ -380,14 +402,14 @@ def _sbd_accept(state: SbdState, block_logits: torch.Tensor, ops: DecodeOps, sp:
 
 
 def sbd_prefill(model: Transformer, cache: KVCache, state: SbdState, prompt: torch.Tensor,
-                prompt_lens: torch.Tensor, ops: DecodeOps, sp: _Special) -> None:
+                prompt_lens: torch.Tensor, ops: DecodeOps, sp: DecodeConstants) -> None:
     """Pass 1, fused: rows [prompt [B, P] causal (lengths [B] int32) ; first block of K masks]."""
     tokens = torch.cat([prompt, state.block], dim=1)                                        # [B, P + K]
     logits = model.decode_pass(tokens, prompt_lens, sp.block_size, cache, attention_op=ops.attention)
     _sbd_accept(state, logits[:, prompt.shape[1]:], ops, sp)
 
 
-def sbd_block_step(model: Transformer, cache: KVCache, state: SbdState, ops: DecodeOps, sp: _Special,
+def sbd_block_step(model: Transformer, cache: KVCache, state: SbdState, ops: DecodeOps, sp: DecodeConstants,
                    causal_slots: int) -> None:
     """One pass over every row's current block.
 
@@ -406,16 +428,16 @@ def sbd_block_step(model: Transformer, cache: KVCache, state: SbdState, ops: Dec
 
 
 def _decode_sbd_batch(model: Transformer, prompts: list[list[int]], seed: torch.Tensor, ops: DecodeOps,
-                      sp: _Special, steps: dict[str, Callable]) -> DecodeResult:
+                      sp: DecodeConstants, steps: StepFunctions) -> DecodeResult:
     device, k = seed.device, sp.block_size
     prompt, prompt_lens = pad_prompts(prompts, sp.pad_id, device)
     state = SbdState.empty(len(prompts), sp, seed)
-    cache = new_cache(model, len(prompts), prompt.shape[1] + state.answer.shape[1])
+    cache = KVCache.for_model(model, len(prompts), prompt.shape[1] + state.answer.shape[1])
     # Every pass of a row with valid logits reveals >= 1 token, so W passes finish every row; the bound
     # only matters for rows whose logits are all NaN (nothing is ever valid, nothing is revealed).
     max_passes = state.answer.shape[1]
     start = time.perf_counter()
-    steps["sbd_prefill"](model, cache, state, prompt, prompt_lens, ops, sp)
+    steps.sbd_prefill(model, cache, state, prompt, prompt_lens, ops, sp)
     for _ in range(max_passes - 1):
         # The loop's only host sync, two bools per pass: stop once every row has finished, and run the
         # 2K-row layout only when some row has a completed block to append (otherwise K rows: half the
@@ -424,38 +446,41 @@ def _decode_sbd_batch(model: Transformer, prompts: list[list[int]], seed: torch.
         all_done, any_pending = torch.stack([state.finished.all(), (state.num_pending > 0).any()]).tolist()
         if all_done:
             break
-        steps["sbd_block_step"](model, cache, state, ops, sp, k if any_pending else 0)
+        steps.sbd_block_step(model, cache, state, ops, sp, k if any_pending else 0)
     _sync(device)
     wall = time.perf_counter() - start
-    return DecodeResult(_answers(state.answer, state.generated, sp.eos_id), state.nfe.cpu(),
+    return DecodeResult(_answers(state.answer, state.generated, sp.eos_ids), state.nfe.cpu(),
                         state.generated.cpu(), state.accepted_hist.cpu(), wall)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Public entry points
 # ----------------------------------------------------------------------------------------------------
-EAGER_STEPS: dict[str, Callable] = {
-    "ntp_prefill": ntp_prefill, "ntp_decode_step": ntp_decode_step,
-    "sbd_prefill": sbd_prefill, "sbd_block_step": sbd_block_step,
-}
+@dataclass(frozen=True)
+class StepFunctions:
+    """The four step functions a decode runs: eager (`EAGER_STEPS`) or compiled (`compiled_steps()`).
+    A test or an engine can swap one, e.g. `dataclasses.replace(EAGER_STEPS, sbd_block_step=my_step)`."""
+
+    ntp_prefill: Callable
+    ntp_decode_step: Callable
+    sbd_prefill: Callable
+    sbd_block_step: Callable
 
 
-def compiled_steps() -> dict[str, Callable]:
+EAGER_STEPS = StepFunctions(ntp_prefill=ntp_prefill, ntp_decode_step=ntp_decode_step, sbd_prefill=sbd_prefill,
+                            sbd_block_step=sbd_block_step)
+
+
+def compiled_steps() -> StepFunctions:
     """The step functions under `torch.compile(fullgraph=True)` (one graph per shape and layout)."""
-    return {name: torch.compile(fn, fullgraph=True) for name, fn in EAGER_STEPS.items()}
-
-
-def _special(model: Transformer, cfg: DecodeConfig, eos_id: int, pad_id: int) -> _Special:
-    k = cfg.block_size if cfg.method == "sbd" else 1
-    return _Special(eos_id=eos_id, pad_id=pad_id, mask_id=model.config.mask_token_id, block_size=k,
-                    max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma, temperature=cfg.temperature,
-                    rule=cfg.rule)
+    return StepFunctions(**{f.name: torch.compile(getattr(EAGER_STEPS, f.name), fullgraph=True)
+                            for f in dataclasses.fields(StepFunctions)})
 
 
 @torch.inference_mode()
-def generate(model: Transformer, prompts: list[list[int]], cfg: DecodeConfig, *, eos_id: int, pad_id: int,
-             batch_size: int | None = None, ops: DecodeOps | None = None,
-             steps: dict[str, Callable] | None = None) -> DecodeResult:
+def generate(model: Transformer, prompts: list[list[int]], cfg: DecodeConfig, *, eos_id: int | Sequence[int],
+             pad_id: int, batch_size: int | None = None, ops: DecodeOps | None = None,
+             steps: StepFunctions | None = None) -> DecodeResult:
     """Decode every prompt (token-id lists) with the KV cache, `batch_size` prompts per batch (default all).
 
     ops: the kernels (default `fused_ops()`; `naive_ops()` runs the same loop on the oracles).
@@ -471,7 +496,7 @@ def generate(model: Transformer, prompts: list[list[int]], cfg: DecodeConfig, *,
     """
     ops = ops or fused_ops()
     steps = steps or EAGER_STEPS
-    sp = _special(model, cfg, eos_id, pad_id)
+    sp = DecodeConstants.of(model.config.mask_token_id, cfg, eos_id, pad_id)
     device = next(model.parameters()).device
     batch_size = batch_size or len(prompts)
     decode_batch = _decode_sbd_batch if cfg.method == "sbd" else _decode_ntp_batch
@@ -503,7 +528,7 @@ def _oracle_logits(model: Transformer, sequence: list[int], block_size: int) -> 
     return model(tokens, positions, mask)
 
 
-def _oracle_ntp(model: Transformer, prompt: list[int], seed: int, ops: DecodeOps, sp: _Special):
+def _oracle_ntp(model: Transformer, prompt: list[int], seed: int, ops: DecodeOps, sp: DecodeConstants):
     device = next(model.parameters()).device
     seq, answer = list(prompt), []
     while len(answer) < sp.max_new_tokens:
@@ -512,12 +537,12 @@ def _oracle_ntp(model: Transformer, prompt: list[int], seed: int, ops: DecodeOps
         token = int(_sample(ops, logits, *key, torch.ones(1, 1, dtype=torch.bool, device=device), sp)[0])
         answer.append(token)
         seq.append(token)
-        if token == sp.eos_id:
+        if token in sp.eos_ids:
             break
     return answer, len(answer), [0, len(answer)]
 
 
-def _oracle_sbd(model: Transformer, prompt: list[int], seed: int, ops: DecodeOps, sp: _Special):
+def _oracle_sbd(model: Transformer, prompt: list[int], seed: int, ops: DecodeOps, sp: DecodeConstants):
     device, k = next(model.parameters()).device, sp.block_size
     answer, nfe, hist = [], 0, [0] * (k + 1)
     while True:
@@ -536,7 +561,7 @@ def _oracle_sbd(model: Transformer, prompt: list[int], seed: int, ops: DecodeOps
             for j in range(k):                                   # EOS rule, literally
                 if bool(is_masked[0, j]):
                     break
-                if revealed[j] == sp.eos_id:
+                if revealed[j] in sp.eos_ids:
                     answer += revealed[: j + 1]
                     return answer[: sp.max_new_tokens], nfe, hist
         answer += block[0].tolist()
@@ -560,7 +585,7 @@ def block_logit_error(model: Transformer, prompt: list[int], answer: list[int], 
     committed = answer[:k]
     block = [t if j % 2 == 0 else mask_id for j, t in enumerate(answer[k:])]
     device = next(model.parameters()).device
-    cache = new_cache(model, 1, len(prompt) + k)
+    cache = KVCache.for_model(model, 1, len(prompt) + k)
 
     def row(tokens: list[int]) -> torch.Tensor:
         return torch.tensor([tokens], dtype=torch.int64, device=device)
@@ -578,19 +603,19 @@ def block_logit_error(model: Transformer, prompt: list[int], answer: list[int], 
 
 
 @torch.inference_mode()
-def oracle_decode(model: Transformer, prompts: list[list[int]], cfg: DecodeConfig, *, eos_id: int,
-                  pad_id: int, ops: DecodeOps | None = None) -> DecodeResult:
+def oracle_decode(model: Transformer, prompts: list[list[int]], cfg: DecodeConfig, *,
+                  eos_id: int | Sequence[int], pad_id: int, ops: DecodeOps | None = None) -> DecodeResult:
     """Reference decode: no KV cache, every pass recomputes the whole sequence (SBD_SPEC 3.10 mask), one
     prompt at a time, with the naive ops by default. Same seeds, NFE accounting and EOS rule as `generate`."""
     ops = ops or naive_ops()
-    sp = _special(model, cfg, eos_id, pad_id)
+    sp = DecodeConstants.of(model.config.mask_token_id, cfg, eos_id, pad_id)
     decode_one = _oracle_sbd if cfg.method == "sbd" else _oracle_ntp
     answers, nfes, generated = [], [], []
     hist = torch.zeros(sp.block_size + 1, dtype=torch.int64)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         tokens, nfe, counts = decode_one(model, prompt, cfg.seed + i, ops, sp)
-        answers.append(_strip_after_eos(tokens, eos_id))
+        answers.append(_strip_after_eos(tokens, sp.eos_ids))
         nfes.append(nfe)
         generated.append(len(tokens))
         hist += torch.tensor(counts, dtype=torch.int64)

@@ -231,23 +231,33 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-def sbd_attention_mask(n: int, block_size: int, device: torch.device | str | None = None) -> Tensor:
-    """SBD_SPEC 2.4 training mask `[2n, 2n]` bool over `[clean ; noisy]` (True = query may attend key).
+def sbd_mask_allows(q: Tensor, kv: Tensor, n: int, block_size: int | Tensor) -> Tensor:
+    """The SBD_SPEC 2.4 training-mask predicate over `[clean ; noisy]` (2n positions): may query q attend key kv?
 
     clean q < n:  clean keys kv <= q; no noisy key.
     noisy q >= n: clean keys of strictly earlier blocks ((q-n)//k > kv//k) and every noisy key of its
                   own block ((q-n)//k == (kv-n)//k), blocks aligned at 0, k, 2k, ... .
+
+    q, kv: integer tensors of any broadcastable shapes; block_size: an int or a 0-d integer tensor. Elementwise
+    tensor ops only, so the same function builds the dense mask (`sbd_attention_mask`) and serves as a
+    FlexAttention `mask_mod` (`sbd_kernels.train.flex_block_mask`).
     """
+    q_noisy, kv_noisy = q >= n, kv >= n
+    q_pos, kv_pos = q - n * q_noisy, kv - n * kv_noisy
+    q_block, kv_block = q_pos // block_size, kv_pos // block_size
+    clean = ~q_noisy & ~kv_noisy & (kv_pos <= q_pos)
+    earlier_block = q_noisy & ~kv_noisy & (q_block > kv_block)
+    same_block = q_noisy & kv_noisy & (q_block == kv_block)
+    return clean | earlier_block | same_block
+
+
+def sbd_attention_mask(n: int, block_size: int, device: torch.device | str | None = None) -> Tensor:
+    """SBD_SPEC 2.4 training mask `[2n, 2n]` bool over `[clean ; noisy]` (True = query may attend key):
+    `sbd_mask_allows` evaluated on every (query, key) pair."""
     if n < 1 or block_size < 1:
         raise ValueError(f"sbd_attention_mask: n ({n}) and block_size ({block_size}) must be >= 1")
-    pos = torch.arange(n, device=device)
-    blk = pos // block_size
-    clean_clean = pos[None, :] <= pos[:, None]
-    noisy_clean = blk[:, None] > blk[None, :]
-    noisy_noisy = blk[:, None] == blk[None, :]
-    top = torch.cat([clean_clean, torch.zeros_like(clean_clean)], dim=1)
-    bottom = torch.cat([noisy_clean, noisy_noisy], dim=1)
-    return torch.cat([top, bottom], dim=0)
+    idx = torch.arange(2 * n, device=device)
+    return sbd_mask_allows(idx[:, None], idx[None, :], n, block_size)
 
 
 def sbd_train_inputs(clean: Tensor, noisy: Tensor, block_size: int, attn_mask: Any = None

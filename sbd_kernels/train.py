@@ -39,6 +39,7 @@ from sbd_kernels.model import (
     load_checkpoint,
     save_checkpoint,
     sbd_attention_mask,
+    sbd_mask_allows,
     sbd_train_inputs,
 )
 from sbd_kernels.tasks import (
@@ -172,12 +173,7 @@ def flex_block_mask(n: int, block_size: int, device: torch.device) -> Any:
     k = torch.tensor(block_size, device=device)
 
     def mask_mod(b, h, q, kv):
-        q_noisy, kv_noisy = q >= n, kv >= n
-        qi, ki = q - n * q_noisy, kv - n * kv_noisy
-        clean = ~q_noisy & ~kv_noisy & (kv <= q)
-        earlier = q_noisy & ~kv_noisy & (qi // k > ki // k)
-        same_block = q_noisy & kv_noisy & (qi // k == ki // k)
-        return clean | earlier | same_block
+        return sbd_mask_allows(q, kv, n, k)
 
     return create_block_mask(mask_mod, B=None, H=None, Q_LEN=2 * n, KV_LEN=2 * n, device=device)
 

@@ -134,7 +134,7 @@ def test_one_pass_mixes_phases(model, prompts):
         mixed.append(bool((pending == BLOCK).any() and (pending == 0).any()))
         gen.sbd_block_step(model_, cache, state, ops, sp, causal_slots)
 
-    steps = {**gen.EAGER_STEPS, "sbd_block_step": spy_step}
+    steps = dataclasses.replace(gen.EAGER_STEPS, sbd_block_step=spy_step)
     cfg = DecodeConfig(method="sbd", block_size=BLOCK, gamma=0.5, max_new_tokens=BUDGET)
     result = generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, steps=steps)
     assert any(mixed)
@@ -158,8 +158,8 @@ def test_eos_waits_for_earlier_positions():
     """Guards against finishing on an EOS revealed while an earlier block position is still masked, and
     against keeping positions after the EOS (SBD_SPEC 3.8)."""
     vocab, eos, mask = 8, 1, 2
-    sp = gen._Special(eos_id=eos, pad_id=0, mask_id=mask, block_size=4, max_new_tokens=16, gamma=0.0,
-                      temperature=0.0, rule="eb")
+    sp = gen.DecodeConstants(eos_ids=(eos,), pad_id=0, mask_id=mask, block_size=4, max_new_tokens=16,
+                             gamma=0.0, temperature=0.0, rule="eb")
     state = gen.SbdState.empty(1, sp, torch.zeros(1, dtype=torch.int64))
     ops = gen.naive_ops()
     gen._sbd_accept(state, one_hot_logits([None, None, eos, None], vocab), ops, sp)   # reveals EOS only
@@ -169,17 +169,17 @@ def test_eos_waits_for_earlier_positions():
     gen._sbd_accept(state, one_hot_logits([5, 6, None, None], vocab), ops, sp)
     assert bool(state.finished[0])
     assert state.generated.tolist() == [3] and state.nfe.tolist() == [2]
-    assert gen._answers(state.answer, state.generated, eos) == [[5, 6]]
+    assert gen._answers(state.answer, state.generated, (eos,)) == [[5, 6]]
 
 
 def test_eos_in_first_position_ends_with_empty_answer():
     """Guards against an off-by-one in the first-EOS search when the EOS is the very first token."""
-    sp = gen._Special(eos_id=1, pad_id=0, mask_id=2, block_size=4, max_new_tokens=16, gamma=0.0,
-                      temperature=0.0, rule="eb")
+    sp = gen.DecodeConstants(eos_ids=(1,), pad_id=0, mask_id=2, block_size=4, max_new_tokens=16, gamma=0.0,
+                             temperature=0.0, rule="eb")
     state = gen.SbdState.empty(1, sp, torch.zeros(1, dtype=torch.int64))
     gen._sbd_accept(state, one_hot_logits([1, None, None, None], 8), gen.naive_ops(), sp)
     assert bool(state.finished[0]) and state.generated.tolist() == [1]
-    assert gen._answers(state.answer, state.generated, 1) == [[]]
+    assert gen._answers(state.answer, state.generated, (1,)) == [[]]
 
 
 @pytest.mark.parametrize("budget", [1, 4, 9])
@@ -226,7 +226,8 @@ def test_compiled_block_step_matches_eager(model, prompts):
     """Guards against a decode step that graph-breaks or syncs (fullgraph=True fails on either) or that
     computes something else once compiled. Both layouts of the SBD step run (2K rows, then K rows)."""
     torch._dynamo.reset()
-    steps = {**gen.EAGER_STEPS, "sbd_block_step": torch.compile(gen.sbd_block_step, fullgraph=True)}
+    steps = dataclasses.replace(gen.EAGER_STEPS,
+                                sbd_block_step=torch.compile(gen.sbd_block_step, fullgraph=True))
     cfg = DecodeConfig(method="sbd", block_size=BLOCK, gamma=0.5, max_new_tokens=BUDGET)
     compiled = generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, steps=steps)
     assert_same_decode(compiled, generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD))
@@ -274,3 +275,15 @@ def test_docstring_example_runs():
     """Guards against the `generate` docstring example drifting from what the function returns."""
     result = doctest.testmod(gen, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_any_of_several_eos_ids_ends_the_sequence():
+    """Guards against only the first of several EOS ids ending a sequence (HF models list several, e.g.
+    Llama 3's end-of-text and end-of-turn), on the SBD step and in the host-side answer cut."""
+    sp = gen.DecodeConstants(eos_ids=(1, 7), pad_id=0, mask_id=2, block_size=4, max_new_tokens=16, gamma=0.01,
+                             temperature=0.0, rule="eb")
+    state = gen.SbdState.empty(1, sp, torch.zeros(1, dtype=torch.int64))
+    gen._sbd_accept(state, one_hot_logits([5, 7, 6, 1], 8), gen.naive_ops(), sp)
+    assert bool(state.finished[0]) and state.generated.tolist() == [2]
+    assert gen._answers(state.answer, state.generated, sp.eos_ids) == [[5]]
+    assert sp.is_eos(torch.tensor([0, 1, 7, 3])).tolist() == [False, True, True, False]
