@@ -23,7 +23,7 @@ the per-row `num_causal` of `sbd::block_attention_with_kvcache`. The step functi
 `torch.compile(fullgraph=True)`; the outer loop reads two flags once per pass (see `_decode_sbd_batch`).
 
 Oracle (`oracle_decode`): no cache and the naive ops. For every pass it recomputes the whole sequence
-`[prompt ; answer so far ; block]` with `Transformer.forward` under the mask of SBD_SPEC 3.10 (causal up to
+`[prompt ; answer so far ; block]` with the model's forward under the mask of SBD_SPEC 3.10 (causal up to
 the block, block rows see everything) and applies the EOS rule in plain Python, one sequence at a time.
 With temperature 0 it must give the same tokens as the cached decode.
 """
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sbd_kernels.model import KVCache, Transformer
+from sbd_kernels.protocol import DecodeCache, SbdModel
 
 METHODS = ("ntp", "sbd")
 
@@ -275,7 +275,7 @@ def _ntp_accept(state: NtpState, logits: torch.Tensor, ops: DecodeOps, sp: Decod
     state.last.copy_(torch.where(running, token, state.last))
 
 
-def ntp_prefill(model: Transformer, cache: KVCache, state: NtpState, prompt: torch.Tensor,
+def ntp_prefill(model: SbdModel, cache: DecodeCache, state: NtpState, prompt: torch.Tensor,
                 prompt_lens: torch.Tensor, ops: DecodeOps, sp: DecodeConstants) -> None:
     """Pass 1: prompt [B, P] (right-padded, lengths [B] int32) into the cache; first token from row len-1."""
     logits = model.decode_pass(prompt, prompt_lens, 0, cache, attention_op=ops.attention)   # [B, P, V]
@@ -283,18 +283,19 @@ def ntp_prefill(model: Transformer, cache: KVCache, state: NtpState, prompt: tor
     _ntp_accept(state, logits.gather(1, last_row), ops, sp)
 
 
-def ntp_decode_step(model: Transformer, cache: KVCache, state: NtpState, ops: DecodeOps, sp: DecodeConstants) -> None:
+def ntp_decode_step(model: SbdModel, cache: DecodeCache, state: NtpState, ops: DecodeOps, sp: DecodeConstants) -> None:
     """One pass: the last token of every running row is appended to the cache and predicts the next."""
     num_causal = (~state.finished).int()                       # finished rows: padding, nothing cached
-    logits = model.decode_pass(state.last[:, None], num_causal, 0, cache, attention_op=ops.attention)
+    logits = model.decode_pass(state.last[:, None], num_causal, 0, cache, attention_op=ops.attention,
+                               keep_last=1)                                                 # [B, 1, V]
     _ntp_accept(state, logits, ops, sp)
 
 
-def _decode_ntp_batch(model: Transformer, prompts: list[list[int]], seed: torch.Tensor, ops: DecodeOps,
+def _decode_ntp_batch(model: SbdModel, prompts: list[list[int]], seed: torch.Tensor, ops: DecodeOps,
                       sp: DecodeConstants, steps: StepFunctions) -> DecodeResult:
     device = seed.device
     prompt, prompt_lens = pad_prompts(prompts, sp.pad_id, device)
-    cache = KVCache.for_model(model, len(prompts), prompt.shape[1] + sp.max_new_tokens)
+    cache = model.new_cache(len(prompts), prompt.shape[1] + sp.max_new_tokens)
     state = NtpState.empty(len(prompts), sp, seed)
     start = time.perf_counter()
     steps.ntp_prefill(model, cache, state, prompt, prompt_lens, ops, sp)
@@ -401,15 +402,16 @@ def _sbd_accept(state: SbdState, block_logits: torch.Tensor, ops: DecodeOps, sp:
                           & ~state.finished[:, None])
 
 
-def sbd_prefill(model: Transformer, cache: KVCache, state: SbdState, prompt: torch.Tensor,
+def sbd_prefill(model: SbdModel, cache: DecodeCache, state: SbdState, prompt: torch.Tensor,
                 prompt_lens: torch.Tensor, ops: DecodeOps, sp: DecodeConstants) -> None:
     """Pass 1, fused: rows [prompt [B, P] causal (lengths [B] int32) ; first block of K masks]."""
     tokens = torch.cat([prompt, state.block], dim=1)                                        # [B, P + K]
-    logits = model.decode_pass(tokens, prompt_lens, sp.block_size, cache, attention_op=ops.attention)
-    _sbd_accept(state, logits[:, prompt.shape[1]:], ops, sp)
+    block_logits = model.decode_pass(tokens, prompt_lens, sp.block_size, cache, attention_op=ops.attention,
+                                     keep_last=sp.block_size)                               # [B, K, V]
+    _sbd_accept(state, block_logits, ops, sp)
 
 
-def sbd_block_step(model: Transformer, cache: KVCache, state: SbdState, ops: DecodeOps, sp: DecodeConstants,
+def sbd_block_step(model: SbdModel, cache: DecodeCache, state: SbdState, ops: DecodeOps, sp: DecodeConstants,
                    causal_slots: int) -> None:
     """One pass over every row's current block.
 
@@ -423,16 +425,17 @@ def sbd_block_step(model: Transformer, cache: KVCache, state: SbdState, ops: Dec
     else:
         tokens = state.block                                                                # [B, K]
         num_causal = torch.zeros_like(state.num_pending)
-    logits = model.decode_pass(tokens, num_causal, sp.block_size, cache, attention_op=ops.attention)
-    _sbd_accept(state, logits[:, causal_slots:], ops, sp)
+    block_logits = model.decode_pass(tokens, num_causal, sp.block_size, cache, attention_op=ops.attention,
+                                     keep_last=sp.block_size)                               # [B, K, V]
+    _sbd_accept(state, block_logits, ops, sp)
 
 
-def _decode_sbd_batch(model: Transformer, prompts: list[list[int]], seed: torch.Tensor, ops: DecodeOps,
+def _decode_sbd_batch(model: SbdModel, prompts: list[list[int]], seed: torch.Tensor, ops: DecodeOps,
                       sp: DecodeConstants, steps: StepFunctions) -> DecodeResult:
     device, k = seed.device, sp.block_size
     prompt, prompt_lens = pad_prompts(prompts, sp.pad_id, device)
     state = SbdState.empty(len(prompts), sp, seed)
-    cache = KVCache.for_model(model, len(prompts), prompt.shape[1] + state.answer.shape[1])
+    cache = model.new_cache(len(prompts), prompt.shape[1] + state.answer.shape[1])
     # Every pass of a row with valid logits reveals >= 1 token, so W passes finish every row; the bound
     # only matters for rows whose logits are all NaN (nothing is ever valid, nothing is revealed).
     max_passes = state.answer.shape[1]
@@ -478,7 +481,7 @@ def compiled_steps() -> StepFunctions:
 
 
 @torch.inference_mode()
-def generate(model: Transformer, prompts: list[list[int]], cfg: DecodeConfig, *, eos_id: int | Sequence[int],
+def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eos_id: int | Sequence[int],
              pad_id: int, batch_size: int | None = None, ops: DecodeOps | None = None,
              steps: StepFunctions | None = None) -> DecodeResult:
     """Decode every prompt (token-id lists) with the KV cache, `batch_size` prompts per batch (default all).
@@ -496,7 +499,7 @@ def generate(model: Transformer, prompts: list[list[int]], cfg: DecodeConfig, *,
     """
     ops = ops or fused_ops()
     steps = steps or EAGER_STEPS
-    sp = DecodeConstants.of(model.config.mask_token_id, cfg, eos_id, pad_id)
+    sp = DecodeConstants.of(model.mask_token_id, cfg, eos_id, pad_id)
     device = next(model.parameters()).device
     batch_size = batch_size or len(prompts)
     decode_batch = _decode_sbd_batch if cfg.method == "sbd" else _decode_ntp_batch
@@ -519,7 +522,7 @@ def block_recompute_mask(prefix_len: int, block_size: int, device: torch.device 
     return mask
 
 
-def _oracle_logits(model: Transformer, sequence: list[int], block_size: int) -> torch.Tensor:
+def _oracle_logits(model: SbdModel, sequence: list[int], block_size: int) -> torch.Tensor:
     """Logits [1, T, V] of `sequence` (T tokens, the last block_size of them a block) without a cache."""
     device = next(model.parameters()).device
     tokens = torch.tensor([sequence], dtype=torch.int64, device=device)
@@ -528,7 +531,7 @@ def _oracle_logits(model: Transformer, sequence: list[int], block_size: int) -> 
     return model(tokens, positions, mask)
 
 
-def _oracle_ntp(model: Transformer, prompt: list[int], seed: int, ops: DecodeOps, sp: DecodeConstants):
+def _oracle_ntp(model: SbdModel, prompt: list[int], seed: int, ops: DecodeOps, sp: DecodeConstants):
     device = next(model.parameters()).device
     seq, answer = list(prompt), []
     while len(answer) < sp.max_new_tokens:
@@ -542,7 +545,7 @@ def _oracle_ntp(model: Transformer, prompt: list[int], seed: int, ops: DecodeOps
     return answer, len(answer), [0, len(answer)]
 
 
-def _oracle_sbd(model: Transformer, prompt: list[int], seed: int, ops: DecodeOps, sp: DecodeConstants):
+def _oracle_sbd(model: SbdModel, prompt: list[int], seed: int, ops: DecodeOps, sp: DecodeConstants):
     device, k = next(model.parameters()).device, sp.block_size
     answer, nfe, hist = [], 0, [0] * (k + 1)
     while True:
@@ -570,22 +573,22 @@ def _oracle_sbd(model: Transformer, prompt: list[int], seed: int, ops: DecodeOps
 
 
 @torch.inference_mode()
-def block_logit_error(model: Transformer, prompt: list[int], answer: list[int], block_size: int,
+def block_logit_error(model: SbdModel, prompt: list[int], answer: list[int], block_size: int,
                       ops: DecodeOps | None = None) -> tuple[float, float]:
     """Exact-KV property (SBD_SPEC 3.10) on one prompt: (max |cached - recomputed| over block logits,
     max |recomputed|).
 
     Cached: prefill `prompt`; a first block pass `[answer[:K] causal (appended) ; K masks]`; a later pass
-    `[answer[K:2K] with every other position masked]`. Recomputed: `Transformer.forward` over the whole
+    `[answer[K:2K] with every other position masked]`. Recomputed: the model's forward (no cache) over the whole
     sequence with the block-recompute mask. `answer` is padded with its last token to 2K if shorter.
     """
     ops = ops or fused_ops()
-    k, mask_id = block_size, model.config.mask_token_id
+    k, mask_id = block_size, model.mask_token_id
     answer = (list(answer) + [answer[-1]] * 2 * k)[: 2 * k]
     committed = answer[:k]
     block = [t if j % 2 == 0 else mask_id for j, t in enumerate(answer[k:])]
     device = next(model.parameters()).device
-    cache = KVCache.for_model(model, 1, len(prompt) + k)
+    cache = model.new_cache(1, len(prompt) + k)
 
     def row(tokens: list[int]) -> torch.Tensor:
         return torch.tensor([tokens], dtype=torch.int64, device=device)
@@ -603,12 +606,12 @@ def block_logit_error(model: Transformer, prompt: list[int], answer: list[int], 
 
 
 @torch.inference_mode()
-def oracle_decode(model: Transformer, prompts: list[list[int]], cfg: DecodeConfig, *,
+def oracle_decode(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *,
                   eos_id: int | Sequence[int], pad_id: int, ops: DecodeOps | None = None) -> DecodeResult:
     """Reference decode: no KV cache, every pass recomputes the whole sequence (SBD_SPEC 3.10 mask), one
     prompt at a time, with the naive ops by default. Same seeds, NFE accounting and EOS rule as `generate`."""
     ops = ops or naive_ops()
-    sp = DecodeConstants.of(model.config.mask_token_id, cfg, eos_id, pad_id)
+    sp = DecodeConstants.of(model.mask_token_id, cfg, eos_id, pad_id)
     decode_one = _oracle_sbd if cfg.method == "sbd" else _oracle_ntp
     answers, nfes, generated = [], [], []
     hist = torch.zeros(sp.block_size + 1, dtype=torch.int64)

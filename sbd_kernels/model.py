@@ -327,9 +327,18 @@ class Transformer(nn.Module):
         """
         return self.forward(*sbd_train_inputs(clean, noisy, block_size, attn_mask))
 
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache for `batch` rows of up to `max_len` cached tokens (the `SbdModel` protocol)."""
+        return KVCache.for_model(self, batch, max_len)
+
     def decode_pass(self, tokens: Tensor, num_causal: Tensor, block_size: int, cache: KVCache,
-                    attention_op: AttentionOp | None = None) -> Tensor:
-        """One cached pass: tokens `[B, C+K]` int64, num_causal `[B]` int32 -> logits `[B, C+K, V]` fp32.
+                    attention_op: AttentionOp | None = None, keep_last: int = 0) -> Tensor:
+        """One cached pass: tokens `[B, C+K]` int64, num_causal `[B]` int32 -> logits `[B, C+K, V]` fp32
+        (`[B, keep_last, V]`: the last keep_last rows only, when keep_last > 0).
 
         Rows `[0, c_b)` are causal tokens at positions L_b + i (L_b = cache.seqlens[b]), rows `[c_b, C)`
         padding, rows `[C, C+K)` the block at L_b + c_b + j. Every layer calls attention_op (default
@@ -346,7 +355,7 @@ class Transformer(nn.Module):
             x = layer.forward_cached(x, cos, sin, k_cache, v_cache, cache.seqlens, num_causal, block_size,
                                      attention_op)
         cache.advance(num_causal)
-        return self._logits(x)
+        return self._logits(x[:, -keep_last:] if keep_last else x)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

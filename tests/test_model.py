@@ -229,3 +229,14 @@ def test_bundled_checkpoints_solve_held_out_examples(name):
                 noisy = torch.where(target, CHAR_MASK_TOKEN_ID, tokens)
                 matp_pred = model.sbd_train_forward(tokens, noisy, 16)[:, tokens.shape[1]:].argmax(-1)
                 assert torch.equal(matp_pred[target], tokens[target]), task_name
+
+
+def test_reference_model_implements_the_sbd_model_protocol():
+    """Guards against the reference model drifting from the protocol the decode loop and the loss rely on
+    (`sbd_kernels.protocol.SbdModel`), e.g. a renamed `decode_pass` or a missing `new_cache`."""
+    from sbd_kernels.protocol import DecodeCache, SbdModel
+
+    model = Transformer(ModelConfig.preset("tiny"))
+    assert isinstance(model, SbdModel)
+    assert isinstance(model.new_cache(2, 8), DecodeCache)
+    assert model.mask_token_id == model.config.mask_token_id
