@@ -28,19 +28,17 @@ from pathlib import Path
 
 import torch
 
+from sbd_kernels import checks
 from sbd_kernels.generate import (
     DecodeConfig,
     DecodeOps,
     DecodeResult,
-    block_logit_error,
     fused_ops,
     generate,
     naive_ops,
-    oracle_decode,
 )
 from sbd_kernels.model import ModelConfig, Transformer, load_checkpoint
 from sbd_kernels.tasks import TASKS, TOKENIZER, exact_match, get_task, make_examples
-from sbd_kernels.testing import tolerance
 
 CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
 SBD_CHECKPOINT = CHECKPOINT_DIR / "sbd_small.pt"
@@ -168,30 +166,14 @@ def measure_task(models: dict[str, Transformer], task: str, num_prompts: int, ba
 
 
 def exact_kv_check(model: Transformer, task: str, num_prompts: int, ops: DecodeOps) -> tuple[bool, str]:
-    """(passed, one-line summary): cached block logits == full recompute (fp32 tolerance row, widened 10x
-    for the sum over layers), and cached decode with `ops` == oracle decode, NTP and SBD, temperature 0."""
+    """(passed, one-line summary) of `sbd_kernels.checks.exact_kv_check` on the task's held-out prompts, with
+    their reference answers as the committed blocks, SBD at gamma 0.1."""
     examples = make_examples(task, "held_out", num_prompts)
     prompts = [TOKENIZER.encode_prompt(ex.prompt) for ex in examples]
     answers = [TOKENIZER.encode_answer(ex.answer) for ex in examples]
-    atol, rtol = tolerance(torch.float32)
-    worst, logits_ok = 0.0, True
-    for prompt, answer in zip(prompts, answers):
-        err, scale = block_logit_error(model, prompt, answer, BLOCK_SIZE, ops)
-        worst = max(worst, err)
-        logits_ok &= err <= 10 * atol + rtol * scale
-    same_tokens = True
-    for method in ("ntp", "sbd"):
-        cfg = DecodeConfig(method=method, block_size=BLOCK_SIZE, gamma=0.1,
-                           max_new_tokens=get_task(task).answer_tokens)
-        cached = generate(model, prompts, cfg, eos_id=TOKENIZER.EOS, pad_id=TOKENIZER.PAD, ops=ops)
-        oracle = oracle_decode(model, prompts, cfg, eos_id=TOKENIZER.EOS, pad_id=TOKENIZER.PAD)
-        same_tokens &= cached.answers == oracle.answers and torch.equal(cached.nfe, oracle.nfe)
-    passed = logits_ok and same_tokens
-    summary = (f"exact-KV check ({task}, {num_prompts} prompts): max |cached - recomputed| block logit "
-               f"{worst:.2e} ({'within' if logits_ok else 'OUTSIDE'} fp32 tolerance); cached decode == "
-               f"full-recompute decode (NTP, SBD gamma 0.1): {'yes' if same_tokens else 'NO'} -> "
-               f"{'PASS' if passed else 'FAIL'}")
-    return passed, summary
+    report = checks.exact_kv_check(model, prompts, answers, BLOCK_SIZE, eos_id=TOKENIZER.EOS, pad_id=TOKENIZER.PAD,
+                                   max_new_tokens=get_task(task).answer_tokens, gamma=0.1, ops=ops)
+    return report.passed, report.summary(f"{task}, {num_prompts} prompts")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -107,6 +107,7 @@ class DecodeResult:
     """Tokens and statistics of one decode of N prompts.
 
     answers: N token lists, EOS and everything after it removed.
+    tokens: N token lists as generated: the answer, then the EOS that ended it (if one did).
     nfe: [N] int64, forward passes each sequence took part in (SBD_SPEC 3.9).
     generated: [N] int64, tokens each sequence produced, EOS included (what the passes paid for).
     accepted_hist: [K + 1] int64, accepted_hist[a] = passes (per sequence) that revealed a tokens
@@ -119,6 +120,7 @@ class DecodeResult:
     generated: torch.Tensor
     accepted_hist: torch.Tensor
     wall_s: float = 0.0
+    tokens: list[list[int]] = dataclasses.field(default_factory=list)
 
     @property
     def total_nfe(self) -> int:
@@ -146,6 +148,7 @@ class DecodeResult:
             generated=torch.cat([p.generated for p in parts]),
             accepted_hist=torch.stack([p.accepted_hist for p in parts]).sum(0),
             wall_s=sum(p.wall_s for p in parts),
+            tokens=[t for p in parts for t in p.tokens],
         )
 
 
@@ -220,9 +223,19 @@ def _strip_after_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
 
 def _answers(buffer: torch.Tensor, generated: torch.Tensor, eos_ids: tuple[int, ...]) -> list[list[int]]:
     """Host copy of the answers: the first `generated[b]` tokens of each row, cut at the first EOS."""
-    rows = buffer.cpu().tolist()
-    lengths = generated.cpu().tolist()
-    return [_strip_after_eos(row[:n], eos_ids) for row, n in zip(rows, lengths)]
+    return [_strip_after_eos(row, eos_ids) for row in _generated_tokens(buffer, generated)]
+
+
+def _generated_tokens(buffer: torch.Tensor, generated: torch.Tensor) -> list[list[int]]:
+    """Host copy of the first `generated[b]` tokens of each row (EOS included)."""
+    return [row[:n] for row, n in zip(buffer.cpu().tolist(), generated.cpu().tolist())]
+
+
+def _result(state: NtpState | SbdState, hist: torch.Tensor, wall: float, eos_ids: tuple[int, ...]) -> DecodeResult:
+    """The DecodeResult of a finished batch (one device-to-host copy of each state tensor)."""
+    tokens = _generated_tokens(state.answer, state.generated)
+    return DecodeResult([_strip_after_eos(t, eos_ids) for t in tokens], state.nfe.cpu(), state.generated.cpu(),
+                        hist.cpu(), wall, tokens)
 
 
 def _sync(device: torch.device) -> None:
@@ -307,9 +320,8 @@ def _decode_ntp_batch(model: SbdModel, prompts: list[list[int]], seed: torch.Ten
         steps.ntp_decode_step(model, cache, state, ops, sp)
     _sync(device)
     wall = time.perf_counter() - start
-    hist = torch.tensor([0, state.nfe.sum().item()], dtype=torch.int64)
-    return DecodeResult(_answers(state.answer, state.generated, sp.eos_ids), state.nfe.cpu(),
-                        state.generated.cpu(), hist, wall)
+    hist = torch.stack([torch.zeros_like(state.nfe[0]), state.nfe.sum()])
+    return _result(state, hist, wall, sp.eos_ids)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -452,8 +464,7 @@ def _decode_sbd_batch(model: SbdModel, prompts: list[list[int]], seed: torch.Ten
         steps.sbd_block_step(model, cache, state, ops, sp, k if any_pending else 0)
     _sync(device)
     wall = time.perf_counter() - start
-    return DecodeResult(_answers(state.answer, state.generated, sp.eos_ids), state.nfe.cpu(),
-                        state.generated.cpu(), state.accepted_hist.cpu(), wall)
+    return _result(state, state.accepted_hist, wall, sp.eos_ids)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -613,14 +624,15 @@ def oracle_decode(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, 
     ops = ops or naive_ops()
     sp = DecodeConstants.of(model.mask_token_id, cfg, eos_id, pad_id)
     decode_one = _oracle_sbd if cfg.method == "sbd" else _oracle_ntp
-    answers, nfes, generated = [], [], []
+    answers, all_tokens, nfes, generated = [], [], [], []
     hist = torch.zeros(sp.block_size + 1, dtype=torch.int64)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         tokens, nfe, counts = decode_one(model, prompt, cfg.seed + i, ops, sp)
         answers.append(_strip_after_eos(tokens, sp.eos_ids))
+        all_tokens.append(tokens)
         nfes.append(nfe)
         generated.append(len(tokens))
         hist += torch.tensor(counts, dtype=torch.int64)
     return DecodeResult(answers, torch.tensor(nfes, dtype=torch.int64),
-                        torch.tensor(generated, dtype=torch.int64), hist, time.perf_counter() - start)
+                        torch.tensor(generated, dtype=torch.int64), hist, time.perf_counter() - start, all_tokens)
