@@ -1,0 +1,43 @@
+"""SBD for Hugging Face transformers causal LMs (`pip install sbd_kernels[hf]`): fine-tune, then decode with the
+`torch.ops.sbd` kernels.
+
+    from sbd_kernels import hf
+    sbd_model = hf.enable_sbd(model, tokenizer, block_size=16)          # mask token, "sbd" attention
+    collator = hf.SbdDataCollator(model.config)                         # SBD objective for Trainer / a loop
+    Trainer(model=model, args=args, train_dataset=ds, data_collator=collator,
+            compute_loss_func=hf.sbd_loss_func).train()
+    out = hf.generate(model, input_ids, attention_mask, max_new_tokens=128, gamma=0.1)   # or custom_generate=
+    print(out.sequences, out.nfe, hf.check(model, input_ids[:2]).passed)
+
+Layout: `model.py` (enable_sbd, the SbdCausalLM adapter of the `SbdModel` protocol), `attention.py` (the "sbd"
+attention implementation and its mask function), `cache.py` (SbdCache), `training.py` (masks, collator, loss),
+`generation.py` (generate, custom_generate entry), `check.py` (exact-KV check).
+"""
+from sbd_kernels.hf.cache import SbdCache, SbdCacheError
+from sbd_kernels.hf.check import check
+from sbd_kernels.hf.generation import SbdGenerateOutput, generate, sbd_generate
+from sbd_kernels.hf.model import (
+    SUPPORTED_MODEL_TYPES,
+    SbdCausalLM,
+    SbdUnsupportedModelError,
+    check_supported,
+    enable_sbd,
+)
+from sbd_kernels.hf.training import SbdDataCollator, sbd_loss_func, sbd_training_mask
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "SbdCache",
+    "SbdCacheError",
+    "SbdCausalLM",
+    "SbdDataCollator",
+    "SbdGenerateOutput",
+    "SbdUnsupportedModelError",
+    "check",
+    "check_supported",
+    "enable_sbd",
+    "generate",
+    "sbd_generate",
+    "sbd_loss_func",
+    "sbd_training_mask",
+]

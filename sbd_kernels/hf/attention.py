@@ -1,0 +1,118 @@
+"""The "sbd" attention implementation registered with transformers' `AttentionInterface`, and its mask function.
+
+A model prepared by `sbd_kernels.hf.enable_sbd` runs every attention layer through `sbd_attention`:
+
+- inside an SBD decode pass (`SbdCausalLM.decode_pass` passes `sbd_pass=SbdPass(...)` down through the model's
+  kwargs), it calls `sbd.block_attention_with_kvcache` on the layer's slice of the `SbdCache`: causal rows are
+  appended to the cache, the block is never cached, and the mask is the op's row layout (no mask tensor);
+- in every other call (training, HF `generate`, a plain forward) it runs the attention implementation the model
+  had before (`config.sbd_base_attn_implementation`: "sdpa", "eager" or "flex_attention"), with the mask HF or the
+  SBD data collator built for that implementation. The mask function of "sbd" likewise delegates to the base
+  implementation's, so HF builds the masks that implementation expects (a custom attention name without a mask
+  function would receive `attention_mask=None` and silently attend everywhere).
+
+HF passes q `[B, Hq, S, D]` and k / v `[B, Hkv, S, D]` (RoPE applied); the op takes `[B, S, H, D]`: the transposes
+below are views, read in place by the op.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+ATTN_IMPLEMENTATION = "sbd"
+BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
+
+# The 4-D attention_mask of an SBD decode pass: HF returns any 4-D mask unchanged (no mask is built for the pass;
+# the op's row layout is the mask), and `sbd_attention` checks that it received exactly this object.
+SBD_PASS_MASK = torch.empty(0, 0, 0, 0, dtype=torch.bool)
+
+
+@dataclass(frozen=True)
+class SbdPass:
+    """What an SBD decode pass hands every attention layer: the cache, the pass's row layout and the kernel.
+
+    cache: the `SbdCache` of the decode. num_causal: `[B]` int32 causal rows of each sequence in this pass.
+    block_size: K block rows at the end of every sequence's rows. attention_op: `sbd.block_attention_with_kvcache`
+    or an implementation with its signature (the naive oracle).
+    """
+
+    cache: Any
+    num_causal: Tensor
+    block_size: int
+    attention_op: Callable
+
+
+def base_implementation(config: Any) -> str:
+    """The attention implementation "sbd" delegates to outside decode passes (recorded by `enable_sbd`)."""
+    base = getattr(config, "sbd_base_attn_implementation", None)
+    if base not in BASE_IMPLEMENTATIONS:
+        raise RuntimeError(
+            f"sbd attention: the model config names no base attention implementation (got {base!r}); prepare the "
+            "model with sbd_kernels.hf.enable_sbd(model, ...)")
+    return base
+
+
+def _check_mask_form(base: str, attention_mask: Any) -> None:
+    """Rejects a mask the base implementation would read differently from what the caller meant: eager attention
+    adds the mask to the scores, so a boolean mask (True = attend) would add 1 / 0 instead of 0 / -inf."""
+    if base == "eager" and isinstance(attention_mask, Tensor) and attention_mask.dtype == torch.bool:
+        raise RuntimeError(
+            "sbd attention: the model's base attention is 'eager', which adds attention_mask to the scores; a boolean "
+            "mask would be added as 1 / 0 instead of 0 / -inf. Build the SBD training mask with "
+            "sbd_kernels.hf.sbd_training_mask(..., implementation='eager') or the SbdDataCollator, which give an "
+            "additive mask")
+    if base == "flex_attention" and isinstance(attention_mask, Tensor):
+        raise RuntimeError(
+            "sbd attention: the model's base attention is 'flex_attention', which takes a BlockMask, got a tensor "
+            "mask; build it with sbd_kernels.hf.sbd_training_mask(..., implementation='flex_attention')")
+
+
+def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                  scaling: float | None = None, dropout: float = 0.0, sbd_pass: SbdPass | None = None,
+                  **kwargs: Any) -> tuple[Tensor, None]:
+    """Attention of one HF layer: the SBD op inside decode passes, the base implementation elsewhere.
+
+    query `[B, Hq, S, D]`, key / value `[B, Hkv, S, D]` (HF layout) -> (out `[B, S, Hq, D]`, None).
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if sbd_pass is None:
+        base = base_implementation(module.config)
+        _check_mask_form(base, attention_mask)
+        # "eager" is not in the registry: each modeling file defines its own eager_attention_forward.
+        modeling = sys.modules[type(module).__module__]
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(base, modeling.eager_attention_forward)
+        return attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if attention_mask is not SBD_PASS_MASK:
+        raise RuntimeError(
+            "sbd attention: a decode pass takes its mask from the op's row layout; it got another attention_mask "
+            "(call the model through SbdCausalLM.decode_pass, which passes the right one)")
+    if dropout:
+        raise RuntimeError("sbd attention: decode passes run without dropout; put the model in eval mode")
+    k_cache, v_cache = sbd_pass.cache.layer_buffers(module.layer_idx)
+    out, _ = sbd_pass.attention_op(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), k_cache,
+                                   v_cache, sbd_pass.cache.seqlens, sbd_pass.num_causal, sbd_pass.block_size, None,
+                                   scaling)
+    return out, None
+
+
+def sbd_mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
+    """Mask function of "sbd": the base implementation's mask function, so HF builds the mask that implementation
+    reads (decode passes never get here: their 4-D `SBD_PASS_MASK` is returned unchanged by HF)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    return ALL_MASK_ATTENTION_FUNCTIONS[base_implementation(config)](*args, config=config, **kwargs)
+
+
+def register() -> None:
+    """Registers "sbd" with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, sbd_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sbd_mask)

@@ -1,0 +1,164 @@
+"""SBD and NTP decoding of a Hugging Face model through the `torch.ops.sbd` kernels.
+
+Two entry points, one decode loop (`sbd_kernels.generate.generate`, through the `SbdCausalLM` adapter):
+
+    out = sbd_kernels.hf.generate(model, input_ids, attention_mask, max_new_tokens=64, method="sbd", gamma=0.1)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64, custom_generate=sbd_kernels.hf.sbd_generate,
+                         return_dict_in_generate=True, gamma=0.1)
+
+Both return HF's `GenerateDecoderOnlyOutput` fields (`sequences`: the prompts as given, then the new tokens, EOS
+included, `pad_token_id` after it) plus `nfe` (forward passes per sequence), `generated` (new tokens per sequence)
+and `accepted_hist` (passes by tokens accepted). Prompts may be left- or right-padded: `attention_mask` says which
+tokens are real, and position ids are built inside (real tokens at 0, 1, ...).
+
+Generation settings read from HF: `max_new_tokens` (or `max_length`), `eos_token_id` (one or several), `do_sample`
+and `temperature` (greedy unless do_sample), `pad_token_id`. Logits processors and stopping criteria the fused
+kernels do not implement (repetition penalty, bad words, stop strings, ...) are refused by name rather than ignored.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers.generation.logits_process import (
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from sbd_kernels.generate import DecodeConfig, DecodeOps, DecodeResult, fused_ops
+from sbd_kernels.generate import generate as decode
+from sbd_kernels.hf.model import SbdCausalLM
+
+
+@dataclass
+class SbdGenerateOutput(GenerateDecoderOnlyOutput):
+    """HF's decoder-only generate output plus SBD statistics.
+
+    nfe: `[B]` int64 forward passes each sequence took part in. generated: `[B]` int64 new tokens (EOS included).
+    accepted_hist: `[K + 1]` int64, passes (per sequence) that revealed a tokens (NTP: K = 1).
+    """
+
+    nfe: Tensor | None = None
+    generated: Tensor | None = None
+    accepted_hist: Tensor | None = None
+
+
+def prompts_from_batch(input_ids: Tensor, attention_mask: Tensor | None) -> list[list[int]]:
+    """Token lists of the real tokens of each row (`attention_mask` 1), whatever side the padding is on."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"generate: input_ids must be [B, P], got shape {tuple(input_ids.shape)}")
+    rows = input_ids.tolist()
+    if attention_mask is None:
+        return rows
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"generate: attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape "
+                         f"{tuple(input_ids.shape)}")
+    keep = attention_mask.bool().tolist()
+    prompts = [[t for t, k in zip(row, mask) if k] for row, mask in zip(rows, keep)]
+    if any(not p for p in prompts):
+        raise ValueError("generate: every row needs at least one real token (attention_mask all 0 in a row)")
+    return prompts
+
+
+def _eos_ids(eos_token_id: int | Sequence[int] | Tensor | None) -> tuple[int, ...]:
+    if eos_token_id is None:
+        return ()
+    if isinstance(eos_token_id, Tensor):
+        return tuple(int(e) for e in eos_token_id.flatten().tolist())
+    return (int(eos_token_id),) if isinstance(eos_token_id, int) else tuple(int(e) for e in eos_token_id)
+
+
+def _sequences(input_ids: Tensor, result: DecodeResult, pad_id: int) -> Tensor:
+    """[B, P + longest new] int64: the prompts as given, then each row's new tokens, pad_id after."""
+    width = max((len(t) for t in result.tokens), default=0)
+    new = torch.full((input_ids.shape[0], width), pad_id, dtype=torch.int64)
+    for i, tokens in enumerate(result.tokens):
+        new[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.int64)
+    return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
+
+
+def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None, *, max_new_tokens: int,
+             eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None, method: str = "sbd",
+             block_size: int | None = None, gamma: float = 0.1, rule: str = "eb", temperature: float = 0.0,
+             seed: int = 0, batch_size: int | None = None, ops: DecodeOps | None = None) -> SbdGenerateOutput:
+    """SBD (`method="sbd"`) or NTP decoding of an HF model prepared by `enable_sbd` (or its `SbdCausalLM`).
+
+    input_ids `[B, P]` int64 with optional attention_mask `[B, P]` (left or right padding); eos_token_id: one id or
+    several (default: the model's generation config); block_size: default the one recorded by `enable_sbd`; sequence
+    i samples with seed `seed + i` (temperature > 0). Returns `SbdGenerateOutput` (see the module docstring).
+    """
+    sbd_model = model if isinstance(model, SbdCausalLM) else SbdCausalLM(model)
+    generation_config = getattr(sbd_model.hf_model, "generation_config", None)
+    eos_ids = _eos_ids(eos_token_id if eos_token_id is not None
+                       else getattr(generation_config, "eos_token_id", None))
+    if pad_token_id is None:
+        pad_token_id = getattr(generation_config, "pad_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = eos_ids[0] if eos_ids else 0
+    if not eos_ids:
+        eos_ids = (-1,)  # no end token: every sequence runs to max_new_tokens
+    cfg = DecodeConfig(method=method, block_size=block_size or sbd_model.block_size, gamma=gamma,
+                       temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, rule=rule)
+    prompts = prompts_from_batch(input_ids, attention_mask)
+    result = decode(sbd_model, prompts, cfg, eos_id=eos_ids, pad_id=pad_token_id, batch_size=batch_size,
+                    ops=ops or fused_ops())
+    return SbdGenerateOutput(sequences=_sequences(input_ids, result, pad_token_id), nfe=result.nfe,
+                             generated=result.generated, accepted_hist=result.accepted_hist)
+
+
+# Processors / criteria HF adds from generation settings that the fused decode implements itself.
+_HANDLED_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, SuppressTokensLogitsProcessor)
+_HANDLED_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
+
+
+def _refuse_unsupported(logits_processor: Any, stopping_criteria: Any, generation_config: Any,
+                        mask_token_id: int, streamer: Any, synced_gpus: bool) -> None:
+    """Raises ValueError naming any HF generation feature this decode would otherwise silently ignore."""
+    unsupported = [type(p).__name__ for p in logits_processor or [] if not isinstance(p, _HANDLED_PROCESSORS)]
+    unsupported += [type(c).__name__ for c in stopping_criteria or [] if not isinstance(c, _HANDLED_CRITERIA)]
+    if unsupported:
+        raise ValueError(f"sbd_generate: {', '.join(unsupported)} not supported by the fused SBD decode (it samples "
+                         "inside sbd.entropy_sample and stops on EOS / length); remove the settings that add them")
+    for proc in logits_processor or []:
+        if isinstance(proc, SuppressTokensLogitsProcessor) and set(proc.suppress_tokens.tolist()) - {mask_token_id}:
+            raise ValueError("sbd_generate: suppress_tokens other than the mask token are not supported")
+    if generation_config.do_sample:
+        top_k, top_p = generation_config.top_k, generation_config.top_p
+        if (top_k not in (None, 0)) or (top_p not in (None, 1.0)) or getattr(generation_config, "min_p", None):
+            raise ValueError("sbd_generate: top_k / top_p / min_p filtering is not supported; sample with "
+                             "do_sample=True, top_k=0, top_p=1.0 (temperature only) or decode greedily")
+    if getattr(generation_config, "num_beams", 1) != 1:
+        raise ValueError("sbd_generate: beam search is not supported (num_beams must be 1)")
+    if streamer is not None:
+        raise ValueError("sbd_generate: streamers are not supported")
+    if synced_gpus:
+        raise ValueError("sbd_generate: synced_gpus is not supported")
+
+
+def sbd_generate(model: Any, input_ids: Tensor, logits_processor: Any = None, stopping_criteria: Any = None,
+                 generation_config: Any = None, synced_gpus: bool = False, streamer: Any = None, *,
+                 method: str = "sbd", block_size: int | None = None, gamma: float = 0.1, rule: str = "eb",
+                 seed: int = 0, ops: DecodeOps | None = None, **model_kwargs: Any) -> SbdGenerateOutput | Tensor:
+    """`model.generate(..., custom_generate=sbd_generate, gamma=..., block_size=..., method=..., seed=...)`.
+
+    HF prepares the inputs and the generation config, then calls this with them; the decode is `generate` above.
+    Returns `SbdGenerateOutput` with `return_dict_in_generate=True`, else the sequences tensor (as HF does).
+    """
+    sbd_model = SbdCausalLM(model)
+    _refuse_unsupported(logits_processor, stopping_criteria, generation_config, sbd_model.mask_token_id, streamer,
+                        synced_gpus)
+    prompt_len = input_ids.shape[1]
+    max_new = generation_config.max_new_tokens or generation_config.max_length - prompt_len
+    out = generate(sbd_model, input_ids, model_kwargs.get("attention_mask"), max_new_tokens=max_new,
+                   eos_token_id=generation_config.eos_token_id, pad_token_id=generation_config.pad_token_id,
+                   method=method, block_size=block_size, gamma=gamma, rule=rule,
+                   temperature=generation_config.temperature if generation_config.do_sample else 0.0, seed=seed,
+                   ops=ops)
+    return out if generation_config.return_dict_in_generate else out.sequences

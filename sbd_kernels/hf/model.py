@@ -1,0 +1,213 @@
+"""`enable_sbd` prepares a Hugging Face causal LM for SBD; `SbdCausalLM` is its `SbdModel` adapter.
+
+    model = AutoModelForCausalLM.from_pretrained(...)            # or from a config
+    sbd_model = enable_sbd(model, tokenizer, block_size=16)       # picks / adds the mask token, registers "sbd"
+
+`enable_sbd` refuses, with the reason, what SBD cannot be applied to as implemented here: families other than
+`SUPPORTED_MODEL_TYPES` (each tested), sliding-window or chunked attention layers (the block of a pass must see the
+whole causal prefix), encoder-decoders / cross-attention, multimodal models, and position encodings whose values
+depend on the sequence length ("dynamic" / "longrope" RoPE scaling: the cached prefix would have been encoded
+differently from the recomputed one).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from sbd_kernels.hf.attention import (
+    ATTN_IMPLEMENTATION,
+    BASE_IMPLEMENTATIONS,
+    SBD_PASS_MASK,
+    SbdPass,
+    base_implementation,
+    register,
+)
+from sbd_kernels.hf.cache import SbdCache
+from sbd_kernels.model import decode_positions
+
+# Decoder-only families whose attention layers call transformers' AttentionInterface with RoPE applied before
+# attention and no other position or mask input (checked by tests/test_hf.py on a tiny config of each).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# RoPE variants whose frequencies depend on the current sequence length.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+# Special-token names that tokenizers reserve and leave unused (Llama 3: <|reserved_special_token_N|>).
+RESERVED_TOKEN_MARKERS = ("reserved_special_token", "<|reserved", "<unused")
+MASK_TOKEN_TEXT = "<|sbd_mask|>"
+
+
+class SbdUnsupportedModelError(ValueError):
+    """The model cannot be decoded or trained with SBD as implemented here; the message says why."""
+
+
+def check_supported(config: Any) -> None:
+    """Raises SbdUnsupportedModelError naming the first property of `config` SBD cannot handle."""
+    model_type = getattr(config, "model_type", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise SbdUnsupportedModelError(f"{model_type}: encoder-decoder models (cross-attention) are not supported")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise SbdUnsupportedModelError(
+            f"model type {model_type!r} is not supported; supported families: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if getattr(config, "use_sliding_window", False) or getattr(config, "sliding_window", None) is not None:
+        raise SbdUnsupportedModelError(
+            f"{model_type}: sliding-window attention layers are not supported (sliding_window="
+            f"{getattr(config, 'sliding_window', None)}): an SBD block must attend to the whole causal prefix")
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise SbdUnsupportedModelError(
+            f"{model_type}: only full-attention layers are supported, the config has layer types {sorted(layer_types)}")
+    if getattr(config, "attention_chunk_size", None):
+        raise SbdUnsupportedModelError(f"{model_type}: chunked attention layers are not supported")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type in LENGTH_DEPENDENT_ROPE:
+        raise SbdUnsupportedModelError(
+            f"{model_type}: RoPE scaling {rope_type!r} changes with the sequence length, so cached keys would not "
+            "match a recompute; use a model without it")
+
+
+def _unused_reserved_token(tokenizer: Any) -> int | None:
+    """The id of the last reserved special token of the tokenizer (e.g. Llama 3's reserved tokens), or None."""
+    candidates = [(idx, tok) for tok, idx in tokenizer.get_vocab().items()
+                  if any(marker in tok for marker in RESERVED_TOKEN_MARKERS)]
+    return max(candidates)[0] if candidates else None
+
+
+def choose_mask_token(model: nn.Module, tokenizer: Any = None, mask_token_id: int | None = None) -> int:
+    """The mask token id: `mask_token_id` if given; else an unused reserved special token of the tokenizer; else a
+    new special token `<|sbd_mask|>` added to the tokenizer (the embeddings are resized when its id falls outside
+    the model's vocabulary). Raises ValueError when neither a tokenizer nor an id is given."""
+    vocab_size = model.get_input_embeddings().weight.shape[0]
+    if mask_token_id is not None:
+        if not 0 <= mask_token_id < vocab_size:
+            raise ValueError(f"enable_sbd: mask_token_id {mask_token_id} outside the vocabulary [0, {vocab_size})")
+        return mask_token_id
+    if tokenizer is None:
+        raise ValueError("enable_sbd: pass the tokenizer (to pick or add the mask token) or mask_token_id")
+    if MASK_TOKEN_TEXT in tokenizer.get_vocab():
+        return tokenizer.convert_tokens_to_ids(MASK_TOKEN_TEXT)
+    reserved = _unused_reserved_token(tokenizer)
+    if reserved is not None and reserved < vocab_size:
+        return reserved
+    tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN_TEXT]})
+    mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN_TEXT)
+    if mask_id >= vocab_size:
+        model.resize_token_embeddings(mask_id + 1)
+    return mask_id
+
+
+def enable_sbd(model: nn.Module, tokenizer: Any = None, *, block_size: int | None = None,
+               mask_token_id: int | None = None) -> SbdCausalLM:
+    """Prepares an HF causal LM for SBD training and decoding; returns its `SbdCausalLM` adapter.
+
+    - Checks the model is supported (`check_supported`) and that its attention implementation is one the SBD
+      training mask can be given to ("sdpa", "eager", "flex_attention").
+    - Picks the mask token (`choose_mask_token`; an earlier `enable_sbd` recorded in the config is reused).
+    - Records `sbd_block_size`, `sbd_mask_token_id` and `sbd_base_attn_implementation` in `model.config`, so they
+      are saved and loaded with `save_pretrained` / `from_pretrained` (call `enable_sbd` again after loading).
+    - Adds the mask token to `generation_config.suppress_tokens`, so HF's own `generate` never emits it.
+    - Registers the "sbd" attention implementation and its mask function, and switches the model to it: outside
+      SBD decode passes it runs the base implementation unchanged.
+    """
+    config = model.config
+    check_supported(config)
+    current = config._attn_implementation
+    base = getattr(config, "sbd_base_attn_implementation", None) if current == ATTN_IMPLEMENTATION else current
+    if base not in BASE_IMPLEMENTATIONS:
+        raise SbdUnsupportedModelError(
+            f"attention implementation {current!r} cannot take the SBD training mask; load the model with "
+            f"attn_implementation in {BASE_IMPLEMENTATIONS}")
+    block_size = block_size or getattr(config, "sbd_block_size", None) or 16
+    if block_size < 1:
+        raise ValueError(f"enable_sbd: block_size must be >= 1, got {block_size}")
+    if mask_token_id is None:
+        mask_token_id = getattr(config, "sbd_mask_token_id", None)
+    config.sbd_mask_token_id = choose_mask_token(model, tokenizer, mask_token_id)
+    config.sbd_block_size = block_size
+    config.sbd_base_attn_implementation = base
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        suppressed = list(generation_config.suppress_tokens or [])
+        if config.sbd_mask_token_id not in suppressed:
+            generation_config.suppress_tokens = suppressed + [config.sbd_mask_token_id]
+    register()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return SbdCausalLM(model)
+
+
+def mask_for_implementation(allowed: Tensor, implementation: str, dtype: torch.dtype) -> Tensor:
+    """A boolean mask (True = may attend, `[B or 1, T, T]`) as the 4-D mask `[B or 1, 1, T, T]` an HF attention
+    implementation reads: boolean for sdpa, additive (0 / dtype's lowest) for eager. FlexAttention takes a
+    BlockMask, built from the mask predicate instead (`sbd_kernels.hf.training.sbd_training_mask`)."""
+    if implementation == "sdpa":
+        return allowed[:, None]
+    if implementation == "eager":
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min)[:, None]
+    raise ValueError(f"mask_for_implementation: {implementation!r} takes a BlockMask, not a tensor mask")
+
+
+class SbdCausalLM(nn.Module):
+    """The `SbdModel` adapter of an HF causal LM prepared by `enable_sbd` (see `sbd_kernels.protocol`).
+
+    `forward(tokens, positions, attn_mask)` runs the HF model without a cache, with a boolean mask converted to the
+    base implementation's form (or a FlexAttention BlockMask passed through); `decode_pass` runs one cached SBD
+    pass through the "sbd" attention. `hf_model` is the wrapped model (train, save and load it as usual).
+    """
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        config = hf_model.config
+        if config._attn_implementation != ATTN_IMPLEMENTATION or getattr(config, "sbd_mask_token_id", None) is None:
+            raise ValueError("SbdCausalLM: prepare the model with sbd_kernels.hf.enable_sbd(model, tokenizer) first")
+        self.hf_model = hf_model
+
+    @property
+    def config(self) -> Any:
+        return self.hf_model.config
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.sbd_mask_token_id
+
+    @property
+    def block_size(self) -> int:
+        return self.config.sbd_block_size
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, attn_mask: Any = None) -> Tensor:
+        """tokens `[B, T]` -> logits `[B, T, V]` fp32, no cache. attn_mask: None (causal), bool `[B or 1, T, T]`
+        (True = may attend), or a FlexAttention BlockMask (flex_attention base only)."""
+        mask = attn_mask
+        if isinstance(attn_mask, Tensor):
+            weight = self.hf_model.get_input_embeddings().weight
+            mask = mask_for_implementation(attn_mask, base_implementation(self.config), weight.dtype)
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        out = self.hf_model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False)
+        return out.logits.float()
+
+    def new_cache(self, batch: int, max_len: int) -> SbdCache:
+        """An empty `SbdCache` shaped for the model, in its dtype and on its device."""
+        config = self.config
+        weight = self.hf_model.get_input_embeddings().weight
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return SbdCache(config.num_hidden_layers, batch, max_len, config.num_key_value_heads, head_dim,
+                        weight.dtype, weight.device)
+
+    def decode_pass(self, tokens: Tensor, num_causal: Tensor, block_size: int, cache: SbdCache,
+                    attention_op: Any = None, keep_last: int = 0) -> Tensor:
+        """One cached pass (the `SbdModel` contract): tokens `[B, C + K]`, num_causal `[B]` int32 -> logits
+        `[B, C + K or keep_last, V]` fp32. Position ids are built here from the cache lengths (HF would derive
+        them from one cache length for the whole batch, which is wrong for SBD rows)."""
+        if not isinstance(cache, SbdCache):
+            raise TypeError(f"SbdCausalLM.decode_pass: cache must be an SbdCache, got {type(cache).__name__}")
+        if attention_op is None:
+            attention_op = torch.ops.sbd.block_attention_with_kvcache
+        positions = decode_positions(cache.seqlens, num_causal, tokens.shape[1] - block_size, block_size)
+        with cache.decode_pass():
+            out = self.hf_model(input_ids=tokens, position_ids=positions, attention_mask=SBD_PASS_MASK,
+                                past_key_values=cache, use_cache=True, logits_to_keep=keep_last,
+                                sbd_pass=SbdPass(cache, num_causal, block_size, attention_op))
+        cache.advance(num_causal)
+        return out.logits.float()
