@@ -362,3 +362,20 @@ def test_two_process_training(tmp_path, mode, wrapper):
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert result["world"] == 2 and result["wrapper"] == wrapper
     assert len(result["losses"]) == 3 and result["losses"][-1] < result["losses"][0]
+
+
+def test_sampling_follows_the_seed_and_refuses_filters_it_cannot_apply():
+    """Guards against sampled SBD decodes ignoring `seed` (irreproducible) or HF's default top_k=50 being silently
+    dropped when do_sample=True."""
+    model = tiny_model("llama")
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+
+    def sample(seed):
+        return model.generate(ids, max_new_tokens=8, custom_generate=hf.sbd_generate, do_sample=True, top_k=0,
+                              temperature=1.5, seed=seed, gamma=0.5)
+
+    assert torch.equal(sample(3), sample(3))
+    assert not torch.equal(sample(3), sample(4))
+    with pytest.raises(ValueError, match="top_k"):
+        model.generate(ids, max_new_tokens=8, custom_generate=hf.sbd_generate, do_sample=True, top_k=50)
