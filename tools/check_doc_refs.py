@@ -4,10 +4,10 @@ A reference names a document under docs/ and optionally a numbered section of it
 
     docs/algorithm.md            docs/algorithm.md §2.4            docs/algorithm.md §3.2-3.3
 
-A section exists when the document has a numbered heading for it, one scheme for every document: `## 2.`
-(or `## 2 Title`) defines §2, `### 2.4 Title` defines §2.4, one more `#` per level. Inside a document under
-docs/, a section sign and number without a document name refer to that document; anywhere else the
-document's name must come first.
+A section exists when the document has a numbered heading for it, one scheme for every document:
+`## 2.` (or `## 2 Title`) defines section 2, `### 2.4 Title` section 2.4, one more `#` per level. Inside a
+document under docs/, a section sign and number without a document name refer to that document; anywhere
+else the document's name must come first.
 
 Fails (exit 1), listing `file:line: problem` for each, when:
 - a referenced document or section does not exist, or a bare `§` number appears outside docs/;
@@ -57,9 +57,10 @@ class Problem:
 def tracked_files(root: Path) -> list[Path]:
     """Every file `git ls-files` lists under root (raises RuntimeError outside a git checkout)."""
     try:
-        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, check=True).stdout
+        listing = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, check=True)
     except (OSError, subprocess.CalledProcessError) as err:
-        raise RuntimeError(f"check_doc_refs: cannot list the tracked files of {root} with git ({err})") from err
+        raise RuntimeError(f"check_doc_refs: cannot list the tracked files of {root} ({err})") from err
+    out = listing.stdout
     return [root / name for name in out.decode().split("\0") if name]
 
 
@@ -99,8 +100,8 @@ def document_sections(doc: Path, root: Path) -> tuple[set[str], list[Problem]]:
         hashes, section = match.groups()
         depth = section.count(".") + 1
         if len(hashes) != depth + 1:
-            problems.append(Problem(display(doc, root), number, f"heading of §{section} has {len(hashes)} '#', "
-                                    f"expected {depth + 1} (one '#' more than its number has parts)"))
+            message = f"heading of §{section} has {len(hashes)} '#', expected {depth + 1} (parts + 1)"
+            problems.append(Problem(display(doc, root), number, message))
         if section in sections:
             problems.append(Problem(display(doc, root), number, f"§{section} is defined twice"))
         sections.add(section)
@@ -163,8 +164,9 @@ def check_text(path: Path, text: str, docs: Documents) -> list[Problem]:
                 problems.append(Problem(shown, number, f"'{match.group(0)}' does not resolve: {missing}"))
         if path.resolve() != SELF:
             for match in NOTES.finditer(line):
-                problems.append(Problem(shown, number, f"mentions '{match.group(0)}', an internal note outside "
-                                        "the repository: cite docs/algorithm.md or docs/performance.md"))
+                message = (f"mentions '{match.group(0)}', an internal note outside the repository: cite "
+                           "docs/algorithm.md or docs/performance.md")
+                problems.append(Problem(shown, number, message))
     return problems
 
 
