@@ -30,6 +30,7 @@ aot: $(BUILT)
 
 lint: $(DEPS)
 	$(BIN)/ruff check sbd_kernels tests bench
+	$(BIN)/python tools/check_doc_refs.py
 
 build: $(BUILT)
 

@@ -4,7 +4,7 @@
     SBD_BENCH_QUICK=1 python -m pytest bench/bench_decode.py -q   # the grid's corners, 3 minutes here
     python -m sbd_kernels.roofline --measured <pytest --benchmark-json output>   # prediction vs measurement
 
-The three widths are the three pass kinds of decoding (SBD_SPEC 3): t = 1 an NTP step (1 causal row
+The three widths are the three pass kinds of decoding (docs/algorithm.md §3): t = 1 an NTP step (1 causal row
 appended to the cache), t = k a later pass of an SBD block (k block rows, nothing cached), t = 2k the first
 pass of a block (k causal rows appended + k block rows). Random-weight models with the shapes of the `small`
 preset (fp32, the bundled checkpoints' model) and of a 1B-class config (Llama-3.2-1B shapes, bf16), the

@@ -21,7 +21,7 @@ FAMILY = "scatter"
 BATCHES = [1, 16, 128]
 BLOCKS = [16, 32]
 PROVIDERS = ["sbd", "naive", "eager", "compile", "triton"]
-# Paper's "high" setting for chat (SBD_SPEC 3.7): with entropies uniform in [0, 0.2) about 4-5 positions
+# Paper's "high" chat setting (docs/algorithm.md §3.7): with entropies uniform in [0, 0.2) about 4-5 positions
 # of a 16-block are accepted, a realistic mid-block pass.
 GAMMA = 0.35
 

@@ -11,7 +11,7 @@ missing:
 - attention_gflops.png: block attention GFLOP/s vs cache length, one line per provider and shape;
 - decode_tokens_per_s.png: tokens/s vs batch for NTP and SBD, from the measured forward times of the decode
   benchmark: NTP = B / time(1); SBD = B k / (time(2k) + (l - 1) time(k)) with l the mean passes per block of
-  each SBD setting of the demo (SBD_SPEC 4);
+  each SBD setting of the demo (docs/algorithm.md §4);
 - accuracy_vs_nfe.png: accuracy vs NFE speedup per task (`sbd_kernels.demo.write_plot`).
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The exact-KV check of any `SbdModel` (SBD_SPEC 3.10): what `sbd demo` runs on the bundled models and
-`sbd_kernels.hf.check` runs on a user's model.
+"""The exact-KV check of any `SbdModel` (docs/algorithm.md §3.10): what `sbd demo` runs on the bundled
+models and `sbd_kernels.hf.check` runs on a user's model.
 
 Two parts, both at temperature 0:
 1. block logits computed with the KV cache (a first block pass with the previous block as causal rows, then a

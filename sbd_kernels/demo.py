@@ -8,7 +8,7 @@ and the NTP-only baseline model with NTP. One table per task:
     identical runs for the short ones),
     wall-clock speedup = tokens/s of this row / tokens/s of NTP, same model.
 Then the exact-KV check on a few prompts: block logits computed with the KV cache equal a full recompute
-(SBD_SPEC 3.10) within the fp32 tolerance, and the cached decode with the fused ops gives the same tokens
+(docs/algorithm.md §3.10) within fp32 tolerance, and the cached decode with fused ops gives the same tokens
 as the full-recompute oracle decode (NTP and SBD, temperature 0).
 `--json PATH` writes one object per task; `--plot PATH` draws accuracy against NFE speedup.
 
@@ -47,7 +47,7 @@ GAMMAS = (0.0, 0.1, 0.35, 0.6, 1.0)
 BLOCK_SIZE = 16             # the paper's k; the tasks' prompts are multiples of 16 long (tasks.py)
 
 # The `sbd train` flags of the bundled checkpoints (checkpoints/README.md): the NTP-only baseline, then the
-# SBD model continued from it with the SBD objective (the paper fine-tunes NTP models; FINDINGS.md: SBD
+# SBD model continued from it with the SBD objective (as the paper fine-tunes; docs/performance.md §7.1: SBD
 # from scratch did not reach parity at this scale). They were trained on a GPU in 2 + 7 minutes.
 TRAINING_RECIPE = {
     "ntp": {"preset": "small", "objective": "ntp", "batch_size": 128, "lr": 1.5e-3, "warmup_steps": 200,

@@ -1,9 +1,9 @@
 """Autoregressive (NTP) and Set Block Decoding (SBD) with a KV cache and the `sbd` ops, plus the
-full-recompute oracle decode that checks them (SBD_SPEC.md section 3).
+full-recompute oracle decode that checks them (docs/algorithm.md §3).
 
 NTP: prefill the prompt causally, then one token per forward pass from the causal logits.
 
-SBD with block size K (SBD_SPEC 3): the answer is cut into blocks of K positions aligned to the start of
+SBD with block size K (docs/algorithm.md §3): the answer is cut into K-position blocks aligned to the start of
 generation. A block starts as K mask tokens `m` and is filled in over a few passes:
 - the first pass of the first block is fused with the prefill: rows `[prompt (causal) ; K masks]`;
 - the first pass of every later block is `[previous block (K causal rows, appended to the cache) ; block]`;
@@ -11,9 +11,9 @@ generation. A block starts as K mask tokens `m` and is filled in over a few pass
 each pass computes the entropy of every still-masked position (`sbd::entropy_sample`) and reveals the set
 chosen by the entropy-bounded rule (`sbd::mask_scatter_`):
     sort masked positions by entropy H ascending, reveal the first s >= 1 with H(i_1)+...+H(i_{s-1}) <= gamma.
-EOS (SBD_SPEC 3.8): once an EOS is revealed and every position before it in its block is revealed, the
+EOS (docs/algorithm.md §3.8): once an EOS is revealed and every position before it in its block is too, the
 sequence is finished and later positions are dropped.
-NFE (SBD_SPEC 3.9): every forward pass counts 1 for every sequence still running in it (the fused prefill
+NFE (docs/algorithm.md §3.9): a pass counts 1 for every sequence still running in it (the fused prefill
 included, as the NTP prefill that yields the first token is); a finished sequence stops counting.
 
 Batching: sequences of one batch move through their blocks at different speeds, so one pass mixes rows
@@ -23,7 +23,7 @@ the per-row `num_causal` of `sbd::block_attention_with_kvcache`. The step functi
 `torch.compile(fullgraph=True)`; the outer loop reads two flags once per pass (see `_decode_sbd_batch`).
 
 Oracle (`oracle_decode`): no cache and the naive ops. For every pass it recomputes the whole sequence
-`[prompt ; answer so far ; block]` with the model's forward under the mask of SBD_SPEC 3.10 (causal up to
+`[prompt ; answer so far ; block]` with the model's forward, mask of docs/algorithm.md §3.10 (causal up to
 the block, block rows see everything) and applies the EOS rule in plain Python, one sequence at a time.
 With temperature 0 it must give the same tokens as the cached decode.
 """
@@ -108,7 +108,7 @@ class DecodeResult:
 
     answers: N token lists, EOS and everything after it removed.
     tokens: N token lists as generated: the answer, then the EOS that ended it (if one did).
-    nfe: [N] int64, forward passes each sequence took part in (SBD_SPEC 3.9).
+    nfe: [N] int64, forward passes each sequence took part in (docs/algorithm.md §3.9).
     generated: [N] int64, tokens each sequence produced, EOS included (what the passes paid for).
     accepted_hist: [K + 1] int64, accepted_hist[a] = passes (per sequence) that revealed a tokens
         (NTP: K = 1, every pass reveals 1).
@@ -523,7 +523,7 @@ def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eo
 
 
 # ----------------------------------------------------------------------------------------------------
-# Full-recompute oracle decode (SBD_SPEC 3.10)
+# Full-recompute oracle decode (docs/algorithm.md §3.10)
 # ----------------------------------------------------------------------------------------------------
 def block_recompute_mask(prefix_len: int, block_size: int, device: torch.device | None = None) -> torch.Tensor:
     """[L + K, L + K] bool (True = may attend): causal over the L prefix rows; the K block rows see all."""
@@ -586,7 +586,7 @@ def _oracle_sbd(model: SbdModel, prompt: list[int], seed: int, ops: DecodeOps, s
 @torch.inference_mode()
 def block_logit_error(model: SbdModel, prompt: list[int], answer: list[int], block_size: int,
                       ops: DecodeOps | None = None) -> tuple[float, float]:
-    """Exact-KV property (SBD_SPEC 3.10) on one prompt: (max |cached - recomputed| over block logits,
+    """Exact-KV property (docs/algorithm.md §3.10), one prompt: (max |cached - recomputed| over block logits,
     max |recomputed|).
 
     Cached: prefill `prompt`; a first block pass `[answer[:K] causal (appended) ; K masks]`; a later pass
@@ -619,7 +619,7 @@ def block_logit_error(model: SbdModel, prompt: list[int], answer: list[int], blo
 @torch.inference_mode()
 def oracle_decode(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *,
                   eos_id: int | Sequence[int], pad_id: int, ops: DecodeOps | None = None) -> DecodeResult:
-    """Reference decode: no KV cache, every pass recomputes the whole sequence (SBD_SPEC 3.10 mask), one
+    """Reference decode: no KV cache, each pass recomputes the sequence (docs/algorithm.md §3.10 mask), one
     prompt at a time, with the naive ops by default. Same seeds, NFE accounting and EOS rule as `generate`."""
     ops = ops or naive_ops()
     sp = DecodeConstants.of(model.mask_token_id, cfg, eos_id, pad_id)

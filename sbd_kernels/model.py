@@ -2,9 +2,9 @@
 
 One set of weights serves:
 - `Transformer.forward`: no cache, causal by default or any boolean mask. Used by NTP training, the SBD
-  training forward over the doubled sequence `[clean ; noisy]` (SBD_SPEC 2.3-2.4) and the full-recompute
-  oracle decode (SBD_SPEC 3.10).
-- `Transformer.sbd_train_forward`: builds `[clean ; noisy]`, equal position ids and the SBD_SPEC 2.4 mask.
+  training forward over `[clean ; noisy]` (docs/algorithm.md §2.3-2.4) and the full-recompute
+  oracle decode (docs/algorithm.md §3.10).
+- `Transformer.sbd_train_forward`: `[clean ; noisy]`, equal position ids, the mask of docs/algorithm.md §2.4.
 - `Transformer.decode_pass`: one cached pass with the row layout of `sbd::block_attention_with_kvcache`
   (causal rows appended to the cache, block rows never cached).
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 # Reserved id of the mask token m in the character vocabulary of `sbd_kernels.tasks` (pad 0, eos 1,
-# mask 2, separator 3): SBD_SPEC 2.7, the mask is an ordinary vocabulary entry.
+# mask 2, separator 3): the mask is an ordinary vocabulary entry (docs/algorithm.md §2.7).
 CHAR_MASK_TOKEN_ID = 2
 
 
@@ -73,7 +73,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": 48, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
         "max_seq_len": 160,
     },
-    # 0.8M parameters: the size FINDINGS.md showed learns reversed-digit addition for NTP and SBD on
+    # 0.8M parameters: the size that learned reversed addition (docs/performance.md §7.1) for NTP and SBD on
     # this CPU within the training budget (d 256 cost 3-6x more per step).
     "small": {
         "vocab_size": 48, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 384,
@@ -232,7 +232,7 @@ class Block(nn.Module):
 
 
 def sbd_mask_allows(q: Tensor, kv: Tensor, n: int, block_size: int | Tensor) -> Tensor:
-    """The SBD_SPEC 2.4 training-mask predicate over `[clean ; noisy]` (2n positions): may query q attend key kv?
+    """Training-mask predicate (docs/algorithm.md §2.4) over `[clean ; noisy]` (2n positions): may q attend kv?
 
     clean q < n:  clean keys kv <= q; no noisy key.
     noisy q >= n: clean keys of strictly earlier blocks ((q-n)//k > kv//k) and every noisy key of its
@@ -252,7 +252,7 @@ def sbd_mask_allows(q: Tensor, kv: Tensor, n: int, block_size: int | Tensor) -> 
 
 
 def sbd_attention_mask(n: int, block_size: int, device: torch.device | str | None = None) -> Tensor:
-    """SBD_SPEC 2.4 training mask `[2n, 2n]` bool over `[clean ; noisy]` (True = query may attend key):
+    """docs/algorithm.md §2.4 training mask `[2n, 2n]` bool over `[clean ; noisy]` (True = q may attend kv):
     `sbd_mask_allows` evaluated on every (query, key) pair."""
     if n < 1 or block_size < 1:
         raise ValueError(f"sbd_attention_mask: n ({n}) and block_size ({block_size}) must be >= 1")
@@ -319,7 +319,7 @@ class Transformer(nn.Module):
 
     def sbd_train_forward(self, clean: Tensor, noisy: Tensor, block_size: int,
                           attn_mask: Any = None) -> Tensor:
-        """SBD training forward (SBD_SPEC 2.3-2.4): clean, noisy `[B, n]` -> logits `[B, 2n, V]` fp32.
+        """Training forward (docs/algorithm.md §2.3-2.4): clean, noisy `[B, n]` -> logits `[B, 2n, V]` fp32.
 
         Input `[clean ; noisy]`, noisy token i at the same position id as clean token i. attn_mask
         defaults to `sbd_attention_mask(n, block_size)`; a caller may pass the same mask as a

@@ -11,7 +11,7 @@ every attention runs at the slower of its two ceilings, summed over the layers a
 
 with w, a, kv the bytes per weight, activation and cached element, c the causal rows appended to the cache
 (1 for an NTP step, 0 for a later pass of a block, k for the first pass of a block), keys(row) = L + i + 1
-for causal row i and L + t for a block row (SBD_SPEC 3.2-3.3). The seven linears of a layer are wq, wk,
+for causal row i, L + t for a block row (docs/algorithm.md §3.2-3.3). A layer's seven linears are wq, wk,
 wv (dim -> Hq D, Hkv D, Hkv D), wo (Hq D -> dim), w1, w3 (dim -> ffn), w2 (ffn -> dim); the LM head is
 dim -> vocab over all b t rows (every block row needs its logits). As in the paper, only matmuls and
 attention are counted: norms, RoPE, residual adds, SwiGLU's product and the embedding gather move about
@@ -20,7 +20,7 @@ weight bytes at b t = 16 but 22% at b t = 512, where unfused they add ~13% to th
 
 A block of k tokens decoded in l passes costs time(2k) + (l - 1) time(k), k NTP steps cost k time(1):
 
-    wall-clock speedup = k time(1) / (time(2k) + (l - 1) time(k))                      (SBD_SPEC 4)
+    wall-clock speedup = k time(1) / (time(2k) + (l - 1) time(k))             (docs/algorithm.md §4)
 
 Time is linear in l, so the mean passes per block of a measured distribution gives the exact expected
 speedup over many blocks. The first block after the prefill has no 2k pass; it is ignored (one block of an
@@ -155,7 +155,7 @@ def linear_cost(name: str, rows: int, in_features: int, out_features: int, prec:
 
 def attention_keys(tokens: int, kv_len: int, num_causal: int) -> int:
     """Sum over the query rows of one sequence of the keys each row attends to: causal row i sees
-    L + i + 1 keys, each of the t - c block rows sees L + t (SBD_SPEC 3.2-3.3)."""
+    L + i + 1 keys, each of the t - c block rows sees L + t (docs/algorithm.md §3.2-3.3)."""
     block_rows = tokens - num_causal
     return num_causal * kv_len + num_causal * (num_causal + 1) // 2 + block_rows * (kv_len + tokens)
 
@@ -271,7 +271,7 @@ class NfeStat:
         return self.block_size / self.nfe_speedup
 
 
-# Paper Table 1 (SBD_SPEC 5), average NFE speedup over the six benchmarks at k = 16.
+# Paper Table 1 (docs/algorithm.md §5), average NFE speedup over the six benchmarks at k = 16.
 PAPER_NFE = {
     "llama3.1-8b": [NfeStat("paper Table 1, gamma low", 3.0), NfeStat("paper Table 1, gamma high", 3.4)],
     "qwen3-8b": [NfeStat("paper Table 1, gamma low", 3.2), NfeStat("paper Table 1, gamma high", 3.8)],

@@ -1,7 +1,7 @@
 """Synthetic tasks with exact-match scoring, a character tokenizer, and batching for training.
 
 Both task families have answers whose positions can be predicted in parallel, which SBD needs
-(FINDINGS.md: sorting failed at this scale, reversed-digit addition worked):
+(docs/performance.md §7.1: sorting failed at this scale, reversed-digit addition worked):
 - `add`: two 31-digit numbers written least-significant digit first; the answer is their sum as exactly
   32 digits, least-significant first (zero-padded). Answer digit i depends on digits i and one carry.
   Prompt `a+b` = 63 characters.

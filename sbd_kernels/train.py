@@ -1,10 +1,10 @@
-"""SBD training (SBD_SPEC 2) and plain NTP training of the reference model on the synthetic tasks.
+"""SBD training (docs/algorithm.md §2) and plain NTP training of the reference model on the synthetic tasks.
 
 SBD objective, per step:
 - k ~ U{2..16}, one per step (drawn from the step number, so every data-parallel rank agrees);
 - per sequence eta ~ U(0, 1); every token of the noisy copy is replaced by the mask id with prob. eta;
 - input [clean ; noisy] (length 2n), noisy token i at the same position id as clean token i, attention
-  mask of SBD_SPEC 2.4 (`sbd_attention_mask`): dense boolean mask + SDPA on CPU, FlexAttention BlockMask
+  mask (docs/algorithm.md §2.4, `sbd_attention_mask`): dense bool mask + SDPA on CPU, FlexAttention BlockMask
   on a GPU;
 - loss = one mean over every counted target of both halves: NTP (clean half, shifted labels) and MATP
   (noisy half, masked positions, unshifted labels). Targets are counted on answer + EOS positions only
@@ -86,7 +86,7 @@ class TrainConfig:
     warmup_steps: int = 100
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    block_min: int = 2                  # k ~ U{block_min..block_max} (SBD_SPEC 2.2)
+    block_min: int = 2                  # k ~ U{block_min..block_max} (docs/algorithm.md §2.2)
     block_max: int = 16
     eval_every: int = 250
     eval_examples: int = 64             # held-out examples per task at each evaluation
@@ -104,7 +104,7 @@ class TrainConfig:
         return [t for t in self.tasks.split(",") if t]
 
 
-# ---------------------------------------------------------------- SBD objective (SBD_SPEC 2)
+# ---------------------------------------------------------------- SBD objective (docs/algorithm.md §2)
 
 def block_size_for_step(step: int, cfg: TrainConfig) -> int:
     """k ~ U{block_min..block_max}, one per step, the same on every rank (seeded by the step)."""
@@ -113,7 +113,7 @@ def block_size_for_step(step: int, cfg: TrainConfig) -> int:
 
 
 def add_noise(tokens: Tensor, mask_token_id: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Noisy copy (SBD_SPEC 2.1): eta `[B]` ~ U(0,1) per sequence, each token -> mask id w.p. eta.
+    """Noisy copy (docs/algorithm.md §2.1): eta `[B]` ~ U(0,1) per sequence, each token -> mask id w.p. eta.
     Returns (noisy `[B, n]` int64, eta `[B]` fp32). generator lives on the device of tokens."""
     b, n = tokens.shape
     eta = torch.rand(b, generator=generator, device=tokens.device)
@@ -143,7 +143,7 @@ def _summed_cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tenso
 
 def sbd_loss(model: nn.Module, tokens: Tensor, target_mask: Tensor, block_size: int, mask_token_id: int,
              generator: torch.Generator, attn_mask: Any = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """SBD loss (SBD_SPEC 2.5): one mean of CE over NTP targets (clean half) and MATP targets (noisy
+    """SBD loss (docs/algorithm.md §2.5): one mean of CE over NTP targets (clean half) and MATP targets (noisy
     half). model: a Transformer or its DDP wrapper. Returns (loss, detached per-term means)."""
     noisy, _ = add_noise(tokens, mask_token_id, generator)
     labels = sbd_labels(tokens, target_mask, noisy, mask_token_id)
@@ -165,7 +165,7 @@ def ntp_loss(model: nn.Module, tokens: Tensor, target_mask: Tensor) -> tuple[Ten
 
 
 def flex_block_mask(n: int, block_size: int, device: torch.device) -> Any:
-    """The SBD_SPEC 2.4 mask as a FlexAttention BlockMask over 2n positions (GPU training)."""
+    """The mask of docs/algorithm.md §2.4 as a FlexAttention BlockMask over 2n positions (GPU training)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     # k as a captured tensor, not a Python int: the compiled kernel then serves every k of U{2..16}

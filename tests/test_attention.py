@@ -159,7 +159,7 @@ def forward(layers, x, positions, attend):
 
 
 def full_recompute(layers, x, block_start):
-    """The whole sequence at once: causal up to block_start, block rows see everything (SBD_SPEC 3.10)."""
+    """The whole sequence at once: causal up to block_start, block rows see all (docs/algorithm.md §3.10)."""
     total = x.shape[0]
     mask = torch.ones(total, total, dtype=torch.bool).tril()
     mask[block_start:] = True
@@ -197,7 +197,7 @@ class CachedStack:
 
 
 def test_cached_decode_equals_full_recompute():
-    """Guards against any break of SBD_SPEC 3.10 through the op: prefill (K = 0), a first block pass with
+    """Guards against breaking docs/algorithm.md §3.10 in the op: prefill (K = 0), a first block pass with
     the previous block's tokens as causal rows, and a later pass with only the block must all give the
     block outputs of a full recompute over the whole sequence; the cache must hold only causal K/V."""
     gen = torch.Generator().manual_seed(0)

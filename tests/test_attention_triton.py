@@ -178,7 +178,7 @@ def test_agrees_with_sdpa(gqa):
 
 
 def test_cached_decode_equals_full_recompute():
-    """Guards against any break of SBD_SPEC 3.10 through the Triton kernel: prefill (K = 0), a first
+    """Guards against any break of docs/algorithm.md §3.10 through the Triton kernel: prefill (K = 0), a first
     block pass with the previous block as causal rows and a later block-only pass must give the block
     outputs of a full recompute over the whole sequence (tiny random 2-layer transformer, RoPE, GQA)."""
     gen = torch.Generator().manual_seed(0)

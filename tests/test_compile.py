@@ -10,7 +10,7 @@ MASK_TOKEN_ID = 5
 
 
 def decode_step(logits, seed, offset, temperature, block_tokens, is_masked, gamma):
-    """One pass of SBD_SPEC 3.3-3.5 after the forward: sample the masked positions, reveal by the EB rule.
+    """One pass (docs/algorithm.md §3.3-3.5) after the forward: sample masked positions, reveal by EB rule.
 
     logits [B, K, V]; seed, offset [B] int64; temperature, gamma [B] fp32; block_tokens [B, K] int64 and
     is_masked [B, K] bool are updated in place.

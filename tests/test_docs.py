@@ -1,6 +1,10 @@
-"""The runnable examples in the public docstrings stay true."""
+"""The runnable examples in the public docstrings stay true, and every reference to docs/ resolves."""
 import doctest
+import functools
 import importlib
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,3 +30,76 @@ def test_readme_python_example_runs():
     exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102  (our own README)
     assert namespace["out"].shape == namespace["q"].shape
     assert namespace["accepted"].any(dim=1).all(), "EB accepts at least one position per row"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# References to docs/ (tools/check_doc_refs.py, also run by `make lint`)
+# ---------------------------------------------------------------------------------------------------------
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHECKER = REPO_ROOT / "tools" / "check_doc_refs.py"
+
+
+def _run_checker(*files: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(CHECKER), *map(str, files)], capture_output=True, text=True,
+                          cwd=REPO_ROOT, check=False)
+
+
+@functools.cache
+def _checker_module():
+    spec = importlib.util.spec_from_file_location("check_doc_refs", CHECKER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_reference_in_the_repository_resolves():
+    """Guards against a comment, docstring or document citing a section of docs/ that does not exist (or
+    was renumbered), and against citations of internal notes that never ship with the repository."""
+    in_git = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--is-inside-work-tree"],
+                            capture_output=True, check=False).returncode == 0
+    if not in_git:
+        pytest.skip("not a git checkout: the checker scans `git ls-files`")
+    result = _run_checker()
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_checker_reports_each_broken_reference(tmp_path):
+    """Guards against a checker that passes everything: a file with a missing section, a missing range end,
+    a missing document, a section number without a document and a mention of an internal note must fail
+    with file:line and the missing target, while the valid references beside them are not reported."""
+    note = _checker_module().NOTE_NAMES[0]
+    lines = [
+        "see docs/algorithm.md §2.4 and docs/performance.md §7.1",      # 1: valid
+        "see docs/algorithm.md §3.2-3.3",                               # 2: valid range
+        "see docs/algorithm.md " + "§" + "99.1",                        # 3: no such section
+        "see docs/algorithm.md " + "§" + "3.2-3.99",                    # 4: range end missing
+        "see docs/" + "nowhere.md",                                     # 5: no such document
+        "see " + "§" + "3.5",                                           # 6: no document named
+        f"see {note} 3.5",                                              # 7: internal note
+    ]
+    source = tmp_path / "example.py"
+    source.write_text("\n".join(lines) + "\n")
+    result = _run_checker(source)
+    assert result.returncode == 1, result.stdout + result.stderr
+    reported = {int(line.split(":")[1]): line for line in result.stderr.splitlines()
+                if line.startswith(str(source))}
+    expected = {3: "99.1 in docs/algorithm.md", 4: "3.99 in docs/algorithm.md",
+                5: "no document docs/" + "nowhere.md", 6: "names no document", 7: f"mentions '{note}'"}
+    assert sorted(reported) == sorted(expected), result.stderr
+    for number, target in expected.items():
+        assert target in reported[number], reported[number]
+
+    source.write_text("\n".join(lines[:2]) + "\n")
+    assert _run_checker(source).returncode == 0, "valid references alone must pass"
+
+
+def test_checker_enforces_one_heading_scheme(tmp_path):
+    """Guards against documents whose numbered headings cannot be cited unambiguously: a section number
+    defined twice, or a heading level that does not match the number's depth."""
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Title\n## 1. One\n### 1.1 Sub\n## 1.2 Wrong level\n### 1.1 Again\n"
+                   "```\n## 9. In a fence\n```\n")
+    sections, problems = _checker_module().document_sections(doc, tmp_path)
+    assert sections == {"1", "1.1", "1.2"}
+    assert [(p.line, "twice" in p.message) for p in problems] == [(4, False), (5, True)]

@@ -156,7 +156,7 @@ def one_hot_logits(tokens: list[int | None], vocab: int) -> torch.Tensor:
 
 def test_eos_waits_for_earlier_positions():
     """Guards against finishing on an EOS revealed while an earlier block position is still masked, and
-    against keeping positions after the EOS (SBD_SPEC 3.8)."""
+    against keeping positions after the EOS (docs/algorithm.md §3.8)."""
     vocab, eos, mask = 8, 1, 2
     sp = gen.DecodeConstants(eos_ids=(eos,), pad_id=0, mask_id=mask, block_size=4, max_new_tokens=16,
                              gamma=0.0, temperature=0.0, rule="eb")
@@ -214,7 +214,7 @@ def test_nfe_accounting(model, prompts, method):
 @pytest.mark.parametrize("ops", ["fused", "naive"])
 def test_block_logits_equal_full_recompute(model, prompts, ops):
     """Guards against block K/V written to the cache or wrong positions of the appended causal rows: the
-    block logits of a first (2K-row) pass and a later pass equal a full recompute (SBD_SPEC 3.10)."""
+    block logits of a first (2K-row) and a later pass equal a full recompute (docs/algorithm.md §3.10)."""
     atol, rtol = tolerance(torch.float32)
     for prompt in prompts:
         err, scale = gen.block_logit_error(model, prompt, list(range(10, 10 + 2 * BLOCK)), BLOCK, ops_for(ops))

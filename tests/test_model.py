@@ -35,7 +35,7 @@ def random_tokens(*shape: int) -> torch.Tensor:
 
 
 def recompute_mask(prefix: int, block: int) -> torch.Tensor:
-    """SBD_SPEC 3.10: causal over the first `prefix` tokens; the `block` rows after them see everything."""
+    """docs/algorithm.md §3.10: causal over the first `prefix` tokens; the `block` rows after them see all."""
     t = prefix + block
     mask = torch.ones(t, t, dtype=torch.bool).tril()
     mask[prefix:, :] = True
@@ -119,7 +119,7 @@ def _prefill(model, prompts, lengths, cache, op):
 @pytest.mark.parametrize("op_name", ["naive", "cpp"])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 def test_decode_pass_equals_full_recompute(op_name, block_size):
-    """Guards against a cached pass diverging from the full recompute of SBD_SPEC 3.10 (wrong RoPE
+    """Guards against a cached pass diverging from the full recompute of docs/algorithm.md §3.10 (wrong RoPE
     positions for causal/block rows, a wrong cache length, block K/V leaking into the cache): prefill
     rows of different lengths, then one [causal ; block] pass with num_causal = 0, 2, C, then a
     block-only pass; every valid row's logits must match a no-cache forward with the 3.10 mask."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# The op contracts of DESIGN.md, as the dispatcher prints them. Other codebases call these exact names.
+# The op schemas of csrc/sbd_ops.cpp, as the dispatcher prints them. Other codebases call these exact names.
 EXPECTED_SCHEMAS = {
     "block_attention_with_kvcache": (
         "sbd::block_attention_with_kvcache(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, "

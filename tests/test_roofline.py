@@ -53,7 +53,7 @@ def test_missing_compute_dtype_falls_back_to_bf16():
     (3, 0, 0, 9),                          # empty cache
 ])
 def test_attention_keys_by_hand(tokens, kv_len, num_causal, expected):
-    """Guards against the wrong attention pattern of SBD passes (SBD_SPEC 3.2-3.3) in the FLOP count."""
+    """Guards against a wrong SBD attention pattern (docs/algorithm.md §3.2-3.3) in the FLOP count."""
     assert rl.attention_keys(tokens, kv_len, num_causal) == expected
 
 
@@ -299,7 +299,7 @@ def test_paper_json_schema(tmp_path, capsys):
     (2.0, 2.5, 3.0, 16, 1, 32 / 3),          # one pass per block: only the 2k pass is paid
 ])
 def test_sbd_speedup_by_hand(t1, tk, t2k, k, passes, expected):
-    """Guards against the wrong wall-clock formula (SBD_SPEC 4): k time(1) / (time(2k) + (l-1) time(k))."""
+    """Guards against a wrong speedup (docs/algorithm.md §4): k time(1) / (time(2k) + (l-1) time(k))."""
     assert rl.sbd_speedup(rl.BlockTimes(k, t1, tk, t2k), passes) == pytest.approx(expected)
 
 
@@ -404,7 +404,7 @@ def test_parse_case_labels():
 
 
 def test_tokens_per_s_from_forward_times():
-    """Guards against a tokens/s that is not the SBD_SPEC 4 cost model: NTP B / time(1), SBD B k / (time(2k)
+    """Guards against tokens/s off the docs/algorithm.md §4 cost model: NTP B / time(1), SBD B k / (time(2k)
     + (l - 1) time(k))."""
     from bench.plots import tokens_per_s
 

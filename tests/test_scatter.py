@@ -1,5 +1,5 @@
 """sbd.mask_scatter_: EB / threshold acceptance, in place, on the C++ CPU kernel and the Triton kernel
-(interpreter), against the oracle in naive.py and against cases written out by hand from SBD_SPEC 3.5."""
+(interpreter), against the oracle in naive.py and against hand-written cases of docs/algorithm.md §3.5."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""SBD training objective (SBD_SPEC 2): mask, noise, labels, loss, schedule, loop, data parallel."""
+"""SBD training objective (docs/algorithm.md §2): mask, noise, labels, loss, schedule, loop, data parallel."""
 import argparse
 import math
 import os
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def spec_table(n: int, k: int) -> list[list[bool]]:
-    """SBD_SPEC 2.4 written cell by cell, independently of the implementation."""
+    """docs/algorithm.md §2.4 written cell by cell, independently of the implementation."""
     table = []
     for q in range(2 * n):
         row = []
@@ -54,7 +54,7 @@ def spec_table(n: int, k: int) -> list[list[bool]]:
 
 @pytest.mark.parametrize("n, k", [(1, 2), (5, 2), (7, 3), (16, 16), (17, 16), (33, 4), (97, 13)])
 def test_training_mask_equals_the_spec_table(n, k):
-    """Guards against any cell of the SBD training mask differing from SBD_SPEC 2.4 (off-by-one at block
+    """Guards against any cell of the training mask differing from docs/algorithm.md §2.4 (off-by-one at block
     edges, noisy rows seeing clean keys of their own block, clean rows seeing noisy keys)."""
     assert sbd_attention_mask(n, k).tolist() == spec_table(n, k)
 
@@ -99,7 +99,7 @@ def test_labels_and_loss_masks():
 
 
 def test_sbd_loss_is_one_mean_over_both_halves():
-    """Guards against averaging the two terms separately (SBD_SPEC 2.5 [our choice]: one mean over
+    """Guards against averaging the two terms apart (docs/algorithm.md §2.5, project choice: one mean over
     every counted NTP and MATP target) or computing the logits over a wrong input / mask."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig.preset("tiny"))

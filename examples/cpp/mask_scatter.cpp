@@ -1,5 +1,5 @@
 // Calls sbd::mask_scatter_ from C++ through the PyTorch dispatcher, as an inference engine written against
-// libtorch would, and checks the result of one EB acceptance step (SBD_SPEC 3.5).
+// libtorch would, and checks the result of one EB acceptance step (docs/algorithm.md §3.5).
 //
 // Block of K = 4 positions, all masked, entropies {0.05, 0.30, 0.02, 0.90}, gamma = 0.1.
 // Ranked by entropy: positions 2 (0.02), 0 (0.05), 1 (0.30), 3 (0.90). Sums of the entropies ranked before

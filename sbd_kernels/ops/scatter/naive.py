@@ -2,7 +2,7 @@
 
 For each row b, the candidates are the positions j with is_masked[b, j] and valid[b, j]. They are
 ranked by (entropy, position) ascending, a NaN entropy counting as +inf. With gamma = gamma[b]:
-- rule "eb" (SBD_SPEC 3.5): the candidate of rank r is accepted iff r == 0 or
+- rule "eb" (docs/algorithm.md §3.5): the candidate of rank r is accepted iff r == 0 or
   fl32(...fl32(fl32(0 + H_0) + H_1) ... + H_{r-1}) <= gamma, the entropies of the candidates ranked
   before it summed one by one in fp32, in rank order (every backend sums in this order, so decisions
   agree bit for bit at the boundary).
