@@ -494,11 +494,13 @@ def compiled_steps() -> StepFunctions:
 @torch.inference_mode()
 def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eos_id: int | Sequence[int],
              pad_id: int, batch_size: int | None = None, ops: DecodeOps | None = None,
-             steps: StepFunctions | None = None) -> DecodeResult:
+             steps: StepFunctions | None = None, cuda_graph: bool = False) -> DecodeResult:
     """Decode every prompt (token-id lists) with the KV cache, `batch_size` prompts per batch (default all).
 
     ops: the kernels (default `fused_ops()`; `naive_ops()` runs the same loop on the oracles).
     steps: the step functions (default eager; `compiled_steps()` for torch.compile).
+    cuda_graph: replay the repeated decode steps from CUDA graphs (`sbd_kernels.graphs`; the model must be on a
+        CUDA device): same tokens, far less host overhead per pass.
     Prompt i samples with seed `cfg.seed + i` so that results do not depend on the batching.
 
     >>> from sbd_kernels.model import ModelConfig, Transformer
@@ -512,14 +514,23 @@ def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eo
     steps = steps or EAGER_STEPS
     sp = DecodeConstants.of(model.mask_token_id, cfg, eos_id, pad_id)
     device = next(model.parameters()).device
+    if cuda_graph and device.type != "cuda":
+        raise ValueError(f"generate: cuda_graph=True needs the model on a CUDA device, it is on {device}")
     batch_size = batch_size or len(prompts)
     decode_batch = _decode_sbd_batch if cfg.method == "sbd" else _decode_ntp_batch
     parts = []
     for first in range(0, len(prompts), batch_size):
         chunk = prompts[first: first + batch_size]
         seed = torch.arange(cfg.seed + first, cfg.seed + first + len(chunk), dtype=torch.int64, device=device)
-        parts.append(decode_batch(model, chunk, seed, ops, sp, steps))
+        parts.append(decode_batch(model, chunk, seed, ops, sp, _graphed(steps) if cuda_graph else steps))
     return DecodeResult.concat(parts)
+
+
+def _graphed(steps: StepFunctions) -> StepFunctions:
+    """CUDA-graph replay of `steps` for one batch (a fresh capture per batch: new state and cache buffers)."""
+    from sbd_kernels.graphs import graphed_steps
+
+    return graphed_steps(steps, "cuda")
 
 
 # ----------------------------------------------------------------------------------------------------

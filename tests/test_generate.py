@@ -287,3 +287,34 @@ def test_any_of_several_eos_ids_ends_the_sequence():
     assert bool(state.finished[0]) and state.generated.tolist() == [2]
     assert gen._answers(state.answer, state.generated, sp.eos_ids) == [[5]]
     assert sp.is_eos(torch.tensor([0, 1, 7, 3])).tolist() == [False, True, True, False]
+
+
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_graph_safe_steps_give_the_eager_tokens(model, prompts, method):
+    """Guards against a decode step that rebinds a state or cache buffer (a CUDA graph replay would then read
+    stale memory): the graph-replay wrapper's static-buffer checks run on CPU and the tokens equal the eager ones."""
+    from sbd_kernels.graphs import graphed_steps
+
+    cfg = DecodeConfig(method=method, block_size=BLOCK, gamma=0.5, max_new_tokens=BUDGET)
+    checked = generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, steps=graphed_steps(gen.EAGER_STEPS, "check"))
+    assert_same_decode(checked, generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD))
+
+
+def test_graph_checks_catch_a_step_that_moves_a_buffer(model, prompts):
+    """Guards against the static-buffer check passing a step that replaces a state tensor."""
+    from sbd_kernels.graphs import graphed_steps
+
+    def rebinding_step(model_, cache, state, ops, sp, causal_slots):
+        gen.sbd_block_step(model_, cache, state, ops, sp, causal_slots)
+        state.block = state.block.clone()
+
+    steps = graphed_steps(dataclasses.replace(gen.EAGER_STEPS, sbd_block_step=rebinding_step), "check")
+    cfg = DecodeConfig(method="sbd", block_size=BLOCK, gamma=0.0, max_new_tokens=BUDGET)
+    with pytest.raises(RuntimeError, match="SbdState.block moved"):
+        generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, steps=steps)
+
+
+def test_cuda_graph_needs_a_cuda_model(model, prompts):
+    """Guards against cuda_graph=True silently decoding eagerly on a CPU model."""
+    with pytest.raises(ValueError, match="CUDA device"):
+        generate(model, prompts, DecodeConfig(max_new_tokens=4), eos_id=EOS, pad_id=PAD, cuda_graph=True)

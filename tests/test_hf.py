@@ -379,3 +379,14 @@ def test_sampling_follows_the_seed_and_refuses_filters_it_cannot_apply():
     assert not torch.equal(sample(3), sample(4))
     with pytest.raises(ValueError, match="top_k"):
         model.generate(ids, max_new_tokens=8, custom_generate=hf.sbd_generate, do_sample=True, top_k=50)
+
+
+def test_graph_safe_steps_hold_for_the_hf_cache(sbd_model):
+    """Guards against the HF decode pass rebinding SbdCache buffers (CUDA-graph replays would read stale memory)."""
+    from sbd_kernels.generate import EAGER_STEPS
+    from sbd_kernels.graphs import graphed_steps
+
+    cfg = DecodeConfig(method="sbd", block_size=4, gamma=0.5, max_new_tokens=10)
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11]]
+    checked = generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0, steps=graphed_steps(EAGER_STEPS, "check"))
+    assert checked.tokens == generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0).tokens

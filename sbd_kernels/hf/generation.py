@@ -87,12 +87,14 @@ def _sequences(input_ids: Tensor, result: DecodeResult, pad_id: int) -> Tensor:
 def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None, *, max_new_tokens: int,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None, method: str = "sbd",
              block_size: int | None = None, gamma: float = 0.1, rule: str = "eb", temperature: float = 0.0,
-             seed: int = 0, batch_size: int | None = None, ops: DecodeOps | None = None) -> SbdGenerateOutput:
+             seed: int = 0, batch_size: int | None = None, ops: DecodeOps | None = None,
+             cuda_graph: bool = False) -> SbdGenerateOutput:
     """SBD (`method="sbd"`) or NTP decoding of an HF model prepared by `enable_sbd` (or its `SbdCausalLM`).
 
     input_ids `[B, P]` int64 with optional attention_mask `[B, P]` (left or right padding); eos_token_id: one id or
     several (default: the model's generation config); block_size: default the one recorded by `enable_sbd`; sequence
-    i samples with seed `seed + i` (temperature > 0). Returns `SbdGenerateOutput` (see the module docstring).
+    i samples with seed `seed + i` (temperature > 0); cuda_graph: replay the decode steps from CUDA graphs (model on
+    a CUDA device). Returns `SbdGenerateOutput` (see the module docstring).
     """
     sbd_model = model if isinstance(model, SbdCausalLM) else SbdCausalLM(model)
     generation_config = getattr(sbd_model.hf_model, "generation_config", None)
@@ -108,7 +110,7 @@ def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None
                        temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, rule=rule)
     prompts = prompts_from_batch(input_ids, attention_mask)
     result = decode(sbd_model, prompts, cfg, eos_id=eos_ids, pad_id=pad_token_id, batch_size=batch_size,
-                    ops=ops or fused_ops())
+                    ops=ops or fused_ops(), cuda_graph=cuda_graph)
     return SbdGenerateOutput(sequences=_sequences(input_ids, result, pad_token_id), nfe=result.nfe,
                              generated=result.generated, accepted_hist=result.accepted_hist)
 
@@ -145,8 +147,10 @@ def _refuse_unsupported(logits_processor: Any, stopping_criteria: Any, generatio
 def sbd_generate(model: Any, input_ids: Tensor, logits_processor: Any = None, stopping_criteria: Any = None,
                  generation_config: Any = None, synced_gpus: bool = False, streamer: Any = None, *,
                  method: str = "sbd", block_size: int | None = None, gamma: float = 0.1, rule: str = "eb",
-                 seed: int = 0, ops: DecodeOps | None = None, **model_kwargs: Any) -> SbdGenerateOutput | Tensor:
-    """`model.generate(..., custom_generate=sbd_generate, gamma=..., block_size=..., method=..., seed=...)`.
+                 seed: int = 0, ops: DecodeOps | None = None, cuda_graph: bool = False,
+                 **model_kwargs: Any) -> SbdGenerateOutput | Tensor:
+    """`model.generate(..., custom_generate=sbd_generate, gamma=..., block_size=..., method=..., seed=...,
+    cuda_graph=...)`.
 
     HF prepares the inputs and the generation config, then calls this with them; the decode is `generate` above.
     Returns `SbdGenerateOutput` with `return_dict_in_generate=True`, else the sequences tensor (as HF does).
@@ -160,5 +164,5 @@ def sbd_generate(model: Any, input_ids: Tensor, logits_processor: Any = None, st
                    eos_token_id=generation_config.eos_token_id, pad_token_id=generation_config.pad_token_id,
                    method=method, block_size=block_size, gamma=gamma, rule=rule,
                    temperature=generation_config.temperature if generation_config.do_sample else 0.0, seed=seed,
-                   ops=ops)
+                   ops=ops, cuda_graph=cuda_graph)
     return out if generation_config.return_dict_in_generate else out.sequences
