@@ -25,6 +25,8 @@ from pathlib import Path
 
 from bench.common import PEAK_DTYPE_FOR, REPO_ROOT, machine_header
 from bench.plots import write_plots
+from sbd_kernels import argtypes
+from sbd_kernels.argtypes import add_option
 
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 COLUMNS = ["case", "provider", "median_ms", "p20_ms", "p80_ms", "gbs", "pct_copy", "gflops", "pct_peak",
@@ -172,13 +174,19 @@ def write_outputs(out_dir: Path, header: dict, families: dict[str, list[dict]], 
     return report
 
 
+FAMILIES = sorted(p.stem.removeprefix("bench_") for p in (REPO_ROOT / "bench").glob("bench_*.py"))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--only", default="", help="comma-separated families, e.g. sampling,attention")
+    parser.add_argument("--only", type=argtypes.choice_list(FAMILIES), default=None,
+                        help=f"comma-separated families among {', '.join(FAMILIES)} (default: all)")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression selecting cases")
-    parser.add_argument("--rounds", type=int, help="timed rounds per provider and case (default 20)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
-    parser.add_argument("--from-json", type=Path, help="build the report from an earlier raw.json")
-    parser.add_argument("--no-gpu-static", action="store_true", help="skip the GPU compile check section")
+    parser.add_argument("--rounds", type=argtypes.positive_int, help="timed rounds per provider and case (default 20)")
+    parser.add_argument("--out", type=lambda text: Path(argtypes.output_dir(text)), default=RESULTS_DIR,
+                        help="results folder")
+    add_option(parser, "--from-json", type=lambda text: Path(argtypes.existing_file(text)),
+               help="build the report from an earlier raw.json")
+    add_option(parser, "--no-gpu-static", action="store_true", help="skip the GPU compile check section")
     return parser
 
 
@@ -190,12 +198,15 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     if args.from_json is None:
         args.out.mkdir(parents=True, exist_ok=True)
-        only = [f for f in args.only.split(",") if f]
+        only = args.only.split(",") if args.only else []
         status = run_benchmarks(raw_json, only, args.keyword, args.rounds)
         if not raw_json.exists():
             return status or 1
     header = machine_header()
-    raw = json.loads(raw_json.read_text())
+    try:
+        raw = json.loads(raw_json.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{raw_json}: not JSON ({err})") from None
     families = rows_from_raw(raw, header)
     extra = roofline_section(raw)
     if not args.no_gpu_static:

@@ -1,42 +1,68 @@
 """The `sbd` command: `sbd train`, `sbd generate`, `sbd demo`, `sbd roofline`, `sbd bench`.
 
     sbd demo [--quick] [--json PATH] [--plot PATH]   # the main job: accuracy vs NFE speedup table
-    sbd train --objective sbd --init_from ntp.pt --out sbd.pt ...
+    sbd train --objective sbd --init-from ntp.pt --out sbd.pt ...
     sbd generate --task add --num-prompts 8 --method sbd --gamma 0.1
     sbd generate --prompt "12+34" --method ntp
     sbd roofline --project --demo-json demo.json
     sbd bench [--only sampling,attention] [-k EXPR] [--rounds N]   # from a source checkout
 
 Each subcommand's flags come from its module (`train`, `demo`, `roofline`: `add_arguments` and `main`).
+Every value is checked as it is parsed (`sbd_kernels.argtypes`): a bad one exits with status 2 and one
+`sbd <cmd>: error: argument --flag: ...` line under the usage, before any work. An error while running (a
+damaged checkpoint, `--device cuda` without a GPU) exits with status 1 and one `sbd <cmd>: error: ...`
+line; `--debug` (or SBD_DEBUG=1) shows its traceback instead. Flags are spelled with dashes and matched
+exactly (no abbreviations); their underscore spellings are accepted but not listed.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from sbd_kernels import argtypes
+from sbd_kernels.argtypes import add_option
 
 
 # ----------------------------------------------------------------------------------------------------
 # sbd generate
 # ----------------------------------------------------------------------------------------------------
+def _prompt_text(text: str) -> str:
+    from sbd_kernels.tasks import TOKENIZER
+
+    try:
+        TOKENIZER.encode(text)
+    except ValueError:
+        bad = next(c for c in text if c not in TOKENIZER.CHARS)
+        raise argparse.ArgumentTypeError(f"character {bad!r} of {text!r} is not in the vocabulary "
+                                         f"({TOKENIZER.CHARS})") from None
+    return text
+
+
 def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--checkpoint", default=None,
+    from sbd_kernels.tasks import TASKS
+
+    parser.add_argument("--checkpoint", type=argtypes.existing_file, default=None,
                         help="model file written by `sbd train` (default: the bundled SBD checkpoint)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--prompt", action="append", default=None,
+    source.add_argument("--prompt", action="append", type=_prompt_text, default=None,
                         help="prompt text (repeat for several); the separator is appended")
-    source.add_argument("--task", default="add", help="decode this task's held-out prompts (default add)")
-    parser.add_argument("--num-prompts", type=int, default=4, help="held-out prompts with --task")
+    source.add_argument("--task", choices=list(TASKS), default="add",
+                        help="decode this task's held-out prompts (default add)")
+    add_option(parser, "--num-prompts", type=argtypes.positive_int, default=4, help="held-out prompts with --task")
     parser.add_argument("--method", choices=("ntp", "sbd"), default="sbd")
-    parser.add_argument("--gamma", type=float, default=0.1, help="EB entropy budget (SBD)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="answer budget, EOS included (default: the task's answer length, or 64)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=None, help="prompts per batch (default: all)")
+    parser.add_argument("--gamma", type=argtypes.non_negative_float, default=0.1, help="EB entropy budget (SBD)")
+    add_option(parser, "--block-size", type=argtypes.positive_int, default=16)
+    parser.add_argument("--temperature", type=argtypes.non_negative_float, default=0.0)
+    add_option(parser, "--max-new-tokens", type=argtypes.positive_int, default=None,
+               help="answer budget, EOS included (default: the task's answer length, or 64)")
+    parser.add_argument("--seed", type=argtypes.seed, default=0)
+    add_option(parser, "--batch-size", type=argtypes.positive_int, default=None,
+               help="prompts per batch (default: all)")
     parser.add_argument("--ops", choices=("fused", "naive"), default="fused")
-    parser.add_argument("--device", default="cpu", help="cpu (C++ kernels) or cuda (Triton kernels)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", type=argtypes.device, default="cpu",
+                        help="cpu (C++ kernels) or cuda (Triton kernels)")
+    parser.add_argument("--threads", type=argtypes.positive_int, default=1)
     return parser
 
 
@@ -48,14 +74,20 @@ def run_generate(args: argparse.Namespace) -> None:
     from sbd_kernels.model import load_checkpoint
     from sbd_kernels.tasks import TOKENIZER, exact_match, get_task, make_examples
 
+    argtypes.require_device(args.device)
     torch.set_num_threads(args.threads)
-    model, _ = load_checkpoint(args.checkpoint or SBD_CHECKPOINT, map_location=args.device)
+    checkpoint = args.checkpoint or SBD_CHECKPOINT
+    model, _ = load_checkpoint(checkpoint, map_location=args.device)
+    if model.config.vocab_size < TOKENIZER.vocab_size:
+        raise ValueError(f"{checkpoint}: its vocabulary ({model.config.vocab_size} ids) is smaller than the "
+                         f"character tokenizer's ({TOKENIZER.vocab_size} ids); not a model of these tasks")
     if args.prompt:
-        texts, references, budget = args.prompt, None, args.max_new_tokens or 64
+        texts, references = args.prompt, None
+        budget = 64 if args.max_new_tokens is None else args.max_new_tokens
     else:
         examples = make_examples(args.task, "held_out", args.num_prompts)
         texts, references = [ex.prompt for ex in examples], [ex.answer for ex in examples]
-        budget = args.max_new_tokens or get_task(args.task).answer_tokens
+        budget = get_task(args.task).answer_tokens if args.max_new_tokens is None else args.max_new_tokens
     cfg = DecodeConfig(method=args.method, block_size=args.block_size, gamma=args.gamma,
                        temperature=args.temperature, max_new_tokens=budget, seed=args.seed)
     result = generate(model, [TOKENIZER.encode_prompt(t) for t in texts], cfg, eos_id=TOKENIZER.EOS,
@@ -135,8 +167,8 @@ def run_bench(args: argparse.Namespace) -> None:
     try:
         from bench import report
     except ImportError as err:
-        raise SystemExit("sbd bench runs the benchmark suite of a source checkout (bench/ is not part of the "
-                         f"installed package): run it from the repository root ({err})") from err
+        raise RuntimeError("sbd bench runs the benchmark suite of a source checkout (bench/ is not part of the "
+                           f"installed package): run it from the repository root ({err})") from err
     sys.exit(report.run(args))
 
 
@@ -157,16 +189,52 @@ SUBCOMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sbd", description="Set Block Decoding: train, decode, demo.")
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of an error (also: SBD_DEBUG=1)")
+    parser = argparse.ArgumentParser(prog="sbd", description="Set Block Decoding: train, decode, demo.",
+                                     parents=[debug], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, (help_text, add_arguments, run) in SUBCOMMANDS.items():
-        add_arguments(sub.add_parser(name, help=help_text, description=help_text)).set_defaults(run=run)
+        # No abbreviations: `--batch` would be ambiguous between a flag and its hidden alias, and a flag
+        # added later would change what an abbreviation in an existing script means.
+        command = sub.add_parser(name, help=help_text, description=help_text, parents=[debug], allow_abbrev=False)
+        add_arguments(command).set_defaults(run=run, parser=command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    args.run(args)
+    """Parses argv (sys.argv[1:] by default) and runs the subcommand. Exit status 2 for bad arguments
+    (argparse's message), 1 for an error while running (one line on stderr), 130 when interrupted."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:     # reported by the subcommand, with its usage, rather than as `sbd: error: ...`
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    debug = getattr(args, "debug", False) or os.environ.get("SBD_DEBUG", "") not in ("", "0")
+    try:
+        args.run(args)
+    except argtypes.UsageError as err:
+        args.parser.error(str(err))
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"sbd {args.command}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as err:
+        if debug:
+            raise
+        print(f"sbd {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _one_line(err: Exception) -> str:
+    """The first line of err's message, after the exception's type unless that is ValueError (our
+    checks, CheckpointError), OSError or RuntimeError, whose messages say what is wrong by themselves."""
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else "(no message)"
+    more = " (--debug for the rest)" if "\n" in text else ""
+    if isinstance(err, (ValueError, OSError)) or type(err) is RuntimeError:
+        return first + more
+    return f"{type(err).__name__}: {first}{more}"
 
 
 if __name__ == "__main__":

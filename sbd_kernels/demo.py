@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import time
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from sbd_kernels import checks
+from sbd_kernels import argtypes, checks
+from sbd_kernels.argtypes import add_option
 from sbd_kernels.generate import (
     DecodeConfig,
     DecodeOps,
@@ -37,7 +39,7 @@ from sbd_kernels.generate import (
     generate,
     naive_ops,
 )
-from sbd_kernels.model import ModelConfig, Transformer, load_checkpoint
+from sbd_kernels.model import PRESETS, ModelConfig, Transformer, load_checkpoint
 from sbd_kernels.tasks import TASKS, TOKENIZER, exact_match, get_task, make_examples
 
 CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
@@ -224,36 +226,53 @@ def write_plot(results: list[dict], path: str) -> None:
 # ----------------------------------------------------------------------------------------------------
 # Entry point
 # ----------------------------------------------------------------------------------------------------
+PLOT_FORMATS = (".png", ".pdf", ".svg")
+
+
+def _plot_file(text: str) -> str:
+    if os.path.splitext(text)[1].lower() not in PLOT_FORMATS:
+        raise argparse.ArgumentTypeError(f"expected a file name ending in {', '.join(PLOT_FORMATS)}, got {text!r}")
+    return argtypes.output_file(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="random `tiny` models and 4 prompts per task: a seconds-long pipeline check")
-    parser.add_argument("--preset", default=None, help="random models of this preset instead of the bundled "
-                        "checkpoints (e.g. tiny; implied `tiny` by --quick)")
-    parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated task names")
-    parser.add_argument("--num-prompts", type=int, default=None, help="held-out prompts per task "
-                        "(default 100, 4 with --quick)")
-    parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
-    parser.add_argument("--gammas", default=",".join(str(g) for g in GAMMAS), help="SBD gamma values")
-    parser.add_argument("--timing-runs", type=int, default=None, help="most identical runs per row, the "
-                        "median reported (default 5, 1 with --quick)")
-    parser.add_argument("--kv-prompts", type=int, default=3, help="prompts of the exact-KV check")
+    parser.add_argument("--preset", choices=list(PRESETS), default=None, help="random models of this preset "
+                        "instead of the bundled checkpoints (e.g. tiny; implied `tiny` by --quick)")
+    parser.add_argument("--tasks", type=argtypes.choice_list(TASKS), default=",".join(TASKS),
+                        help="comma-separated task names")
+    add_option(parser, "--num-prompts", type=argtypes.positive_int, default=None,
+               help="held-out prompts per task (default 100, 4 with --quick)")
+    add_option(parser, "--batch-size", type=argtypes.positive_int, default=1,
+               help="prompts decoded together (default 1)")
+    parser.add_argument("--gammas", type=argtypes.non_negative_float_list, default=",".join(str(g) for g in GAMMAS),
+                        help="comma-separated SBD gamma values")
+    add_option(parser, "--timing-runs", type=argtypes.positive_int, default=None,
+               help="most identical runs per row, the median reported (default 5, 1 with --quick)")
+    add_option(parser, "--kv-prompts", type=argtypes.positive_int, default=3, help="prompts of the exact-KV check")
     parser.add_argument("--ops", choices=("fused", "naive"), default="fused",
                         help="decode with the fused torch.ops.sbd kernels or their pure-PyTorch oracles")
     # One thread: a batch-1 decode of the 0.8M-parameter model is a chain of small ops (1-80 rows x 128),
     # which a second thread only slows down: NTP measured 166 tokens/s with 1 thread, 35 with 2, on this
     # 2-core machine shared with other jobs.
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument("--device", default="cpu", help="cpu (C++ kernels) or cuda (Triton kernels)")
-    parser.add_argument("--json", default=None, help="write the results to this JSON file")
-    parser.add_argument("--plot", default=None, help="write accuracy vs NFE speedup to this PNG file")
+    parser.add_argument("--threads", type=argtypes.positive_int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--device", type=argtypes.device, default="cpu",
+                        help="cpu (C++ kernels) or cuda (Triton kernels)")
+    parser.add_argument("--json", type=argtypes.output_file, default=None, help="write the results to this JSON file")
+    parser.add_argument("--plot", type=_plot_file, default=None,
+                        help=f"write accuracy vs NFE speedup to this image ({', '.join(PLOT_FORMATS)})")
     return parser
 
 
 def main(args: argparse.Namespace) -> list[dict]:
+    argtypes.require_device(args.device)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise RuntimeError("--plot needs matplotlib (pip install matplotlib)")
     torch.set_num_threads(args.threads)
     preset = args.preset or ("tiny" if args.quick else None)
     num_prompts = args.num_prompts or (4 if preset else 100)
-    gammas = tuple(float(g) for g in args.gammas.split(",") if g)
+    gammas = tuple(args.gammas)
     ops = fused_ops() if args.ops == "fused" else naive_ops()
     start = time.perf_counter()
     models = random_models(preset) if preset else bundled_models(args.threads)

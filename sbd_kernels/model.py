@@ -9,13 +9,18 @@ One set of weights serves:
   (causal rows appended to the cache, block rows never cached).
 
 Checkpoints (`save_checkpoint` / `load_checkpoint`) hold the config as a plain dict beside the fp32
-weights, so loading needs nothing but this file.
+weights, so loading needs nothing but this file. `load_checkpoint` checks a file (format, structure,
+config, every weight's name and shape) before it builds anything, and raises `CheckpointError` naming
+the file and what is wrong.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
+import pickle
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -371,10 +376,183 @@ def save_checkpoint(model: Transformer, path: str | os.PathLike, **meta: Any) ->
     os.replace(tmp, path)
 
 
+class CheckpointError(ValueError):
+    """A file `load_checkpoint` cannot use; the message names the file and what is wrong with it."""
+
+
+# The largest config a checkpoint may declare, checked before anything is built. 4-64x beyond the
+# largest open models (Llama 3.1 405B: dim 16384, 126 layers, ffn 53248; Gemma 3: 262144 ids; 10M-token
+# contexts) so that every real config passes; the weights must then match the config tensor by tensor,
+# so a small file can no longer make the loader allocate and initialise a model of any size.
+CHECKPOINT_LIMITS = {"vocab_size": 2**22, "dim": 2**17, "n_layers": 2**12, "n_heads": 2**12,
+                     "n_kv_heads": 2**12, "ffn_dim": 2**19, "max_seq_len": 2**26}
+CHECKPOINT_MAX_PARAMETERS = 2**40     # 4 TiB of fp32 weights
+
+
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu"
                     ) -> tuple[Transformer, dict[str, Any]]:
-    """(model in eval mode, meta) from a file written by `save_checkpoint`; needs no training code."""
-    payload = torch.load(path, map_location=map_location, weights_only=True)
-    model = Transformer(ModelConfig(**payload["config"]))
-    model.load_state_dict(payload["state_dict"])
-    return model.to(map_location).eval(), payload["meta"]
+    """(model in eval mode on map_location, meta) from a file written by `save_checkpoint`; needs no
+    training code.
+
+    The file is read with `torch.load(weights_only=True)` (no code in it can run) and checked before any
+    module is built: a dict {config, state_dict, meta}; every config key known, sizes positive integers
+    within CHECKPOINT_LIMITS, at most CHECKPOINT_MAX_PARAMETERS parameters; exactly the weights of that
+    config, each a floating-point tensor of its shape. The model is then built on the meta device and
+    filled from the file, never initialised at full size.
+
+    Raises CheckpointError (a ValueError) naming the file and the problem: missing path, a directory, an
+    empty, truncated or damaged file, not a torch.save archive, refused by weights_only, the wrong
+    structure, an unknown / missing / bad config key, missing / unexpected / misshapen weights.
+    """
+    name = os.fspath(path)
+    payload = _read_checkpoint_file(name)
+    config, state, meta = _checkpoint_parts(name, payload)
+    cfg = _checkpoint_config(name, config)
+    _check_checkpoint_weights(name, cfg, state)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=map_location)
+    model.load_state_dict(state)
+    return model.eval(), meta
+
+
+def _read_checkpoint_file(path: str) -> Any:
+    """torch.load(path, weights_only=True) on the CPU, with each way a file can be unusable as a
+    CheckpointError (torch itself says OSError('Invalid argument') for a truncated file, a bare EOFError
+    for an empty one)."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path}: is a directory, not a checkpoint file")
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as file:
+            head = file.read(4)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read it ({err.strerror or err})") from err
+    if size == 0:
+        raise CheckpointError(f"{path}: empty file (0 bytes), not an sbd_kernels checkpoint")
+    if head != b"PK\x03\x04":        # torch.save writes a zip archive
+        raise CheckpointError(f"{path}: not an sbd_kernels checkpoint (not a torch.save archive)")
+    if not zipfile.is_zipfile(path):   # the central directory, at the very end of the file, is missing
+        raise CheckpointError(f"{path}: truncated ({size} bytes, the end of the archive is missing: an "
+                              "interrupted write or copy?)")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError) as err:
+        raise CheckpointError(f"{path}: damaged zip archive ({err})") from err
+    top = names[0].split("/")[0] if names else ""
+    if f"{top}/data.pkl" not in names:
+        raise CheckpointError(f"{path}: not an sbd_kernels checkpoint (a zip archive, but not one written by "
+                              "torch.save)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{path}: refused by torch.load(weights_only=True), it holds more than tensors "
+                              f"and plain values ({_unpickling_reason(err)})") from err
+    except Exception as err:  # a damaged archive fails in many ways: RuntimeError, OSError, EOFError, ...
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else "no detail"
+        raise CheckpointError(f"{path}: damaged ({type(err).__name__}: {detail})") from err
+
+
+def _unpickling_reason(err: Exception) -> str:
+    """The one informative line of torch's multi-paragraph weights_only error."""
+    for line in str(err).splitlines():
+        line = line.strip()
+        if line.startswith("WeightsUnpickler error:") and line != "WeightsUnpickler error:":
+            line = line.removeprefix("WeightsUnpickler error:").strip()
+        if line and not line.startswith(("Weights only load failed", "(1)", "(2)", "Check the documentation",
+                                         "Please file an issue", "WeightsUnpickler error:")):
+            return line.split(". Please use")[0]
+    return "an object it may not unpickle"
+
+
+def _checkpoint_parts(path: str, payload: Any) -> tuple[dict, dict, dict]:
+    """(config, state_dict, meta) of a payload that has the structure `save_checkpoint` writes."""
+    keys = ("config", "state_dict", "meta")
+    if not isinstance(payload, dict) or set(payload) != set(keys):
+        got = f"a dict with keys {list(payload)}" if isinstance(payload, dict) else f"a {type(payload).__name__}"
+        raise CheckpointError(f"{path}: not an sbd_kernels checkpoint (it holds {got}, expected a dict with keys "
+                              "config, state_dict, meta)")
+    for key in keys:
+        if not isinstance(payload[key], dict):
+            raise CheckpointError(f"{path}: {key!r} is a {type(payload[key]).__name__}, expected a dict")
+    return payload["config"], payload["state_dict"], payload["meta"]
+
+
+def _checkpoint_config(path: str, config: dict) -> ModelConfig:
+    """The ModelConfig of a checkpoint's config dict: known keys, sizes in CHECKPOINT_LIMITS, finite
+    positive floats, divisible heads, an even head dimension (RoPE rotates pairs)."""
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    for key in config:
+        if key not in fields:
+            raise CheckpointError(f"{path}: unknown config key {key!r} (known: {', '.join(fields)})")
+    for key, field in fields.items():
+        if key not in config and field.default is dataclasses.MISSING:
+            raise CheckpointError(f"{path}: missing config key {key!r}")
+    for key, value in config.items():
+        if key in CHECKPOINT_LIMITS:
+            if type(value) is not int or not 1 <= value <= CHECKPOINT_LIMITS[key]:
+                raise CheckpointError(f"{path}: config {key!r} must be an integer in [1, {CHECKPOINT_LIMITS[key]}], "
+                                      f"got {value!r}")
+        elif fields[key].type in ("float", float):
+            if type(value) not in (int, float) or not (math.isfinite(value) and value > 0):
+                raise CheckpointError(f"{path}: config {key!r} must be a finite number > 0, got {value!r}")
+        elif type(value) is not int:
+            raise CheckpointError(f"{path}: config {key!r} must be an integer, got {value!r}")
+    try:
+        cfg = ModelConfig(**config)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: bad config: {err}") from err
+    if cfg.head_dim % 2:
+        raise CheckpointError(f"{path}: bad config: head_dim {cfg.head_dim} must be even (RoPE rotates pairs)")
+    return cfg
+
+
+def _expected_weights(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every weight of Transformer(cfg), in state_dict order, from a one-layer model on
+    the meta device: no memory, and time independent of n_layers."""
+    with torch.device("meta"):
+        one_layer = Transformer(dataclasses.replace(cfg, n_layers=1)).state_dict()
+    per_layer = {name.removeprefix("layers.0."): tuple(t.shape) for name, t in one_layer.items()
+                 if name.startswith("layers.0.")}
+    first_in_layer = next(iter(per_layer))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, tensor in one_layer.items():
+        if name == f"layers.0.{first_in_layer}":
+            shapes.update({f"layers.{i}.{n}": shape for i in range(cfg.n_layers) for n, shape in per_layer.items()})
+        elif not name.startswith("layers."):
+            shapes[name] = tuple(tensor.shape)
+    return shapes
+
+
+def _check_checkpoint_weights(path: str, cfg: ModelConfig, state: dict) -> None:
+    """The state dict holds exactly the weights of cfg, each a dense floating-point tensor of its shape."""
+    expected = _expected_weights(cfg)
+    parameters = sum(math.prod(shape) for shape in expected.values())
+    if parameters > CHECKPOINT_MAX_PARAMETERS:
+        raise CheckpointError(f"{path}: the config describes {parameters:.3g} parameters, more than the "
+                              f"{CHECKPOINT_MAX_PARAMETERS:.3g} a checkpoint may hold")
+    missing = [name for name in expected if name not in state]
+    if missing:
+        raise CheckpointError(f"{path}: missing weights: {_some(missing)}")
+    unexpected = [str(name) for name in state if name not in expected]
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected weights: {_some(unexpected)}")
+    for name, shape in expected.items():
+        weight = state[name]
+        if not isinstance(weight, Tensor) or weight.layout != torch.strided:
+            kind = f"a {weight.layout} tensor" if isinstance(weight, Tensor) else f"a {type(weight).__name__}"
+            raise CheckpointError(f"{path}: weight {name!r} is {kind}, expected a dense tensor")
+        if not weight.is_floating_point():
+            raise CheckpointError(f"{path}: weight {name!r} has dtype {weight.dtype}, expected a floating-point "
+                                  "dtype")
+        if tuple(weight.shape) != shape:
+            raise CheckpointError(f"{path}: weight {name!r} has shape {list(weight.shape)}, the config gives "
+                                  f"{list(shape)}")
+
+
+def _some(names: list[str], shown: int = 4) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

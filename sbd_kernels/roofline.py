@@ -46,12 +46,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from sbd_kernels.model import ModelConfig
+from sbd_kernels import argtypes
+from sbd_kernels.argtypes import UsageError, add_option
+from sbd_kernels.model import PRESETS, ModelConfig
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -770,30 +773,42 @@ def compare_markdown(rows: list[dict[str, Any]]) -> str:
 # ----------------------------------------------------------------------------------------------------
 # Command line (`sbd roofline`)
 # ----------------------------------------------------------------------------------------------------
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", default="llama3.1-8b", help="ModelConfig preset (default llama3.1-8b)")
+    parser.add_argument("--model", default="llama3.1-8b", choices=list(PRESETS),
+                        help="ModelConfig preset (default llama3.1-8b)")
     parser.add_argument("--hardware", default="h100", choices=[*HARDWARE, "cpu"],
                         help="datasheet GPU, or this CPU from measured ceilings")
     parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
-    parser.add_argument("--batch", default="1,4,8,16", type=_int_list, help="comma-separated batch sizes")
-    parser.add_argument("--k", default=16, type=int, help="block size")
-    parser.add_argument("--kv-len", default=4096, type=int, help="tokens already in the KV cache")
-    parser.add_argument("--passes", type=float, default=None,
-                        help="mean passes per block l: also print the wall-clock speedup")
-    parser.add_argument("--paper", action="store_true",
-                        help="the paper's Table 3, time(k)/time(1): published, its roofline as published "
-                        "(quirks named), ours, and what each difference changes, at the paper's batch, block and KV sizes")
-    parser.add_argument("--project", action="store_true",
-                        help="GPU projection table (Llama-3.1-8B, Qwen3-8B on --hardware, batch 1/4/8/16)")
-    parser.add_argument("--demo-json", type=Path, help="`sbd demo --json` output: measured NFE statistics")
-    parser.add_argument("--measured", type=Path,
-                        help="pytest-benchmark JSON with bench_decode results: prediction vs measurement")
-    parser.add_argument("--json", type=Path, help="write the result as JSON to this path")
+    parser.add_argument("--batch", default="1,4,8,16", type=argtypes.positive_int_list,
+                        help="comma-separated batch sizes")
+    parser.add_argument("--k", default=16, type=argtypes.positive_int, help="block size")
+    add_option(parser, "--kv-len", default=4096, type=argtypes.non_negative_int,
+               help="tokens already in the KV cache")
+    parser.add_argument("--passes", type=_passes, default=None,
+                        help="mean passes per block l (1 <= l <= k): also print the wall-clock speedup")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--paper", action="store_true",
+                      help="the paper's Table 3, time(k)/time(1): published, its roofline as published "
+                      "(quirks named), ours, and what each difference changes, at the paper's batch, block and KV sizes")
+    mode.add_argument("--project", action="store_true",
+                      help="GPU projection table (Llama-3.1-8B, Qwen3-8B on --hardware, batch 1/4/8/16)")
+    mode.add_argument("--measured", type=argtypes.existing_file,
+                      help="pytest-benchmark JSON with bench_decode results: prediction vs measurement")
+    add_option(parser, "--demo-json", type=argtypes.existing_file,
+               help="`sbd demo --json` output: measured NFE statistics (with --project)")
+    parser.add_argument("--json", type=argtypes.output_file, help="write the result as JSON to this path")
     return parser
+
+
+def _passes(text: str) -> float:
+    return argtypes.checked_number(text, float, lambda x: 1 <= x < float("inf"), "a finite number >= 1")
+
+
+def _read_json(path: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not JSON ({err})") from None
 
 
 def _model_table(args: argparse.Namespace) -> dict[str, Any]:
@@ -819,33 +834,52 @@ def _model_table(args: argparse.Namespace) -> dict[str, Any]:
 
 def _project(args: argparse.Namespace) -> dict[str, Any]:
     models = ("llama3.1-8b", "qwen3-8b")
-    measured = nfe_stats_from_demo(json.loads(args.demo_json.read_text()), args.k) if args.demo_json else []
+    measured = []
+    if args.demo_json:
+        try:
+            measured = nfe_stats_from_demo(_read_json(args.demo_json), args.k)
+        except (KeyError, TypeError, AttributeError, StopIteration, ZeroDivisionError) as err:
+            raise ValueError(f"{args.demo_json}: not the output of `sbd demo --json` ({type(err).__name__}: "
+                             f"{err})") from None
     stats = {m: [*measured, *PAPER_NFE[m]] for m in models}
     rows = projection_rows(models, args.hardware, args.precision, args.batch, args.kv_len, stats)
     print(projection_markdown(rows, args.hardware, args.precision, args.kv_len))
     return {"projection": rows}
 
 
+def _compare(path: str) -> dict[str, Any]:
+    try:
+        cases = measured_cases(_read_json(path))
+    except (KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path}: not a pytest-benchmark JSON ({type(err).__name__}: {err})") from None
+    rows = compare_rows(cases)
+    if not rows:
+        raise ValueError(f"{path}: no complete decode cases (t = 1, k, 2k)")
+    print(compare_markdown(rows))
+    return {"comparison": rows}
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Runs one mode and returns what it printed as data (also written to --json)."""
+    if args.passes is not None and args.passes > args.k:
+        raise UsageError(f"--passes ({args.passes}) must be <= --k ({args.k}): a pass reveals at least one token")
+    if args.demo_json and not args.project:
+        raise UsageError("--demo-json feeds --project; pass --project too")
     if args.paper:
         result: dict[str, Any] = print_paper_comparison()
     elif args.project:
         result = _project(args)
     elif args.measured:
-        rows = compare_rows(measured_cases(json.loads(args.measured.read_text())))
-        if not rows:
-            raise SystemExit(f"sbd roofline: no complete decode cases (t = 1, k, 2k) in {args.measured}")
-        print(compare_markdown(rows))
-        result = {"comparison": rows}
+        result = _compare(args.measured)
     else:
         result = _model_table(args)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"\nwrote {args.json}")
     return result
 
 
 if __name__ == "__main__":
-    main(add_arguments(argparse.ArgumentParser(prog="sbd roofline", description=__doc__,
-                                               formatter_class=argparse.RawDescriptionHelpFormatter)).parse_args())
+    from sbd_kernels import cli
+
+    cli.main(["roofline", *sys.argv[1:]])

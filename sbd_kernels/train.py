@@ -11,9 +11,9 @@ SBD objective, per step:
   (the prompts are random digits/letters nobody can predict); the noise is applied everywhere.
 With `--objective ntp` the loss is the NTP term alone over the clean sequence (the baseline).
 
-Run: `python -m sbd_kernels.train --objective ntp --steps 1500 --out ntp.pt`, then
-`python -m sbd_kernels.train --objective sbd --init_from ntp.pt --lr 5e-4 --out sbd.pt`.
-Data parallel: `torchrun --nproc_per_node 2 -m sbd_kernels.train ...` (gloo on CPU, nccl on CUDA);
+Run: `sbd train --objective ntp --steps 1500 --out ntp.pt`, then
+`sbd train --objective sbd --init-from ntp.pt --lr 5e-4 --out sbd.pt` (or `python -m sbd_kernels.train ...`).
+Data parallel: `torchrun --nproc-per-node 2 -m sbd_kernels.train ...` (gloo on CPU, nccl on CUDA);
 each rank draws its own batch, gradients are averaged (so the loss is a mean of per-rank means).
 """
 from __future__ import annotations
@@ -33,7 +33,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sbd_kernels import argtypes
+from sbd_kernels.argtypes import UsageError, add_option
 from sbd_kernels.model import (
+    PRESETS,
     ModelConfig,
     Transformer,
     load_checkpoint,
@@ -43,6 +46,7 @@ from sbd_kernels.model import (
     sbd_train_inputs,
 )
 from sbd_kernels.tasks import (
+    TASKS,
     TOKENIZER,
     TrainStream,
     collate,
@@ -72,7 +76,8 @@ IGNORE = -100  # cross-entropy ignore_index for positions that are not counted
 
 @dataclass
 class TrainConfig:
-    """Every training option; each field is also a command-line flag `--<field>`."""
+    """Every training option; each field is also a command-line flag (`batch_size`: `--batch-size`), and
+    takes the values its flag takes (`FLAG_TYPES`): ValueError naming the field otherwise."""
 
     preset: str = "small"
     tasks: str = "add,rot13"            # comma-separated task names (sbd_kernels.tasks.TASKS)
@@ -99,6 +104,19 @@ class TrainConfig:
     threads: int = 1
     device: str = "cpu"
     attention: str = "auto"             # "sdpa", "flex", or "auto": FlexAttention on CUDA, SDPA elsewhere
+
+    def __post_init__(self) -> None:
+        for name, flag in FLAG_TYPES.items():
+            value = getattr(self, name)
+            if "choices" in flag and value not in flag["choices"]:
+                raise ValueError(f"TrainConfig: {name} must be one of {', '.join(flag['choices'])}, got {value!r}")
+            if "type" in flag and flag["type"] not in _FILE_TYPES:
+                try:
+                    flag["type"](str(value))
+                except argparse.ArgumentTypeError as err:
+                    raise ValueError(f"TrainConfig: {name} {err}") from None
+        if self.block_min > self.block_max:
+            raise ValueError(f"TrainConfig: block_min ({self.block_min}) must be <= block_max ({self.block_max})")
 
     def task_list(self) -> list[str]:
         return [t for t in self.tasks.split(",") if t]
@@ -398,23 +416,71 @@ def train(cfg: TrainConfig) -> Transformer:
 
 # ---------------------------------------------------------------- command line
 
+# What each flag (and TrainConfig field) accepts: add_argument keywords. The types also check TrainConfig
+# values, but for the files (_FILE_TYPES), which are checked when they are read or written.
+FLAG_TYPES: dict[str, dict[str, Any]] = {
+    "preset": {"choices": tuple(PRESETS)},
+    "tasks": {"type": argtypes.choice_list(TASKS)},
+    "objective": {"choices": ("sbd", "ntp")},
+    "steps": {"type": argtypes.positive_int},
+    "max_minutes": {"type": argtypes.non_negative_float},
+    "batch_size": {"type": argtypes.positive_int},
+    "lr": {"type": argtypes.non_negative_float},
+    "min_lr_ratio": {"type": argtypes.fraction},
+    "warmup_steps": {"type": argtypes.non_negative_int},
+    "weight_decay": {"type": argtypes.non_negative_float},
+    "grad_clip": {"type": argtypes.positive_float},
+    "block_min": {"type": argtypes.positive_int},
+    "block_max": {"type": argtypes.positive_int},
+    "eval_every": {"type": argtypes.positive_int},
+    "eval_examples": {"type": argtypes.positive_int},
+    "checkpoint_every": {"type": argtypes.positive_int},
+    "log_every": {"type": argtypes.positive_int},
+    "out": {"type": argtypes.output_file},
+    "init_from": {"type": argtypes.existing_file_or_none},
+    "resume": {"action": argparse.BooleanOptionalAction,
+               "help": "continue from <out>.state (weights, optimizer, step) if it exists"},
+    "seed": {"type": argtypes.seed},
+    "threads": {"type": argtypes.positive_int},
+    "device": {"type": argtypes.device},
+    "attention": {"choices": ("auto", "sdpa", "flex")},
+}
+_FILE_TYPES = (argtypes.output_file, argtypes.existing_file_or_none)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """One `--<field>` flag per TrainConfig field, with its default."""
+    """One flag per TrainConfig field, typed by FLAG_TYPES, with its default (`batch_size`: `--batch-size`,
+    and the field's own spelling as a hidden alias); and --overwrite."""
     for field in dataclasses.fields(TrainConfig):
-        default = field.default
-        if isinstance(default, bool):
-            parser.add_argument(f"--{field.name}", action=argparse.BooleanOptionalAction, default=default)
-        else:
-            parser.add_argument(f"--{field.name}", type=type(default), default=default,
-                                help=f"default: {default!r}")
+        kwargs = {"help": f"default: {field.default!r}", **FLAG_TYPES[field.name]}
+        add_option(parser, "--" + field.name.replace("_", "-"), default=field.default, **kwargs)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out file (without it, only --resume of its own run may)")
     return parser
 
 
 def main(args: argparse.Namespace) -> None:
+    """`sbd train`: the flags checked together (UsageError), then the training."""
+    if args.block_min > args.block_max:
+        raise UsageError(f"--block-min ({args.block_min}) must be <= --block-max ({args.block_max})")
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    check_out(cfg, args.overwrite)
+    argtypes.require_device(cfg.device)
     train(cfg)
 
 
+def check_out(cfg: TrainConfig, overwrite: bool) -> None:
+    """UsageError when cfg.out names an existing file and neither overwrite nor cfg.resume with the
+    <out>.state of its run is given: a typo must not replace a bundled checkpoint or a day of training."""
+    if overwrite or not os.path.exists(cfg.out):
+        return
+    if cfg.resume and os.path.exists(f"{cfg.out}.state"):
+        return
+    hint = f"--resume found no {cfg.out}.state to continue from; " if cfg.resume else ""
+    raise UsageError(f"--out {cfg.out} exists: {hint}pass --overwrite to replace it")
+
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Train the reference model (SBD or NTP).")
-    main(add_arguments(parser).parse_args())
+    from sbd_kernels import cli
+
+    cli.main(["train", *sys.argv[1:]])

@@ -1,6 +1,9 @@
 """Reference model: forward modes, the cached decode pass against a full recompute, checkpoints."""
+import dataclasses
+import random
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +11,7 @@ import torch
 
 from sbd_kernels.model import (
     CHAR_MASK_TOKEN_ID,
+    CheckpointError,
     KVCache,
     ModelConfig,
     Transformer,
@@ -206,6 +210,173 @@ def test_checkpoint_loads_without_training_code(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "32"
+
+
+def tiny_payload() -> dict:
+    model = tiny_model()
+    return {"config": dataclasses.asdict(model.config), "state_dict": dict(model.state_dict()), "meta": {}}
+
+
+def tiny_checkpoint_bytes(tmp_path) -> bytes:
+    path = tmp_path / "good.pt"
+    save_checkpoint(tiny_model(), path)
+    return path.read_bytes()
+
+
+class OpensAFile:
+    """Unpickled without weights_only, this object creates a file: the shape of a malicious checkpoint."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+# A damaged file's bytes (from the bytes of a good checkpoint) and the words its error must contain.
+DAMAGED_BYTES = {
+    "empty": (lambda good: b"", "empty file"),
+    "truncated-half": (lambda good: good[: len(good) // 2], "truncated"),
+    "truncated-last-bytes": (lambda good: good[:-10], "truncated"),
+    "truncated-header-only": (lambda good: good[:30], "truncated"),
+    "random-bytes": (lambda good: random.Random(0).randbytes(1500), "not an sbd_kernels checkpoint"),
+    "utf16-text": (lambda good: "config".encode("utf-16"), "not an sbd_kernels checkpoint"),
+}
+
+
+@pytest.mark.parametrize("name", list(DAMAGED_BYTES))
+def test_load_checkpoint_names_a_damaged_file(tmp_path, name):
+    """Guards against damaged files surfacing raw OSError('Invalid argument'), an EOFError with no text or
+    UnpicklingError boilerplate: the error is a CheckpointError naming the file and the damage."""
+    damage, words = DAMAGED_BYTES[name]
+    path = tmp_path / f"{name}.pt"
+    path.write_bytes(damage(tiny_checkpoint_bytes(tmp_path)))
+    with pytest.raises(CheckpointError, match=words) as info:
+        load_checkpoint(path)
+    assert str(path) in str(info.value)
+
+
+def test_load_checkpoint_rejects_a_zip_that_is_not_a_torch_file(tmp_path):
+    """Guards against torch's internal 'file in archive is not in a subdirectory' enforce message."""
+    path = tmp_path / "notes.pt"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("notes.txt", "hello")
+    with pytest.raises(CheckpointError, match="zip archive, but not one written by torch.save"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory"])
+def test_load_checkpoint_names_a_path_that_is_not_a_file(tmp_path, kind):
+    """Guards against FileNotFoundError / IsADirectoryError escaping instead of one error type."""
+    path = tmp_path / "model.pt"
+    if kind == "directory":
+        path.mkdir()
+    with pytest.raises(CheckpointError, match="no such file" if kind == "missing" else "is a directory") as info:
+        load_checkpoint(path)
+    assert str(path) in str(info.value)
+
+
+def test_load_checkpoint_refuses_a_malicious_pickle(tmp_path):
+    """Guards against loading with weights_only=False: an object whose unpickling runs code (here: creates a
+    file) is refused, the code never runs, and the error says why."""
+    victim = tmp_path / "created-by-unpickling"
+    path = tmp_path / "evil.pt"
+    payload = tiny_payload()
+    payload["meta"] = {"note": OpensAFile(victim)}
+    torch.save(payload, path)
+    with pytest.raises(CheckpointError, match="refused by torch.load\\(weights_only=True\\).*open"):
+        load_checkpoint(path)
+    assert not victim.exists()
+
+
+def _edit(part: str, edit):
+    def apply(payload: dict) -> object:
+        if part == "payload":
+            return edit(payload)
+        edit(payload[part])
+        return payload
+    return apply
+
+
+def _set(key, value):
+    return lambda d: d.__setitem__(key, value)
+
+
+# A wrong payload (edited from a good one) and the words its error must contain.
+WRONG_PAYLOADS = {
+    "a-list": (_edit("payload", lambda p: [1, 2, 3]), "not an sbd_kernels checkpoint.*a list"),
+    "a-tensor": (_edit("payload", lambda p: torch.zeros(3)), "not an sbd_kernels checkpoint.*a Tensor"),
+    "no-state-dict": (_edit("payload", lambda p: {"config": p["config"], "meta": {}}),
+                      "not an sbd_kernels checkpoint.*keys"),
+    "state-dict-a-list": (_edit("payload", lambda p: {**p, "state_dict": [1, 2]}), "'state_dict' is a list"),
+    "config-a-string": (_edit("payload", lambda p: {**p, "config": "tiny"}), "'config' is a str"),
+    "unknown-config-key": (_edit("config", _set("bogus", 1)), "unknown config key 'bogus'"),
+    "missing-config-key": (_edit("config", lambda c: c.pop("dim")), "missing config key 'dim'"),
+    "size-as-text": (_edit("config", _set("dim", "32")), "config 'dim' must be an integer"),
+    "size-as-bool": (_edit("config", _set("n_layers", True)), "config 'n_layers' must be an integer"),
+    "negative-layers": (_edit("config", _set("n_layers", -1)), "config 'n_layers' must be"),
+    "zero-kv-heads": (_edit("config", _set("n_kv_heads", 0)), "config 'n_kv_heads' must be"),
+    "nan-rope-theta": (_edit("config", _set("rope_theta", float("nan"))), "config 'rope_theta' must be"),
+    "heads-not-dividing": (_edit("config", _set("n_heads", 3)), "dim .* must divide by n_heads"),
+    "odd-head-dim": (_edit("config", lambda c: c.update(dim=36, n_heads=4, n_kv_heads=2)), "head_dim 9 must be even"),
+    "missing-weight": (_edit("state_dict", lambda s: s.pop("output.weight")), "missing weights: output.weight"),
+    "extra-weight": (_edit("state_dict", _set("extra.weight", torch.zeros(2))), "unexpected weights: extra.weight"),
+    "misshapen-weight": (_edit("state_dict", _set("tok_embeddings.weight", torch.zeros(48, 31))),
+                         "'tok_embeddings.weight' has shape \\[48, 31\\], the config gives \\[48, 32\\]"),
+    "integer-weight": (_edit("state_dict", _set("norm.weight", torch.ones(32, dtype=torch.int64))),
+                       "'norm.weight' has dtype torch.int64"),
+    "weight-not-a-tensor": (_edit("state_dict", _set("norm.weight", [1.0] * 32)), "'norm.weight' is a list"),
+    "meta-a-list": (_edit("payload", lambda p: {**p, "meta": []}), "'meta' is a list"),
+}
+
+
+@pytest.mark.parametrize("name", list(WRONG_PAYLOADS))
+def test_load_checkpoint_names_what_is_wrong(tmp_path, name):
+    """Guards against a torch file of the wrong structure, a bad config or mismatched weights surfacing as
+    TypeError('list indices ...'), KeyError, ZeroDivisionError or a load_state_dict dump, and against a
+    config being built (allocated, initialised) before it is checked against the weights."""
+    edit, words = WRONG_PAYLOADS[name]
+    path = tmp_path / f"{name}.pt"
+    torch.save(edit(tiny_payload()), path)
+    with pytest.raises(CheckpointError, match=words) as info:
+        load_checkpoint(path)
+    assert str(path) in str(info.value)
+
+
+# Configs that would take unbounded memory or time to build, and the words their error must contain.
+HUGE_CONFIGS = {
+    "huge-config-small-weights": ({"dim": 16384, "n_layers": 64, "n_heads": 128, "n_kv_heads": 8, "ffn_dim": 53248},
+                                  "missing weights: tok_embeddings.weight, layers.0.attention_norm.weight"),
+    "billion-layers": ({"n_layers": 10**9}, "config 'n_layers' must be an integer in"),
+    "too-many-parameters": ({"dim": 2**17, "ffn_dim": 2**19, "n_layers": 4096}, "parameters, more than"),
+}
+
+
+def test_load_checkpoint_checks_a_huge_config_before_allocating(tmp_path):
+    """Guards against a 1.5 KB file whose config says dim 16384, 64 layers (or a billion layers) making the
+    loader allocate and initialise that model before it looks at the weights: under a 3 GiB address-space
+    limit (a regression must not exhaust the machine) each load fails at once with CheckpointError."""
+    pytest.importorskip("resource")  # the child process sets the limit
+    paths = []
+    for name, (config, _) in HUGE_CONFIGS.items():
+        payload = tiny_payload()
+        payload["config"].update(config)
+        payload["state_dict"] = {}
+        paths.append(str(tmp_path / f"{name}.pt"))
+        torch.save(payload, paths[-1])
+        assert Path(paths[-1]).stat().st_size < 2000
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+            "from sbd_kernels.model import load_checkpoint\n"
+            f"for path in {paths!r}:\n"
+            "    try:\n"
+            "        load_checkpoint(path)\n"
+            "    except Exception as err:\n"
+            "        print(type(err).__name__, str(err).splitlines()[0][:300])\n")
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    lines = out.stdout.splitlines()
+    assert len(lines) == len(HUGE_CONFIGS), out.stdout + out.stderr[-2000:]
+    for line, path, (_, words) in zip(lines, paths, HUGE_CONFIGS.values()):
+        assert line.startswith(f"CheckpointError {path}: ") and words in line, line
 
 
 @pytest.mark.parametrize("name", ["sbd_small", "ntp_small"])

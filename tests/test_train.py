@@ -224,8 +224,8 @@ def test_torchrun_two_processes(tmp_path):
     forward, per-rank data, rank-0-only checkpointing): 2 gloo processes on the CPU, 3 SBD steps."""
     out = str(tmp_path / "ddp.pt")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "sbd_kernels.train", "--preset", "tiny", "--steps", "3", "--batch_size", "2",
-           "--eval_examples", "1", "--out", out]
+           "-m", "sbd_kernels.train", "--preset", "tiny", "--steps", "3", "--batch-size", "2",
+           "--eval-examples", "1", "--out", out]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
