@@ -390,3 +390,23 @@ def test_graph_safe_steps_hold_for_the_hf_cache(sbd_model):
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11]]
     checked = generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0, steps=graphed_steps(EAGER_STEPS, "check"))
     assert checked.tokens == generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0).tokens
+
+
+@pytest.mark.slow
+def test_hf_decode_steps_compile_without_graph_breaks():
+    """Guards against the HF decode pass (the "sbd" attention, SbdCache, positions built from the cache lengths)
+    graph-breaking or syncing: both SBD step layouts and the NTP step under torch.compile(fullgraph=True) give the
+    eager tokens."""
+    import dataclasses
+
+    from sbd_kernels import generate as gen
+
+    torch._dynamo.reset()
+    sbd_model = hf.enable_sbd(tiny_model("qwen3"), mask_token_id=MASK_ID, block_size=4)
+    steps = dataclasses.replace(gen.EAGER_STEPS, sbd_block_step=torch.compile(gen.sbd_block_step, fullgraph=True),
+                                ntp_decode_step=torch.compile(gen.ntp_decode_step, fullgraph=True))
+    prompts = [[3, 4, 5], [6, 7, 8, 9]]
+    for cfg in (DecodeConfig(method="sbd", block_size=4, gamma=0.5, max_new_tokens=10),
+                DecodeConfig(method="ntp", max_new_tokens=6)):
+        compiled = generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0, steps=steps)
+        assert compiled.tokens == generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0).tokens
