@@ -270,3 +270,21 @@ def test_check_messages_name_the_arguments():
     with pytest.raises(RuntimeError, match="op: out is written in place and may share memory with src"):
         _overlap.check_disjoint("op", "out", large.as_strided((150000,), (6,), 2), "src",
                                 large.as_strided((300000,), (3,), 0))
+
+
+def test_check_not_sharing_checks_every_written_argument_against_the_rest():
+    """Guards against the one-pass aliasing check skipping a pair (a later written argument, a read one
+    after a None or fake entry) or rejecting an allowed identical pair."""
+    buffer = torch.zeros(64)
+    out, out2, src = buffer[:8], buffer[8:16], buffer[16:24]
+    fake_mode = FakeTensorMode()
+    fake = fake_mode.from_tensor(torch.zeros(8))
+    _overlap.check_not_sharing("op", [("out", out), ("out2", out2)], [("none", None), ("fake", fake), ("src", src)])
+    _overlap.check_not_sharing("op", [("out", out)], [("same", out)], frozenset({("out", "same")}))
+    with pytest.raises(RuntimeError, match="op: out2 is written in place and must not share memory with src"):
+        _overlap.check_not_sharing("op", [("out", out), ("out2", out2)],
+                                   [("none", None), ("fake", fake), ("src", buffer[15:20])])
+    with pytest.raises(RuntimeError, match="op: out is written in place and must not share memory with out2"):
+        _overlap.check_not_sharing("op", [("out", out), ("out2", buffer[7:9])], [("src", src)])
+    with pytest.raises(RuntimeError, match="op: out is written in place and must not share memory with same"):
+        _overlap.check_not_sharing("op", [("out", out)], [("same", out)])  # identical, but not allowed

@@ -24,7 +24,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <sstream>
+#include <initializer_list>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -151,6 +153,14 @@ inline std::pair<std::vector<int64_t>, std::vector<int64_t>> byte_layout(const a
   return {sizes, strides};
 }
 
+// [first byte, last byte + 1) spanned by the elements of t, which has some.
+inline std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+  int64_t extent = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  const auto first = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  return {first, first + static_cast<uintptr_t>((extent + 1) * static_cast<int64_t>(t.element_size()))};
+}
+
 inline std::string layout_text(const at::Tensor& t) {
   std::ostringstream out;
   out << "sizes " << t.sizes() << ", strides " << t.strides();
@@ -182,11 +192,14 @@ inline Overlap internal_overlap(const at::Tensor& t) {
 inline Overlap views_overlap(const at::Tensor& a, const at::Tensor& b) {
   using namespace overlap_detail;
   TORCH_CHECK(!a.is_meta() && !b.is_meta(), "views_overlap: meta tensors have no data pointer to compare");
-  if (a.device() != b.device() || a.numel() == 0 || b.numel() == 0) return Overlap::kNo;
+  if (a.numel() == 0 || b.numel() == 0) return Overlap::kNo;
+  const auto [first_a, end_a] = byte_span(a);
+  const auto [first_b, end_b] = byte_span(b);
+  // The search's first test, in bytes (it would answer the same): separate allocations end here.
+  if (end_a <= first_b || end_b <= first_a || a.device() != b.device()) return Overlap::kNo;
   const int64_t item_a = static_cast<int64_t>(a.element_size());
   const int64_t item_b = static_cast<int64_t>(b.element_size());
-  const int64_t gap = static_cast<int64_t>(reinterpret_cast<uintptr_t>(b.const_data_ptr()) -
-                                           reinterpret_cast<uintptr_t>(a.const_data_ptr()));  // bytes
+  const int64_t gap = static_cast<int64_t>(first_b - first_a);  // bytes
   if (item_a == item_b && gap % item_a == 0) {
     return views_overlap_of(0, a.sizes(), a.strides(), gap / item_a, b.sizes(), b.strides());
   }
@@ -210,6 +223,7 @@ inline bool same_elements(const at::Tensor& a, const at::Tensor& b) {
 
 // Error naming `name` unless no two elements of t (written in place by `op`) share memory.
 inline void check_writable(const char* op, const char* name, const at::Tensor& t) {
+  if (t.is_contiguous()) return;
   const Overlap answer = internal_overlap(t);
   TORCH_CHECK(answer != Overlap::kYes, op, ": ", name,
               " is written in place and must not have elements sharing memory (an expanded or overlapping "
@@ -231,6 +245,32 @@ inline void check_disjoint(const char* op, const char* written_name, const at::T
   TORCH_CHECK(answer != Overlap::kMaybe, op, ": ", written_name, " is written in place and may share memory with ",
               other_name, " (could not decide for ", written_name, " ", overlap_detail::layout_text(written),
               " and ", other_name, " ", overlap_detail::layout_text(other), ")");
+}
+
+// A named argument for check_not_sharing; tensor == nullptr: an absent optional argument, skipped.
+struct NamedTensor {
+  const char* name;
+  const at::Tensor* tensor;
+};
+
+// check_disjoint for every written argument against each later written one and every read one, in that
+// order (the order of the Python check_not_sharing, so both name the same pair first). identical_ok
+// lists the (written, read) name pairs that may be the same elements. Tensors with data (not meta).
+inline void check_not_sharing(const char* op, std::initializer_list<NamedTensor> written,
+                              std::initializer_list<NamedTensor> read,
+                              std::initializer_list<std::pair<std::string_view, std::string_view>> identical_ok = {}) {
+  std::vector<NamedTensor> all(written);
+  all.insert(all.end(), read.begin(), read.end());
+  for (size_t i = 0; i < written.size(); ++i) {
+    if (all[i].tensor == nullptr) continue;
+    for (size_t j = i + 1; j < all.size(); ++j) {
+      if (all[j].tensor == nullptr) continue;
+      const bool allowed = std::any_of(identical_ok.begin(), identical_ok.end(), [&](const auto& pair) {
+        return pair.first == all[i].name && pair.second == all[j].name;
+      });
+      check_disjoint(op, all[i].name, *all[i].tensor, all[j].name, *all[j].tensor, allowed);
+    }
+  }
 }
 
 }  // namespace sbd::cpu
