@@ -373,3 +373,281 @@ def test_compiles_with_fullgraph():
     for a, e in zip(got, expected):
         assert torch.equal(a, e)
     assert torch.equal(tokens, eager_tokens) and torch.equal(masked, eager_masked)
+
+
+def small_args(batch: int = 2, k: int = 5, **overrides):
+    """Keyword arguments of a valid call (tokens SENTINEL, all masked, entropies on a 1/16 grid)."""
+    args = {"block_tokens": torch.full((batch, k), SENTINEL, dtype=torch.int64),
+            "is_masked": torch.ones(batch, k, dtype=torch.bool),
+            "sampled": torch.arange(batch * k, dtype=torch.int64).view(batch, k) + 100,
+            "entropy": (torch.arange(batch * k, dtype=torch.float32).view(batch, k) % 7) / 16,
+            "gamma": None, "gamma_val": 0.25, "rule": "eb", "valid": None}
+    args.update(overrides)
+    return args
+
+
+def copies(args):
+    """The same call on fresh contiguous copies of every tensor."""
+    return {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in args.items()}
+
+
+OVERLAPPING_IN_PLACE = [
+    ("block_tokens", lambda: torch.full((16,), SENTINEL, dtype=torch.int64).as_strided((2, 5), (1, 1))),
+    ("is_masked", lambda: torch.ones(16, dtype=torch.bool).as_strided((2, 5), (2, 1))),
+    ("block_tokens", lambda: torch.full((1, 7), SENTINEL, dtype=torch.int64).expand(2, 7)[:, :5]),
+]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("case", range(len(OVERLAPPING_IN_PLACE)),
+                         ids=["tokens rows overlap", "masked rows overlap", "tokens expanded and sliced"])
+def test_in_place_arguments_with_overlapping_rows_are_rejected(backend, case):
+    """Guards against writing through an in-place argument whose rows overlap without being expanded
+    (stride 0): rows would race in the parallel kernels and overwrite each other's results."""
+    name, make = OVERLAPPING_IN_PLACE[case]
+    view = make()
+    before = view.clone()
+    with pytest.raises(RuntimeError, match=f"sbd.mask_scatter_: {name} is written in place and must not have "
+                                           "elements sharing memory"):
+        op_for(backend)(**small_args(**{name: view}))
+    assert torch.equal(view, before)
+
+
+def shared_buffer_views(batch=2, k=5):
+    """Views of one 4 KiB allocation for building aliased arguments: `at(byte_offset, dtype)` is a
+    contiguous [batch, k] view starting `byte_offset` bytes in, holding the values of a valid call."""
+    raw = torch.zeros(4096, dtype=torch.uint8)
+    defaults = small_args(batch, k, valid=torch.ones(batch, k, dtype=torch.bool))
+
+    def at(byte_offset, name):
+        value = defaults[name]
+        view = raw[byte_offset: byte_offset + value.numel() * value.element_size()].view(value.dtype)
+        view = view.view(value.shape)
+        view.copy_(value)
+        return view
+
+    return raw, at
+
+
+# (argument written in place, argument sharing its last bytes)
+ALIASED_PAIRS = [
+    ("block_tokens", "is_masked"), ("block_tokens", "sampled"), ("block_tokens", "entropy"),
+    ("block_tokens", "valid"), ("is_masked", "sampled"), ("is_masked", "entropy"), ("is_masked", "valid"),
+]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("pair", ALIASED_PAIRS, ids=[f"{a} and {b}" for a, b in ALIASED_PAIRS])
+def test_in_place_argument_sharing_memory_with_another_is_rejected(backend, pair):
+    """Guards against an in-place write changing an argument that is still to be read (the result would
+    depend on the order of writes and reads, which differs between backends)."""
+    written, other = pair
+    raw, at = shared_buffer_views()
+    written_view = at(512, written)
+    last_byte = 512 + written_view.numel() * written_view.element_size() - 1
+    item = small_args(valid=torch.ones(2, 5, dtype=torch.bool))[other].element_size()
+    other_view = at(last_byte // item * item, other)  # its first element covers the written one's last byte
+    before = raw.clone()
+    args = small_args(**{written: written_view, other: other_view})
+    with pytest.raises(RuntimeError, match=f"sbd.mask_scatter_: {written} is written in place and must not "
+                                           f"share memory with {other}"):
+        op_for(backend)(**args)
+    assert torch.equal(raw, before)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("written", ["block_tokens", "is_masked"])
+def test_in_place_argument_sharing_memory_with_gamma_is_rejected(backend, written):
+    """Guards against gamma being overwritten by the reveal of an earlier row before a later row reads it."""
+    raw, at = shared_buffer_views()
+    written_view = at(512, written)
+    gamma = raw[512: 520].view(torch.float32)
+    gamma.fill_(0.25)
+    with pytest.raises(RuntimeError, match=f"sbd.mask_scatter_: {written} is written in place and must not "
+                                           "share memory with gamma"):
+        op_for(backend)(**small_args(**{written: written_view, "gamma": gamma}))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("pair", [("block_tokens", "sampled"), ("is_masked", "valid")],
+                         ids=["sampled is block_tokens", "valid is is_masked"])
+def test_argument_identical_to_the_in_place_one_is_accepted(backend, pair):
+    """Guards against rejecting a harmless alias: each element of `sampled` (`valid`) is read only for the
+    position of `block_tokens` (`is_masked`) it is, before that position is written."""
+    written, other = pair
+    args = small_args()
+    args["is_masked"][0, 1] = False
+    args[other] = args[written]
+    expected_args = copies(args)
+    expected = naive.mask_scatter_(**expected_args)
+    got = op_for(backend)(**args)
+    for a, e in zip(got, expected):
+        assert torch.equal(a, e)
+    assert torch.equal(args["block_tokens"], expected_args["block_tokens"])
+    assert torch.equal(args["is_masked"], expected_args["is_masked"])
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_in_place_arguments_in_disjoint_parts_of_one_allocation_are_accepted(backend):
+    """Guards against a byte-range check rejecting block_tokens and is_masked carved out of one allocation
+    (a decode state kept in one buffer), interleaved: tokens in even 8-byte words, masks in odd words."""
+    raw = torch.zeros(2 * 5 * 16, dtype=torch.uint8)
+    words = raw.view(torch.int64).view(2, 5, 2)
+    tokens = words[:, :, 0]
+    masked = raw.view(2, 5, 16)[:, :, 8]
+    args = small_args()
+    tokens.copy_(args["block_tokens"])
+    masked.view(torch.bool).copy_(args["is_masked"])
+    expected_args = copies(args)
+    expected = naive.mask_scatter_(**expected_args)
+    got = op_for(backend)(**{**args, "block_tokens": tokens, "is_masked": masked.view(torch.bool)})
+    for a, e in zip(got, expected):
+        assert torch.equal(a, e)
+    assert torch.equal(tokens, expected_args["block_tokens"])
+    assert torch.equal(masked.view(torch.bool), expected_args["is_masked"])
+    assert not raw.view(2, 5, 16)[:, :, 9:].any()  # the bytes around the masks were not written
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_undecidable_aliasing_is_an_error_that_says_so(backend):
+    """Guards against a layout whose aliasing the checks cannot decide being accepted (it may race)."""
+    buffer = torch.zeros(10**6, dtype=torch.int64)
+    tokens = buffer.as_strided((1, 150000), (1, 6), 2)
+    sampled = buffer.as_strided((1, 150000), (1, 3), 0)
+    args = small_args(1, 150000, block_tokens=tokens, sampled=sampled)
+    with pytest.raises(RuntimeError, match="sbd.mask_scatter_: block_tokens is written in place and may share "
+                                           "memory with sampled"):
+        op_for(backend)(**args)
+
+
+@pytest.mark.parametrize("name", ["sampled", "entropy", "is_masked", "valid", "gamma"])
+def test_cpu_op_rejects_an_argument_on_meta(name):
+    """Guards against a meta argument routing the CPU call to the fake kernel, which returned
+    uninitialised CPU tensors instead of a device error."""
+    batch, k = 2, 5
+    args = small_args(batch, k, valid=torch.ones(batch, k, dtype=torch.bool), gamma=torch.full((batch,), 0.25))
+    args[name] = args[name].to("meta")
+    with pytest.raises(RuntimeError, match=f"sbd.mask_scatter_: {name} must be on the device of block_tokens "
+                                           r"\(cpu\), got meta"):
+        torch.ops.sbd.mask_scatter_(**args)
+
+
+def metadata_bad_input_cases():
+    """The bad inputs of `bad_input_cases` that the fake kernel can see: all but the gamma tensor values."""
+    return [case for case in bad_input_cases() if case[0] not in ("gamma negative", "gamma NaN")]
+
+
+@pytest.mark.parametrize("case", metadata_bad_input_cases(), ids=[c[0] for c in metadata_bad_input_cases()])
+def test_fake_kernel_runs_the_argument_checks(case):
+    """Guards against the fake (meta) kernel accepting any call: under torch.compile a bad call passed
+    tracing, and meta tensors got output shapes for nonsense inputs."""
+    _, overrides, message = case
+    args = small_args(2, 3)
+    args.update(overrides)
+    meta_args = {name: torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+                 if isinstance(value, torch.Tensor) else value for name, value in args.items()}  # strides kept
+    with pytest.raises(RuntimeError, match=f"sbd.mask_scatter_: {message}"):
+        torch.ops.sbd.mask_scatter_(**meta_args)
+
+
+def test_bad_call_fails_while_tracing_under_compile():
+    """Guards against torch.compile accepting a bad call at trace time (the fake kernel checking
+    nothing), so that a compiled graph is built and the error only comes from the first real run."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def reveal(tokens, masked, sampled, entropy):
+        return sbd_kernels.mask_scatter_(tokens, masked, sampled, entropy)
+
+    args = small_args()
+    bad_entropy = args["entropy"].to(torch.float64)
+    compiled = torch.compile(reveal, backend=record, fullgraph=True)
+    with pytest.raises(RuntimeError, match="sbd.mask_scatter_: entropy must be float32"):
+        compiled(args["block_tokens"], args["is_masked"], args["sampled"], bad_entropy)
+    assert graphs == []
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("gamma_val", [3.4028234663852886e38, 3.5e38, 1e300, INF])
+@pytest.mark.parametrize("rule", ["eb", "threshold"])
+def test_huge_gamma_val_rounds_to_fp32(backend, gamma_val, rule):
+    """Guards against a backend rejecting a gamma_val beyond the fp32 range (the oracle raised on 1e300)
+    instead of rounding it to fp32 (+inf) like the others."""
+    positions = run_hand_case(backend, [0.5, 2.0, INF, 1.0], gamma=gamma_val, rule=rule)[0]
+    # eb: the sums before each candidate (0, .5, 1.5, 3.5) are <= gamma; threshold: inf < gamma is false
+    assert positions == ([0, 1, 2, 3] if rule == "eb" else [0, 1, 3])
+    # eb: the second +inf is accepted iff the sum before it (+inf) <= gamma, i.e. gamma rounds to +inf
+    rounds_to_inf = gamma_val > 3.4028234663852886e38
+    positions = run_hand_case(backend, [INF, INF], gamma=gamma_val, rule=rule)[0]
+    assert positions == ([0, 1] if rule == "eb" and rounds_to_inf else [0])
+
+
+# (id, positional arguments after entropy, keyword arguments, the gamma every row gets)
+WRAPPER_GAMMA_CALLS = [
+    ("gamma number", (), {"gamma": 0.25}, 0.25),
+    ("gamma_val keyword", (), {"gamma_val": 0.25}, 0.25),
+    ("gamma=None, gamma_val", (), {"gamma": None, "gamma_val": 0.25}, 0.25),
+    ("no gamma: default 0.1", (), {}, 0.1),
+    ("positional None, value", (None, 0.25), {}, 0.25),
+    ("positional number", (0.375,), {}, 0.375),
+    ("integer number", (), {"gamma": 0}, 0.0),
+    ("tensor, gamma_val ignored", (torch.full((3,), 0.25), 99.0), {}, 0.25),
+    ("tensor keyword", (), {"gamma": torch.full((3,), 0.25)}, 0.25),
+]
+
+
+@pytest.mark.parametrize("call", WRAPPER_GAMMA_CALLS, ids=[c[0] for c in WRAPPER_GAMMA_CALLS])
+@pytest.mark.parametrize("rule", ["eb", "threshold"])
+def test_wrapper_takes_gamma_as_tensor_or_number(call, rule):
+    """Guards against the wrapper's `gamma: Tensor | float` mapping a number to the wrong schema argument,
+    or breaking the existing gamma=None / gamma_val calls."""
+    _, positional, keywords, row_gamma = call
+    tokens, masked, sampled, entropy, _, valid = random_inputs(3, 9, 4, False, True)
+    entropy = entropy / 4  # sums near 0.1 .. 0.375, so that the gamma used shows in the result
+    ref_tokens, ref_masked = tokens.clone(), masked.clone()
+    expected = naive.mask_scatter_(ref_tokens, ref_masked, sampled, entropy, None, row_gamma, rule, valid)
+    got = sbd_kernels.mask_scatter_(tokens, masked, sampled, entropy, *positional, **keywords, rule=rule,
+                                    valid=valid)
+    for a, e in zip(got, expected):
+        assert torch.equal(a, e)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(masked, ref_masked)
+
+
+def test_wrapper_gamma_cases_discriminate():
+    """The inputs of test_wrapper_takes_gamma_as_tensor_or_number give different results for each gamma
+    it uses, so a wrapper passing the wrong one fails there."""
+    tokens, masked, sampled, entropy, _, valid = random_inputs(3, 9, 4, False, True)
+    counts = {g: naive.mask_scatter_(tokens.clone(), masked.clone(), sampled, entropy / 4, None, g, "eb",
+                                     valid)[1].tolist() for g in (0.0, 0.1, 0.25, 0.375, 99.0)}
+    assert len({tuple(c) for c in counts.values()}) == len(counts), counts
+
+
+@pytest.mark.parametrize("gamma, gamma_val, message", [
+    (0.3, 0.1, "gamma=0.3 is a number, so gamma_val=0.1 cannot also be given"),
+    (True, None, "gamma must be a \\[B\\] float32 tensor, a number or None, got bool"),
+    ("0.1", None, "gamma must be a \\[B\\] float32 tensor, a number or None, got str"),
+])
+def test_wrapper_rejects_ambiguous_gamma(gamma, gamma_val, message):
+    """Guards against a number given twice (as gamma and as gamma_val) silently using one of them."""
+    args = small_args()
+    with pytest.raises(TypeError, match=f"sbd.mask_scatter_: {message}"):
+        sbd_kernels.mask_scatter_(args["block_tokens"], args["is_masked"], args["sampled"], args["entropy"],
+                                  gamma, gamma_val)
+
+
+def test_wrapper_with_number_gamma_compiles_with_fullgraph():
+    """Guards against the number-or-tensor dispatch of the wrapper breaking the graph under compile."""
+
+    def reveal(tokens, masked, sampled, entropy):
+        return sbd_kernels.mask_scatter_(tokens, masked, sampled, entropy, 0.25)
+
+    tokens, masked, sampled, entropy, _, _ = random_inputs(4, 16, 2, False, False)
+    eager_tokens, eager_masked = tokens.clone(), masked.clone()
+    expected = reveal(eager_tokens, eager_masked, sampled, entropy)
+    got = torch.compile(reveal, fullgraph=True, backend="inductor")(tokens, masked, sampled, entropy)
+    for a, e in zip(got, expected):
+        assert torch.equal(a, e)
+    assert torch.equal(tokens, eager_tokens) and torch.equal(masked, eager_masked)

@@ -5,7 +5,6 @@
 // Triton kernel use, so all three agree exactly at the gamma boundary), write accepted positions.
 // A row is a few dozen scalars, so the kernel is scalar; rows run in parallel when there are many.
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -16,6 +15,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "overlap.h"
 
 namespace sbd::cpu {
 namespace {
@@ -115,7 +116,8 @@ std::pair<int32_t, bool> scatter_row(const Row& row, int64_t b, int64_t k, float
   return {count, done};
 }
 
-// gamma of every row as fp32, checked >= 0 before anything is written.
+// gamma of every row as fp32, checked >= 0 before anything is written. gamma_val is rounded to nearest
+// (IEEE conversion: beyond the fp32 range it becomes +inf), as the Python backends do.
 std::vector<float> row_gammas(const std::optional<at::Tensor>& gamma, double gamma_val, int64_t batch) {
   std::vector<float> out(batch, static_cast<float>(gamma_val));
   if (!gamma.has_value()) {
@@ -144,15 +146,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mask_scatter_cpu(
   check_tensor(is_masked, "is_masked", at::kBool, {batch, k}, device);
   check_tensor(sampled, "sampled", at::kLong, {batch, k}, device);
   check_tensor(entropy, "entropy", at::kFloat, {batch, k}, device);
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"block_tokens", &block_tokens},
-                                 {"is_masked", &is_masked}}) {
-    // Rows run in parallel: two rows sharing memory (an expanded view) would race.
-    TORCH_CHECK(at::has_internal_overlap(*t) != at::MemOverlap::Yes, kOp, ": ", name,
-                " is written in place and must not have elements sharing memory (expanded view?)");
-  }
+  // Rows run in parallel: two positions sharing memory would race.
+  check_writable(kOp, "block_tokens", block_tokens);
+  check_writable(kOp, "is_masked", is_masked);
   if (valid.has_value()) check_tensor(*valid, "valid", at::kBool, {batch, k}, device);
   const Rule rule = parse_rule(std::string(rule_name));
   if (gamma.has_value()) check_tensor(*gamma, "gamma", at::kFloat, {batch}, device);
+  // The in-place arguments share no memory with each other or with a read-only argument, except sampled
+  // identical to block_tokens and valid identical to is_masked: each element is then read only for its
+  // own position, before that position is written, so the result cannot change.
+  check_not_sharing(kOp, {{"block_tokens", &block_tokens}, {"is_masked", &is_masked}},
+                    {{"sampled", &sampled},
+                     {"entropy", &entropy},
+                     {"valid", valid.has_value() ? &*valid : nullptr},
+                     {"gamma", gamma.has_value() ? &*gamma : nullptr}},
+                    {{"block_tokens", "sampled"}, {"is_masked", "valid"}});
   const std::vector<float> gammas = row_gammas(gamma, gamma_val, batch);
 
   at::Tensor accepted = at::empty({batch, k}, block_tokens.options().dtype(at::kBool));

@@ -1,11 +1,13 @@
-"""Argument checks of `sbd::mask_scatter_` shared by the Triton launcher and the oracle.
+"""Argument checks of `sbd::mask_scatter_` shared by the Triton launcher, the oracle and the fake kernel.
 
-Same wording as the C++ checks in csrc/cpu/scatter.cpp, so that a bad call fails with the same message
-(a RuntimeError naming the argument) on every backend.
+Same wording and order as the C++ checks in csrc/cpu/scatter.cpp, so that a bad call fails with the same
+message (a RuntimeError naming the argument) on every backend and at `torch.compile` trace time.
 """
 from __future__ import annotations
 
 import torch
+
+from sbd_kernels.ops._overlap import check_not_sharing, check_writable
 
 OP = "sbd.mask_scatter_"
 RULES = ("eb", "threshold")
@@ -29,13 +31,19 @@ def _check_tensor(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[i
         _fail(f"{name} must be on the device of block_tokens ({device}), got {t.device}")
 
 
+# Aliases that cannot change the result: each element of `sampled` (`valid`) is then read only for the
+# position of `block_tokens` (`is_masked`) it is, before that position is written.
+IDENTICAL_OK = frozenset({("block_tokens", "sampled"), ("is_masked", "valid")})
+
+
 def check_mask_scatter_args(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampled: torch.Tensor,
                             entropy: torch.Tensor, gamma: torch.Tensor | None, gamma_val: float,
                             rule: str, valid: torch.Tensor | None) -> tuple[int, int]:
-    """Checks dtypes, shapes, devices, `rule` and gamma >= 0; returns (B, K).
+    """Checks dtypes, shapes, devices, memory overlap, `rule` and gamma_val >= 0; returns (B, K).
 
-    The gamma tensor's values are checked with `torch._assert_async`: no host sync on CUDA (the error
-    surfaces at the next sync), an immediate RuntimeError on CPU tensors.
+    Metadata only (no device value is read, nothing synchronises), so the fake kernel runs it too; on fake
+    and meta tensors the aliasing between arguments is not checked (no data pointers). The gamma tensor's
+    values are checked by `assert_gamma_values`.
     """
     if not isinstance(block_tokens, torch.Tensor):
         _fail(f"block_tokens must be a tensor, got {type(block_tokens).__name__}")
@@ -47,9 +55,8 @@ def check_mask_scatter_args(block_tokens: torch.Tensor, is_masked: torch.Tensor,
     _check_tensor(is_masked, "is_masked", torch.bool, (batch, k), device)
     _check_tensor(sampled, "sampled", torch.int64, (batch, k), device)
     _check_tensor(entropy, "entropy", torch.float32, (batch, k), device)
-    for name, t in (("block_tokens", block_tokens), ("is_masked", is_masked)):
-        if torch._debug_has_internal_overlap(t) == 1:  # 1: MemOverlap::Yes, e.g. an expanded view
-            _fail(f"{name} is written in place and must not have elements sharing memory (expanded view?)")
+    check_writable(OP, "block_tokens", block_tokens)
+    check_writable(OP, "is_masked", is_masked)
     if valid is not None:
         _check_tensor(valid, "valid", torch.bool, (batch, k), device)
     if rule not in RULES:
@@ -59,5 +66,20 @@ def check_mask_scatter_args(block_tokens: torch.Tensor, is_masked: torch.Tensor,
             _fail(f"gamma must be >= 0, got gamma_val={gamma_val}")
     else:
         _check_tensor(gamma, "gamma", torch.float32, (batch,), device)
-        torch._assert_async(torch.all(gamma >= 0), f"{OP}: gamma must be >= 0 (and not NaN) in every row")
+    check_not_sharing(OP, [("block_tokens", block_tokens), ("is_masked", is_masked)],
+                      [("sampled", sampled), ("entropy", entropy), ("valid", valid), ("gamma", gamma)],
+                      IDENTICAL_OK)
     return batch, k
+
+
+def assert_gamma_values(gamma: torch.Tensor | None) -> None:
+    """gamma >= 0 (and not NaN) in every row, with `torch._assert_async`: no host sync on CUDA (the error
+    surfaces at the next sync), an immediate RuntimeError on CPU tensors."""
+    if gamma is not None:
+        torch._assert_async(torch.all(gamma >= 0), f"{OP}: gamma must be >= 0 (and not NaN) in every row")
+
+
+def gamma_fp32(gamma_val: float) -> float:
+    """`gamma_val` rounded to fp32 (to nearest, so anything beyond the fp32 range becomes +inf), as the
+    C++ kernel's cast does; every backend compares against this value."""
+    return float(torch.tensor(gamma_val, dtype=torch.float64).to(torch.float32))

@@ -1,7 +1,8 @@
 """Pure-PyTorch oracle of `sbd::mask_scatter_`: the acceptance rules written out literally, row by row.
 
 For each row b, the candidates are the positions j with is_masked[b, j] and valid[b, j]. They are
-ranked by (entropy, position) ascending, a NaN entropy counting as +inf. With gamma = gamma[b]:
+ranked by (entropy, position) ascending, a NaN entropy counting as +inf. With gamma = gamma[b] (or
+gamma_val rounded to fp32: beyond the fp32 range it is +inf):
 - rule "eb" (docs/algorithm.md §3.5): the candidate of rank r is accepted iff r == 0 or
   fl32(...fl32(fl32(0 + H_0) + H_1) ... + H_{r-1}) <= gamma, the entropies of the candidates ranked
   before it summed one by one in fp32, in rank order (every backend sums in this order, so decisions
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sbd_kernels.ops.scatter._checks import check_mask_scatter_args
+from sbd_kernels.ops.scatter._checks import assert_gamma_values, check_mask_scatter_args, gamma_fp32
 
 
 def _ranked_candidates(masked: torch.Tensor, valid: torch.Tensor, key: torch.Tensor) -> list[int]:
@@ -43,12 +44,13 @@ def mask_scatter_(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampled: 
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Oracle of `sbd.mask_scatter_` (same signature, same in-place writes, same returns)."""
     batch, k = check_mask_scatter_args(block_tokens, is_masked, sampled, entropy, gamma, gamma_val, rule, valid)
+    assert_gamma_values(gamma)
     device = block_tokens.device
     masked_cpu = is_masked.cpu()
     valid_cpu = torch.ones(batch, k, dtype=torch.bool) if valid is None else valid.cpu()
     entropy_cpu = entropy.cpu().to(torch.float32)
     key = torch.where(entropy_cpu.isnan(), float("inf"), entropy_cpu)  # NaN ranks as +inf
-    gammas = (torch.full((batch,), gamma_val, dtype=torch.float32) if gamma is None
+    gammas = (torch.full((batch,), gamma_fp32(gamma_val), dtype=torch.float32) if gamma is None
               else gamma.cpu().to(torch.float32))
 
     accepted = torch.zeros(batch, k, dtype=torch.bool)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sbd_kernels.ops.scatter._checks import check_mask_scatter_args
+from sbd_kernels.ops.scatter._checks import assert_gamma_values, check_mask_scatter_args, gamma_fp32
 
 # Largest block the launcher accepts. The row lives in registers of one warp: K = 256 is 8 entries per
 # thread per tensor, and the EB loop's 256 iterations of two warp-shuffle reductions stay in the few-us
@@ -94,6 +94,7 @@ def mask_scatter_(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampled: 
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton launcher of `sbd.mask_scatter_` (same signature and contract); K <= 256."""
     batch, k = check_mask_scatter_args(block_tokens, is_masked, sampled, entropy, gamma, gamma_val, rule, valid)
+    assert_gamma_values(gamma)
     if k > MAX_BLOCK_K:
         raise RuntimeError(f"sbd.mask_scatter_: block_tokens has K = {k} positions; the Triton kernel "
                            f"supports K <= {MAX_BLOCK_K}")
@@ -103,14 +104,12 @@ def mask_scatter_(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampled: 
     block_done = torch.empty(batch, dtype=torch.bool, device=device)
     if batch == 0:
         return accepted, num_accepted, block_done
-    # fp32 rounding on the host, as the CPU kernel does, so gamma_val compares the same everywhere.
-    gamma_fp32 = float(torch.tensor(gamma_val, dtype=torch.float32))
     valid_arg = is_masked if valid is None else valid  # never read when HAS_VALID is False
     gamma_arg = entropy if gamma is None else gamma  # never read when HAS_GAMMA is False
     _scatter_accept_kernel[(batch,)](
         block_tokens, is_masked, sampled, entropy, valid_arg, gamma_arg,
         accepted, num_accepted, block_done,
-        k, gamma_fp32,
+        k, gamma_fp32(gamma_val),  # rounded on the host as every backend does, so it compares the same
         block_tokens.stride(0), block_tokens.stride(1), is_masked.stride(0), is_masked.stride(1),
         sampled.stride(0), sampled.stride(1), entropy.stride(0), entropy.stride(1),
         valid_arg.stride(0), valid_arg.stride(1), gamma_arg.stride(0),
