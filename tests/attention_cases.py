@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from sbd_kernels.ops.attention import naive
-from sbd_kernels.testing import assert_close, noncontiguous
+from sbd_kernels.testing import Embedded, assert_close, noncontiguous
 
 # Base case and the values of each axis (one axis varied at a time). "C": "K" means C = block_size.
 BASE = {"B": 3, "C": 4, "K": 4, "L": 37, "Hq": 8, "Hkv": 2, "D": 64, "dtype": torch.float32, "paged": False,
@@ -152,6 +152,33 @@ def embed_caches_in_nan_buffers(case: AttentionCase) -> Callable[[], None]:
         assert torch.isnan(stacked_v[:, :, 0::2]).all()
 
     return assert_rest_untouched
+
+
+INDEX_TENSORS = ("cache_seqlens", "num_causal", "block_table")
+INDEX_LAYOUTS = ("strided", "offset", "expanded")
+
+
+def index_view_case(name: str, layout: str, device: str = "cpu") -> tuple[AttentionCase, Embedded]:
+    """A small ragged call (B = 4, C = 3, K = 2, Hq = 2, Hkv = 1, D = 8) whose index tensor `name` is a
+    view into a larger poisoned buffer (testing.Embedded): "strided" (stride 2 in every dimension, like a
+    column of a [B, 2] state tensor or `table[:, ::2]`), "offset" (3 elements in), or "expanded" (stride 0
+    along the batch, like `torch.tensor([5]).expand(B)`). For "expanded" the rows are made equal: lengths
+    all min(L_b), num_causal all 2, and a shared page table (row 0) with num_causal all 0, so that no two
+    sequences write the same slot. Returns the case and the Embedded (to check it was not written).
+    """
+    case = make_case(B=4, C=3, K=2, L=20, Hq=2, Hkv=1, D=8, dtype=torch.float32,
+                     paged=name == "block_table", page_size=4, device=device)
+    if layout == "expanded":
+        if name == "cache_seqlens":
+            case.cache_seqlens.fill_(int(case.cache_seqlens.min()))
+        elif name == "num_causal":
+            case.num_causal.fill_(2)
+        else:
+            case.block_table[:] = case.block_table[0].clone()
+            case.num_causal.zero_()
+    embedded = Embedded(getattr(case, name), layout)
+    setattr(case, name, embedded.view)
+    return case, embedded
 
 
 def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:

@@ -9,9 +9,12 @@ import torch.nn.functional as F
 from attention_cases import (
     AXES,
     BASE,
+    INDEX_LAYOUTS,
+    INDEX_TENSORS,
     assert_matches_oracle,
     axis_params,
     embed_caches_in_nan_buffers,
+    index_view_case,
     make_case,
 )
 
@@ -66,6 +69,17 @@ def test_strided_caches(paged):
     assert_rest_untouched = embed_caches_in_nan_buffers(case)
     assert_matches_oracle(case, OP)
     assert_rest_untouched()
+
+
+@pytest.mark.parametrize("layout", INDEX_LAYOUTS)
+@pytest.mark.parametrize("name", INDEX_TENSORS)
+def test_index_tensor_views(name, layout):
+    """Guards against a kernel that reads cache_seqlens / num_causal / block_table as if contiguous: each
+    is here a strided (stride 2), offset or expanded (stride 0) view of a poisoned buffer, so a wrong
+    index reads poison or another sequence's value and the cache writes land in the wrong slots."""
+    case, embedded = index_view_case(name, layout)
+    assert_matches_oracle(case, OP)
+    embedded.check_unchanged(name)
 
 
 @pytest.mark.parametrize("scale", [0.05, 1.0, -0.3])

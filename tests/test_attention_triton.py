@@ -15,9 +15,12 @@ import torch.nn.functional as F
 from attention_cases import (
     AXES,
     BASE,
+    INDEX_LAYOUTS,
+    INDEX_TENSORS,
     assert_matches_oracle,
     axis_params,
     embed_caches_in_nan_buffers,
+    index_view_case,
     make_case,
 )
 from test_attention import (
@@ -135,6 +138,18 @@ def test_strided_caches(paged):
     assert_rest_untouched = embed_caches_in_nan_buffers(c)
     assert_matches_oracle(c, triton_op)
     assert_rest_untouched()
+
+
+@pytest.mark.parametrize("layout", INDEX_LAYOUTS)
+@pytest.mark.parametrize("name", INDEX_TENSORS)
+def test_index_tensor_views(name, layout):
+    """Guards against kernels that index cache_seqlens / num_causal / block_table as if contiguous: each
+    is here a strided (stride 2), offset or expanded (stride 0) view of a poisoned buffer; ignoring the
+    strides wrote K/V into other sequences' slots, read past a one-element allocation, or read the wrong
+    pages."""
+    c, embedded = index_view_case(name, layout, device=DEVICE)
+    assert_matches_oracle(c, triton_op)
+    embedded.check_unchanged(name)
 
 
 @pytest.mark.parametrize("scale", [0.05, -0.3])
@@ -257,6 +272,13 @@ def test_aot_specs_cover_every_launch_config():
                                           "PAGED": paged, "ALIGNED": aligned, "HALF_DOT": cfg.half_dot,
                                           "INPUT_PRECISION": cfg.input_precision}
                         assert _spec_key(constexprs, cfg.num_warps, cfg.num_stages) in listed[name], cfg
+
+
+def test_aot_spec_signatures_follow_the_kernels():
+    """Guards against a kernel signature change (e.g. new stride arguments) that the AOT compile specs do
+    not follow: every spec must name each argument of its kernel, in order."""
+    for spec in attention_triton.aot_specs():
+        assert list(spec.signature) == spec.fn.arg_names, spec.name
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the CUDA registration runs on CUDA tensors (no GPU here)")
