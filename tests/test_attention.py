@@ -17,6 +17,7 @@ from attention_cases import (
     index_view_case,
     make_case,
 )
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sbd_kernels import block_attention_with_kvcache
 from sbd_kernels.ops.attention import naive
@@ -82,9 +83,10 @@ def test_index_tensor_views(name, layout):
     embedded.check_unchanged(name)
 
 
-@pytest.mark.parametrize("scale", [0.05, 1.0, -0.3])
+@pytest.mark.parametrize("scale", [0.05, 1.0, 3.0])
 def test_softmax_scale(scale):
-    """Guards against an ignored softmax_scale, or a max taken before scaling (wrong for scale < 0)."""
+    """Guards against an ignored softmax_scale (3.0 also sharpens the softmax enough to expose a max taken
+    before scaling)."""
     assert_matches_oracle(make_case(**BASE, softmax_scale=scale), OP)
 
 
@@ -231,6 +233,10 @@ def test_cached_decode_equals_full_recompute():
         assert torch.isfinite(k_cache[0, :15]).all() and torch.isnan(k_cache[0, 15:]).all()
 
 
+# Errors about values inside the index tensors: the fake kernel cannot see them.
+VALUE_ERRORS = ("capacity", "negative_length", "num_causal_range")
+
+
 def error_cases():
     """(id, mutate(case) -> None, message fragment naming the argument)."""
     def set_(name, value):
@@ -247,6 +253,18 @@ def error_cases():
         ("cache_dtype", lambda c: setattr(c, "v_cache", c.v_cache.half()), "v_cache must have the dtype of q"),
         ("block_size", set_("block_size", 9), "block_size must be in"),
         ("device", lambda c: setattr(c, "num_causal", c.num_causal.to("meta")), "num_causal must be on the device"),
+        ("scale_nan", set_("softmax_scale", float("nan")), "softmax_scale must be finite and > 0, got nan"),
+        ("scale_inf", set_("softmax_scale", float("inf")), "softmax_scale must be finite and > 0, got inf"),
+        ("scale_zero", set_("softmax_scale", 0.0), "softmax_scale must be finite and > 0, got 0"),
+        ("scale_negative", set_("softmax_scale", -0.3), r"softmax_scale must be finite and > 0, got -0\.3"),
+        ("scale_negative_nan", set_("softmax_scale", -float("nan")), "softmax_scale must be finite and > 0, got nan"),
+        ("scale_tiny_negative", set_("softmax_scale", -1e-30), "softmax_scale must be finite and > 0, got -1e-30"),
+        ("k_shape", lambda c: setattr(c, "k", c.k[:, :-1]), r"k must have shape \[3, 8, Hkv, 64\], got \[3, 7,"),
+        ("cache_shapes", lambda c: setattr(c, "v_cache", c.v_cache[:, :-1]), r"v_cache shape \[3, 43, 2, 64\] must equal"),
+        ("table_dtype", lambda c: setattr(c, "block_table", torch.zeros(3, 4, dtype=torch.int64)),
+         "block_table must be int32, got torch.int64"),
+        ("table_shape", lambda c: setattr(c, "block_table", torch.zeros(3, dtype=torch.int32)),
+         r"block_table must have shape \[3, max_pages\], got \[3\]"),
     ]
 
 
@@ -262,6 +280,33 @@ def test_bad_inputs_name_the_argument(impl, mutate, message):
     with pytest.raises(RuntimeError, match=message):
         fn(*case.args())
     assert torch.equal(case.k_cache.isnan(), before.isnan())
+
+
+@pytest.mark.parametrize("mutate", [e[1] for e in error_cases()], ids=[e[0] for e in error_cases()])
+def test_cpu_and_python_checks_say_the_same(mutate):
+    """Guards against the C++ checks and the Python checks (oracle, Triton launcher, fake kernel) drifting
+    apart: for every bad input both raise the same message, word for word."""
+    messages = []
+    for fn in (OP, naive.block_attention_with_kvcache):
+        case = make_case(**BASE)
+        mutate(case)
+        with pytest.raises(RuntimeError) as error:
+            fn(*case.args())
+        messages.append(str(error.value).splitlines()[0])
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("mutate,message", [e[1:] for e in error_cases() if e[0] not in VALUE_ERRORS],
+                         ids=[e[0] for e in error_cases() if e[0] not in VALUE_ERRORS])
+def test_fake_kernel_checks(mutate, message):
+    """Guards against a fake kernel that lets through what the kernels reject (torch.compile would trace a
+    call that fails, or worse, at run time): every metadata check raises under FakeTensorMode too."""
+    case = make_case(**BASE)
+    mutate(case)
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in case.args()]
+        with pytest.raises(RuntimeError, match=message):
+            OP(*args)
 
 
 @pytest.mark.parametrize("impl", ["cpu", "naive"])

@@ -39,13 +39,14 @@ def block_attention_with_kvcache(
         num_causal: [B] int32, 0 <= c_b <= C.
         block_size: K >= 0 (0: a prefill-only call, S = C).
         block_table: optional [B, max_pages] int32 page ids (paged cache; any page size).
-        softmax_scale: default D ** -0.5.
+        softmax_scale: finite and > 0; default D ** -0.5.
 
     Returns:
         out [B, S, Hq, D] (dtype of q) and lse [B, Hq, S] fp32 (natural log).
 
-    Errors: RuntimeError naming the argument for bad shapes / dtypes / devices, L_b + c_b beyond the
-    cache capacity, num_causal outside [0, C] or page ids out of range.
+    Errors: RuntimeError naming the argument for bad shapes / dtypes / devices, a softmax_scale that is
+    NaN, infinite or <= 0, L_b + c_b beyond the cache capacity, num_causal outside [0, C] or page ids out
+    of range.
 
     Example:
         >>> import torch, sbd_kernels
@@ -65,7 +66,7 @@ def block_attention_with_kvcache(
 def _block_attention_with_kvcache_fake(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size,
                                        block_table=None, softmax_scale=None):
     dims = check_block_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size,
-                                      block_table)
+                                      block_table, softmax_scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((dims.batch, dims.q_heads, dims.seq), dtype=torch.float32)
     return out, lse

@@ -7,6 +7,7 @@ Two kinds, both with messages that name the argument (same wording as the C++ CP
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -39,41 +40,46 @@ def _require(cond: bool, message: str) -> None:
 
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, hkv: int) -> None:
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _require(cache.dim() == 4, f"{name} must be 4-D, got shape {tuple(cache.shape)}")
+        _require(cache.dim() == 4, f"{name} must be 4-D, got shape {list(cache.shape)}")
         _require(cache.dtype == q.dtype, f"{name} must have the dtype of q ({q.dtype}), got {cache.dtype}")
         _require(cache.device == q.device, f"{name} must be on the device of q ({q.device}), got {cache.device}")
         _require(cache.shape[2] == hkv and cache.shape[3] == q.shape[3],
-                 f"{name} must have {hkv} heads of dim {q.shape[3]}, got shape {tuple(cache.shape)}")
+                 f"{name} must have {hkv} heads of dim {q.shape[3]}, got shape {list(cache.shape)}")
         _require(cache.stride(3) == 1, f"{name} must have a contiguous last dimension (stride 1)")
     _require(k_cache.shape == v_cache.shape,
-             f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
+             f"v_cache shape {list(v_cache.shape)} must equal k_cache shape {list(k_cache.shape)}")
 
 
 def _check_int32_vector(name: str, t: torch.Tensor, batch: int, device: torch.device) -> None:
     _require(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
-    _require(t.dim() == 1 and t.shape[0] == batch, f"{name} must have shape [{batch}], got {tuple(t.shape)}")
+    _require(t.dim() == 1 and t.shape[0] == batch, f"{name} must have shape [{batch}], got {list(t.shape)}")
     _require(t.device == device, f"{name} must be on the device of q ({device}), got {t.device}")
 
 
 def check_block_attention_args(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor, num_causal: torch.Tensor, block_size: int,
-    block_table: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None, softmax_scale: float | None = None,
 ) -> AttentionDims:
-    """Check shapes, dtypes and devices; return the sizes of the call. Raises RuntimeError naming the argument."""
-    _require(q.dim() == 4, f"q must be 4-D [B, S, Hq, D], got shape {tuple(q.shape)}")
+    """Check shapes, dtypes, devices and softmax_scale (finite, > 0); return the sizes of the call. Raises
+    RuntimeError naming the argument. Dtypes print as `torch.float32`, shapes as `[B, S, H, D]` (the C++
+    kernel's wording)."""
+    _require(q.dim() == 4, f"q must be 4-D [B, S, Hq, D], got shape {list(q.shape)}")
     _require(q.dtype in FLOAT_DTYPES, f"q must be float32, float16 or bfloat16, got {q.dtype}")
     batch, seq, hq, dim = q.shape
     _require(0 < dim <= MAX_HEAD_DIM, f"q head dim must be in [1, {MAX_HEAD_DIM}], got {dim}")
     _require(k.dim() == 4 and k.shape[:2] == q.shape[:2] and k.shape[3] == dim,
-             f"k must have shape [{batch}, {seq}, Hkv, {dim}], got {tuple(k.shape)}")
+             f"k must have shape [{batch}, {seq}, Hkv, {dim}], got {list(k.shape)}")
     hkv = k.shape[2]
     _require(hkv > 0 and hq % hkv == 0, f"q heads ({hq}) must be a multiple of k heads ({hkv})")
-    _require(v.shape == k.shape, f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
+    _require(v.shape == k.shape, f"v shape {list(v.shape)} must equal k shape {list(k.shape)}")
     for name, t in (("k", k), ("v", v)):
         _require(t.dtype == q.dtype, f"{name} must have the dtype of q ({q.dtype}), got {t.dtype}")
         _require(t.device == q.device, f"{name} must be on the device of q ({q.device}), got {t.device}")
     _require(0 <= block_size <= seq, f"block_size must be in [0, S={seq}], got {block_size}")
+    if softmax_scale is not None:
+        _require(math.isfinite(softmax_scale) and softmax_scale > 0,
+                 f"softmax_scale must be finite and > 0, got {softmax_scale:g}")
     _check_cache_pair(k_cache, v_cache, q, hkv)
     _check_int32_vector("cache_seqlens", cache_seqlens, batch, q.device)
     _check_int32_vector("num_causal", num_causal, batch, q.device)
@@ -84,7 +90,7 @@ def check_block_attention_args(
     else:
         _require(block_table.dtype == torch.int32, f"block_table must be int32, got {block_table.dtype}")
         _require(block_table.dim() == 2 and block_table.shape[0] == batch,
-                 f"block_table must have shape [{batch}, max_pages], got {tuple(block_table.shape)}")
+                 f"block_table must have shape [{batch}, max_pages], got {list(block_table.shape)}")
         _require(block_table.device == q.device,
                  f"block_table must be on the device of q ({q.device}), got {block_table.device}")
         _require(k_cache.shape[1] > 0, "k_cache page size must be positive")

@@ -369,7 +369,7 @@ def block_attention_with_kvcache(
     """Triton launcher of the op (same signature and side effect); CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1. Returns out [B, S, Hq, D] (dtype of q) and lse [B, Hq, S] fp32. No host sync."""
     dims = check_block_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size,
-                                      block_table)
+                                      block_table, softmax_scale)
     assert_block_attention_values(cache_seqlens, num_causal, dims, block_table)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((dims.batch, dims.q_heads, dims.seq), dtype=torch.float32, device=q.device)
