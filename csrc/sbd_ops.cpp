@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "cpu/isa.h"
+#include "cpu/overlap.h"
 
 #ifdef SBD_PYTHON_MODULE
 #include <Python.h>
@@ -31,4 +32,11 @@ TORCH_LIBRARY(sbd, m) {
   // and a switch for tests and benchmarks. Also settable with the SBD_CPU_ISA environment variable.
   m.def("_cpu_isa() -> str", [] { return std::string(sbd::cpu::isa_name(sbd::cpu::active_isa())); });
   m.def("_set_cpu_isa(str isa) -> ()", [](const std::string& isa) { sbd::cpu::set_active_isa(isa); });
+  // Private: the memory-overlap answers of csrc/cpu/overlap.h (0 no, 1 yes, 2 may share memory), for
+  // tests that hold them against sbd_kernels/ops/_overlap.py and a brute-force enumeration.
+  m.def("_internal_overlap(Tensor t) -> int",
+        [](const at::Tensor& t) { return static_cast<int64_t>(sbd::cpu::internal_overlap(t)); });
+  m.def("_views_overlap(Tensor a, Tensor b) -> int", [](const at::Tensor& a, const at::Tensor& b) {
+    return static_cast<int64_t>(sbd::cpu::views_overlap(a, b));
+  });
 }
