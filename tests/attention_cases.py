@@ -181,6 +181,58 @@ def index_view_case(name: str, layout: str, device: str = "cpu") -> tuple[Attent
     return case, embedded
 
 
+def combine_caches(case: AttentionCase) -> None:
+    """Replaces the case's caches by the two halves of one allocation, as FlashInfer lays out a paged
+    cache: `kv[num_pages, 2, page_size, Hkv, D]` with k_cache = kv[:, 0], v_cache = kv[:, 1]; a contiguous
+    cache as `kv[B, S_max, 2, Hkv, D]` with k_cache = kv[:, :, 0], v_cache = kv[:, :, 1]."""
+    dim = 1 if case.block_table is not None else 2
+    kv = torch.stack([case.k_cache, case.v_cache], dim=dim)
+    case.k_cache, case.v_cache = kv.select(dim, 0), kv.select(dim, 1)
+
+
+def fuse_qkv(case: AttentionCase) -> None:
+    """Replaces q, k, v by head slices of one fused projection output [B, S, Hq + 2 Hkv, D]."""
+    hq, hkv = case.q.shape[2], case.k.shape[2]
+    qkv = torch.cat([case.q, case.k, case.v], dim=2)
+    case.q, case.k, case.v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
+
+
+def aliasing_cases() -> list[tuple[str, Callable[[AttentionCase], None], str]]:
+    """(id, mutate(case), message) for caches that alias themselves, each other or a read argument, on
+    `make_case(**ALIASING_SHAPE)` (contiguous cache of 10 slots, S = 4, L_0 = 5)."""
+    def expanded_k_cache(c):
+        c.k_cache = c.k_cache[:1].expand(c.k_cache.shape)
+
+    def shifted_halves(c):  # v_cache starts one slot after k_cache in the same buffer
+        kv = torch.zeros(c.k_cache.shape[0], c.k_cache.shape[1] + 1, *c.k_cache.shape[2:])
+        c.k_cache, c.v_cache = kv[:, :-1], kv[:, 1:]
+
+    def k_in_appended_slots(c):
+        c.k = c.k_cache[:, 5:9]
+
+    def q_shares_k_cache(c):  # q [B, S, 2, D] and k_cache [B, 10, 1, D] in one [B, 10, 2, D] buffer
+        buffer = torch.zeros(c.k_cache.shape[0], c.k_cache.shape[1], 2, c.k_cache.shape[3])
+        c.q, c.k_cache = buffer[:, :4], buffer[:, :, :1]
+
+    def lengths_in_v_cache(c):
+        c.cache_seqlens = c.v_cache.view(torch.int32)[:, 0, 0, 0]
+        c.cache_seqlens.copy_(torch.tensor([5, 4], dtype=torch.int32))
+
+    written = "is written in place and must not"
+    return [
+        ("expanded_k_cache", expanded_k_cache, f"k_cache {written} have elements sharing memory"),
+        ("v_cache_is_k_cache", lambda c: setattr(c, "v_cache", c.k_cache), f"k_cache {written} share memory with v_cache"),
+        ("shifted_halves", shifted_halves, f"k_cache {written} share memory with v_cache"),
+        ("k_in_appended_slots", k_in_appended_slots, f"k_cache {written} share memory with k$"),
+        ("v_in_v_cache", lambda c: setattr(c, "v", c.v_cache[:, :4]), f"v_cache {written} share memory with v$"),
+        ("q_shares_k_cache", q_shares_k_cache, f"k_cache {written} share memory with q$"),
+        ("lengths_in_v_cache", lengths_in_v_cache, f"v_cache {written} share memory with cache_seqlens"),
+    ]
+
+
+ALIASING_SHAPE = {"B": 2, "C": 2, "K": 2, "L": 5, "Hq": 2, "Hkv": 1, "D": 8, "dtype": torch.float32}
+
+
 def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     """Equal bit patterns (NaN poison included): cache writes are copies, never arithmetic."""
     int_dtype = {4: torch.int32, 2: torch.int16}[actual.element_size()]

@@ -7,13 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attention_cases import (
+    ALIASING_SHAPE,
     AXES,
     BASE,
     INDEX_LAYOUTS,
     INDEX_TENSORS,
+    aliasing_cases,
     assert_matches_oracle,
     axis_params,
+    combine_caches,
     embed_caches_in_nan_buffers,
+    fuse_qkv,
     index_view_case,
     make_case,
 )
@@ -282,13 +286,19 @@ def test_bad_inputs_name_the_argument(impl, mutate, message):
     assert torch.equal(case.k_cache.isnan(), before.isnan())
 
 
-@pytest.mark.parametrize("mutate", [e[1] for e in error_cases()], ids=[e[0] for e in error_cases()])
-def test_cpu_and_python_checks_say_the_same(mutate):
+def all_error_cases():
+    """(id, shape for make_case, mutate(case)) of every bad-input and aliasing case."""
+    return ([(name, BASE, mutate) for name, mutate, _ in error_cases()]
+            + [(name, ALIASING_SHAPE, mutate) for name, mutate, _ in aliasing_cases()])
+
+
+@pytest.mark.parametrize("shape,mutate", [e[1:] for e in all_error_cases()], ids=[e[0] for e in all_error_cases()])
+def test_cpu_and_python_checks_say_the_same(shape, mutate):
     """Guards against the C++ checks and the Python checks (oracle, Triton launcher, fake kernel) drifting
     apart: for every bad input both raise the same message, word for word."""
     messages = []
     for fn in (OP, naive.block_attention_with_kvcache):
-        case = make_case(**BASE)
+        case = make_case(**shape)
         mutate(case)
         with pytest.raises(RuntimeError) as error:
             fn(*case.args())
@@ -307,6 +317,60 @@ def test_fake_kernel_checks(mutate, message):
         args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in case.args()]
         with pytest.raises(RuntimeError, match=message):
             OP(*args)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "naive"])
+@pytest.mark.parametrize("mutate,message", [e[1:] for e in aliasing_cases()], ids=[e[0] for e in aliasing_cases()])
+def test_aliased_caches_are_rejected(impl, mutate, message):
+    """Guards against silent wrong results from caches that alias: an expanded k_cache made two sequences
+    write the same slots, `k_cache is v_cache` let V overwrite K, and k as a view of the slots being
+    appended changed the output. Each must raise a RuntimeError naming both arguments."""
+    case = make_case(**ALIASING_SHAPE)
+    mutate(case)
+    fn = OP if impl == "cpu" else naive.block_attention_with_kvcache
+    with pytest.raises(RuntimeError, match=message):
+        fn(*case.args())
+
+
+def test_fake_kernel_rejects_self_overlapping_cache():
+    """Guards against torch.compile tracing a call with an expanded cache: internal overlap is decided
+    from strides alone, so the fake kernel raises too (overlap between two arguments needs data
+    pointers, which the real kernel checks when it runs)."""
+    case = make_case(**ALIASING_SHAPE)
+    case.k_cache = case.k_cache[:1].expand(case.k_cache.shape)
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in case.args()]
+        with pytest.raises(RuntimeError, match="k_cache is written in place and must not have elements sharing"):
+            OP(*args)
+
+
+@pytest.mark.parametrize("layout", ["combined_paged", "combined_contiguous", "fused_qkv"])
+def test_legal_shared_allocations(layout):
+    """Guards against an aliasing check that rejects legal layouts whose byte ranges interleave:
+    k_cache / v_cache as the halves of FlashInfer's kv[num_pages, 2, page_size, H, D] (or the contiguous
+    kv[B, S_max, 2, H, D]), and q / k / v as head slices of one fused qkv projection output."""
+    case = make_case(**{**BASE, "paged": layout == "combined_paged"})
+    if layout == "fused_qkv":
+        fuse_qkv(case)
+    else:
+        combine_caches(case)
+    assert_matches_oracle(case, OP)
+
+
+def test_remembered_safe_layouts_do_not_let_aliasing_through():
+    """Guards against the Python checks' memory of layouts already found safe (which spares a decode loop
+    the exact decision at every step) accepting an aliasing call whose shapes and strides match a safe
+    one: the distance between the data pointers is part of what is remembered."""
+    case = make_case(**{**BASE, "paged": True})
+    combine_caches(case)
+    for _ in range(2):  # decided, then remembered
+        naive.block_attention_with_kvcache(*case.args())
+    case.v_cache = case.k_cache.select(1, 0).unsqueeze(1).expand(case.k_cache.shape)
+    with pytest.raises(RuntimeError, match="v_cache is written in place and must not have elements sharing"):
+        naive.block_attention_with_kvcache(*case.args())
+    case.v_cache = case.k_cache
+    with pytest.raises(RuntimeError, match="k_cache is written in place and must not share memory with v_cache"):
+        naive.block_attention_with_kvcache(*case.args())
 
 
 @pytest.mark.parametrize("impl", ["cpu", "naive"])

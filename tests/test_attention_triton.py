@@ -13,13 +13,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attention_cases import (
+    ALIASING_SHAPE,
     AXES,
     BASE,
     INDEX_LAYOUTS,
     INDEX_TENSORS,
+    aliasing_cases,
     assert_matches_oracle,
     axis_params,
+    combine_caches,
     embed_caches_in_nan_buffers,
+    fuse_qkv,
     index_view_case,
     make_case,
 )
@@ -239,6 +243,28 @@ def test_bad_inputs_name_the_argument(mutate, message):
     with pytest.raises(RuntimeError, match=message):
         LAUNCH(*c.args())
     assert torch.equal(c.k_cache.isnan(), before.isnan())
+
+
+@pytest.mark.parametrize("mutate,message", [e[1:] for e in aliasing_cases()], ids=[e[0] for e in aliasing_cases()])
+def test_aliased_caches_are_rejected(mutate, message):
+    """Guards against silent corruption from caches that alias themselves, each other or a read argument
+    (on a GPU: sequences racing on the same slots): a RuntimeError naming both arguments."""
+    c = make_case(**ALIASING_SHAPE)
+    mutate(c)
+    with pytest.raises(RuntimeError, match=message):
+        LAUNCH(*c.args())
+
+
+@pytest.mark.parametrize("layout", ["combined_paged", "combined_contiguous", "fused_qkv"])
+def test_legal_shared_allocations(layout):
+    """Guards against an aliasing check that rejects legal layouts whose byte ranges interleave: the
+    halves of a combined kv allocation (paged or contiguous) and q / k / v sliced from one fused qkv."""
+    c = case(**{**BASE, "paged": layout == "combined_paged"})
+    if layout == "fused_qkv":
+        fuse_qkv(c)
+    else:
+        combine_caches(c)
+    assert_matches_oracle(c, triton_op)
 
 
 def test_bad_page_id():

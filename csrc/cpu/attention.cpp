@@ -6,6 +6,8 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
@@ -13,6 +15,7 @@
 
 #include "cpu/attention.h"
 #include "cpu/isa.h"
+#include "cpu/overlap.h"
 
 namespace sbd::cpu {
 namespace {
@@ -45,7 +48,51 @@ void check_int32_vector(const char* name, const at::Tensor& t, int64_t batch, co
               "), got ", t.device());
 }
 
-// Shapes, dtypes, devices (same order and wording as _checks.check_block_attention_args).
+void check_block_table(const at::Tensor& table, int64_t batch, const at::Tensor& q, const at::Tensor& k_cache) {
+  TORCH_CHECK(table.scalar_type() == at::kInt, kOp, ": block_table must be int32, got ",
+              dtype_name(table.scalar_type()));
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == batch, kOp, ": block_table must have shape [", batch,
+              ", max_pages], got ", table.sizes());
+  TORCH_CHECK(table.device() == q.device(), kOp, ": block_table must be on the device of q (", q.device(),
+              "), got ", table.device());
+  TORCH_CHECK(k_cache.size(1) > 0, kOp, ": k_cache page size must be positive");
+}
+
+// Do the storages of a and b share a byte? A view never reaches outside its storage, so when they do not,
+// neither do the views (separate allocations, the usual case).
+bool storages_meet(const at::Tensor& a, const at::Tensor& b) {
+  const auto* first_a = static_cast<const char*>(a.storage().data());
+  const auto* first_b = static_cast<const char*>(b.storage().data());
+  return first_a < first_b + b.storage().nbytes() && first_b < first_a + a.storage().nbytes();
+}
+
+// The caches are written in place: no internal overlap, no memory shared with each other or with any
+// argument read (as _checks._check_no_aliasing; exact for strided views, see cpu/overlap.h). Metadata only.
+void check_no_aliasing(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& cache_seqlens, const at::Tensor& num_causal,
+                       const c10::optional<at::Tensor>& block_table) {
+  using Named = std::pair<const char*, const at::Tensor*>;
+  const Named caches[] = {{"k_cache", &k_cache}, {"v_cache", &v_cache}};
+  for (const auto& [name, cache] : caches) {
+    if (!cache->is_contiguous()) check_writable(kOp, name, *cache);
+  }
+  std::vector<std::pair<Named, Named>> pairs = {{caches[0], caches[1]}};
+  for (const auto& cache : caches) {
+    for (const Named& read : {Named{"q", &q}, {"k", &k}, {"v", &v}, {"cache_seqlens", &cache_seqlens},
+                              {"num_causal", &num_causal}}) {
+      pairs.push_back({cache, read});
+    }
+    if (block_table.has_value()) pairs.push_back({cache, {"block_table", &*block_table}});
+  }
+  for (const auto& [written, other] : pairs) {
+    if (storages_meet(*written.second, *other.second)) {
+      check_disjoint(kOp, written.first, *written.second, other.first, *other.second);
+    }
+  }
+}
+
+// Shapes, dtypes, devices, softmax_scale, aliasing (same order and wording as
+// _checks.check_block_attention_args).
 void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                 const at::Tensor& v_cache, const at::Tensor& cache_seqlens, const at::Tensor& num_causal,
                 int64_t block_size, const c10::optional<at::Tensor>& block_table,
@@ -79,19 +126,13 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
               " must equal k_cache shape ", k_cache.sizes());
   check_int32_vector("cache_seqlens", cache_seqlens, batch, q);
   check_int32_vector("num_causal", num_causal, batch, q);
-  if (!block_table.has_value()) {
+  if (block_table.has_value()) {
+    check_block_table(*block_table, batch, q, k_cache);
+  } else {
     TORCH_CHECK(k_cache.size(0) == batch, kOp, ": k_cache must have batch size ", batch,
                 " (contiguous cache), got ", k_cache.size(0));
-    return;
   }
-  const at::Tensor& table = *block_table;
-  TORCH_CHECK(table.scalar_type() == at::kInt, kOp, ": block_table must be int32, got ",
-              dtype_name(table.scalar_type()));
-  TORCH_CHECK(table.dim() == 2 && table.size(0) == batch, kOp, ": block_table must have shape [", batch,
-              ", max_pages], got ", table.sizes());
-  TORCH_CHECK(table.device() == q.device(), kOp, ": block_table must be on the device of q (", q.device(),
-              "), got ", table.device());
-  TORCH_CHECK(k_cache.size(1) > 0, kOp, ": k_cache page size must be positive");
+  check_no_aliasing(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_table);
 }
 
 // Values (same wording as _checks.assert_block_attention_values): 0 <= c <= C, L >= 0, L + c <= capacity,
