@@ -15,9 +15,15 @@ Every backend (C++ CPU op, Triton launcher under the interpreter, the oracle its
 of the same buffers; the reference is the oracle on plain contiguous copies. Checks: out and lse within
 the tolerance table; the caches bit for bit equal to the reference's; no element of a cache buffer outside
 the written slots [L_b, L_b + c_b) changed (poison included); the buffers of read-only arguments unchanged.
+Hkv = 2 is drawn only for B <= 2: the interpreter runs B * Hkv * (1 + cache splits + combine tiles) programs
+of ~15 ms each, and the default 300 cases should stay near 30 s of CPU time.
+
+A second property, `test_fuzz_cache_aliasing`: two caches placed with random strides in one buffer are
+rejected exactly when a brute-force enumeration of their addresses finds a collision.
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -65,7 +71,7 @@ def draw(seed: int) -> Spec:
     rng = random.Random(seed)
     B, C = rng.randint(1, 4), rng.randint(0, 4)
     K = rng.randint(0 if C else 1, 4)
-    Hkv = rng.choice((1, 2)) if B <= 2 else 1  # the interpreter runs B * Hkv * (2 + M tiles) programs
+    Hkv = rng.choice((1, 2)) if B <= 2 else 1
     paged = rng.random() < 0.5
     layouts = {name: rng.choice(INDEX_LAYOUTS) for name in ("cache_seqlens", "num_causal", "block_table")}
     layouts |= {name: rng.choice(QKV_LAYOUTS) for name in ("q", "k", "v")}
@@ -306,6 +312,75 @@ def test_fuzz(seed):
 def test_fuzz_more_seeds(seed):
     """The same property on a thousand more random calls."""
     run_case(seed)
+
+
+def _addresses(t: torch.Tensor) -> list[int]:
+    """Element offsets of every index of `t` in its storage (brute force)."""
+    grids = torch.meshgrid(*(torch.arange(n) for n in t.shape), indexing="ij")
+    offsets = sum(g * stride for g, stride in zip(grids, t.stride())) + t.storage_offset()
+    return offsets.flatten().tolist()
+
+
+def _random_cache_pair(rng: random.Random, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two cache views of `shape` in one buffer: either with random strides (last 1, the others 0..3 Hkv D:
+    stride 0, interleaved or overlapping) and offsets, or the halves of a combined allocation (a size-2
+    dim at a random place) with v's offset moved by -D..D elements half of the time (near misses)."""
+    if rng.random() < 0.5:
+        buffer = torch.randn(4 * math.prod(shape))
+        views = []
+        for _ in "kv":
+            strides = tuple(rng.randint(0, 3 * shape[3] * shape[2]) for _ in range(3)) + (1,)
+            span = 1 + sum((n - 1) * st for n, st in zip(shape, strides))
+            views.append(buffer.as_strided(shape, strides, rng.randint(0, max(0, buffer.numel() - span))))
+        return views[0], views[1]
+    dim = rng.randint(0, 3)
+    outer = list(shape[:3])
+    outer.insert(dim, 2)
+    combined = torch.randn(*outer, 2 * shape[3])[..., :shape[3]]  # rows padded to 2 D
+    k_cache, v_cache = combined.select(dim, 0), combined.select(dim, 1)
+    shift = rng.randint(-shape[3], shape[3]) if rng.random() < 0.5 else 0
+    offset = min(max(0, v_cache.storage_offset() + shift), combined.untyped_storage().nbytes() // 4 - 1 -
+                 sum((n - 1) * st for n, st in zip(shape, v_cache.stride())))
+    return k_cache, v_cache.as_strided(shape, v_cache.stride(), offset)
+
+
+def expected_aliasing_error(k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """The first aliasing error the op must raise for two caches in one buffer, decided by brute force."""
+    k_addresses, v_addresses = _addresses(k_cache), _addresses(v_cache)
+    for name, addresses in (("k_cache", k_addresses), ("v_cache", v_addresses)):
+        if len(set(addresses)) < len(addresses):
+            return f"{name} is written in place and must not have elements sharing memory"
+    if set(k_addresses) & set(v_addresses):
+        return "k_cache is written in place and must not share memory with v_cache"
+    return None
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_fuzz_cache_aliasing(seed):
+    """Guards against an aliasing check that is not exact: two caches placed with random strides (stride 0,
+    interleaved, overlapping or disjoint) in one buffer must be rejected by the C++ op and the Python
+    checks (oracle, Triton launcher, fake kernel) exactly when some of their addresses coincide, with the
+    same first message; accepted layouts must give the oracle's result on contiguous copies."""
+    rng = random.Random(seed)
+    B, S_max, Hkv, D = rng.randint(1, 2), rng.randint(1, 4), rng.randint(1, 2), rng.choice((2, 4))
+    k_cache, v_cache = _random_cache_pair(rng, (B, S_max, Hkv, D))
+    q, k, v = torch.randn(B, 2, 2 * Hkv, D), torch.randn(B, 2, Hkv, D), torch.randn(B, 2, Hkv, D)
+    lengths = torch.tensor([rng.randint(0, S_max - 1) for _ in range(B)], dtype=torch.int32)
+    causal = torch.ones(B, dtype=torch.int32)
+    args = (q, k, v, k_cache, v_cache, lengths, causal, 1)
+    message = expected_aliasing_error(k_cache, v_cache)
+    if message is not None:
+        for backend in ("cpu", "naive"):
+            with pytest.raises(RuntimeError, match=message):
+                BACKENDS[backend](*args)
+        return
+    expected = naive.block_attention_with_kvcache(q, k, v, k_cache.clone(), v_cache.clone(), lengths, causal, 1)
+    for backend in ("cpu", "naive"):
+        fresh = torch.empty(0).set_(k_cache.untyped_storage()).clone()
+        caches = [fresh.as_strided(t.shape, t.stride(), t.storage_offset()) for t in (k_cache, v_cache)]
+        out, lse = BACKENDS[backend](q, k, v, *caches, lengths, causal, 1)
+        assert_close(out, expected[0], name=f"{backend} out")
+        assert_close(lse, expected[1], dtype=torch.float32, name=f"{backend} lse")
 
 
 def test_draws_cover_every_layout_and_size():
