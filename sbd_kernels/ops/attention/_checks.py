@@ -146,8 +146,8 @@ def check_block_attention_args(
     block_table: torch.Tensor | None = None, softmax_scale: float | None = None,
 ) -> AttentionDims:
     """Check shapes, dtypes, devices, softmax_scale (finite, > 0) and that the caches alias nothing; return
-    the sizes of the call. Raises RuntimeError naming the argument(s). Dtypes print as `torch.float32`, shapes as `[B, S, H, D]` (the C++
-    kernel's wording)."""
+    the sizes of the call. Raises RuntimeError naming the argument(s), in the C++ kernel's words (dtypes
+    as `torch.float32`, shapes as `[B, S, H, D]`)."""
     if q.dim() != 4:
         _fail(f"q must be 4-D [B, S, Hq, D], got shape {list(q.shape)}")
     if q.dtype not in FLOAT_DTYPES:
