@@ -308,9 +308,9 @@ def test_fuzz(seed):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("seed", range(300, 1300))
+@pytest.mark.parametrize("seed", range(300, 900))
 def test_fuzz_more_seeds(seed):
-    """The same property on a thousand more random calls."""
+    """The same property on 600 more random calls (about 60 s of CPU time)."""
     run_case(seed)
 
 
