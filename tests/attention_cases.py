@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from sbd_kernels.ops.attention import naive
-from sbd_kernels.testing import assert_close, noncontiguous
+from sbd_kernels.testing import Embedded, assert_close, noncontiguous
 
 # Base case and the values of each axis (one axis varied at a time). "C": "K" means C = block_size.
 BASE = {"B": 3, "C": 4, "K": 4, "L": 37, "Hq": 8, "Hkv": 2, "D": 64, "dtype": torch.float32, "paged": False,
@@ -152,6 +152,85 @@ def embed_caches_in_nan_buffers(case: AttentionCase) -> Callable[[], None]:
         assert torch.isnan(stacked_v[:, :, 0::2]).all()
 
     return assert_rest_untouched
+
+
+INDEX_TENSORS = ("cache_seqlens", "num_causal", "block_table")
+INDEX_LAYOUTS = ("strided", "offset", "expanded")
+
+
+def index_view_case(name: str, layout: str, device: str = "cpu") -> tuple[AttentionCase, Embedded]:
+    """A small ragged call (B = 4, C = 3, K = 2, Hq = 2, Hkv = 1, D = 8) whose index tensor `name` is a
+    view into a larger poisoned buffer (testing.Embedded): "strided" (stride 2 in every dimension, like a
+    column of a [B, 2] state tensor or `table[:, ::2]`), "offset" (3 elements in), or "expanded" (stride 0
+    along the batch, like `torch.tensor([5]).expand(B)`). For "expanded" the rows are made equal: lengths
+    all min(L_b), num_causal all 2, and a shared page table (row 0) with num_causal all 0, so that no two
+    sequences write the same slot. Returns the case and the Embedded (to check it was not written).
+    """
+    case = make_case(B=4, C=3, K=2, L=20, Hq=2, Hkv=1, D=8, dtype=torch.float32,
+                     paged=name == "block_table", page_size=4, device=device)
+    if layout == "expanded":
+        if name == "cache_seqlens":
+            case.cache_seqlens.fill_(int(case.cache_seqlens.min()))
+        elif name == "num_causal":
+            case.num_causal.fill_(2)
+        else:
+            case.block_table[:] = case.block_table[0].clone()
+            case.num_causal.zero_()
+    embedded = Embedded(getattr(case, name), layout)
+    setattr(case, name, embedded.view)
+    return case, embedded
+
+
+def combine_caches(case: AttentionCase) -> None:
+    """Replaces the case's caches by the two halves of one allocation, as FlashInfer lays out a paged
+    cache: `kv[num_pages, 2, page_size, Hkv, D]` with k_cache = kv[:, 0], v_cache = kv[:, 1]; a contiguous
+    cache as `kv[B, S_max, 2, Hkv, D]` with k_cache = kv[:, :, 0], v_cache = kv[:, :, 1]."""
+    dim = 1 if case.block_table is not None else 2
+    kv = torch.stack([case.k_cache, case.v_cache], dim=dim)
+    case.k_cache, case.v_cache = kv.select(dim, 0), kv.select(dim, 1)
+
+
+def fuse_qkv(case: AttentionCase) -> None:
+    """Replaces q, k, v by head slices of one fused projection output [B, S, Hq + 2 Hkv, D]."""
+    hq, hkv = case.q.shape[2], case.k.shape[2]
+    qkv = torch.cat([case.q, case.k, case.v], dim=2)
+    case.q, case.k, case.v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
+
+
+def aliasing_cases() -> list[tuple[str, Callable[[AttentionCase], None], str]]:
+    """(id, mutate(case), message) for caches that alias themselves, each other or a read argument, on
+    `make_case(**ALIASING_SHAPE)` (contiguous cache of 10 slots, S = 4, L_0 = 5)."""
+    def expanded_k_cache(c):
+        c.k_cache = c.k_cache[:1].expand(c.k_cache.shape)
+
+    def shifted_halves(c):  # v_cache starts one slot after k_cache in the same buffer
+        kv = torch.zeros(c.k_cache.shape[0], c.k_cache.shape[1] + 1, *c.k_cache.shape[2:])
+        c.k_cache, c.v_cache = kv[:, :-1], kv[:, 1:]
+
+    def k_in_appended_slots(c):
+        c.k = c.k_cache[:, 5:9]
+
+    def q_shares_k_cache(c):  # q [B, S, 2, D] and k_cache [B, 10, 1, D] in one [B, 10, 2, D] buffer
+        buffer = torch.zeros(c.k_cache.shape[0], c.k_cache.shape[1], 2, c.k_cache.shape[3])
+        c.q, c.k_cache = buffer[:, :4], buffer[:, :, :1]
+
+    def lengths_in_v_cache(c):
+        c.cache_seqlens = c.v_cache.view(torch.int32)[:, 0, 0, 0]
+        c.cache_seqlens.copy_(torch.tensor([5, 4], dtype=torch.int32))
+
+    written = "is written in place and must not"
+    return [
+        ("expanded_k_cache", expanded_k_cache, f"k_cache {written} have elements sharing memory"),
+        ("v_cache_is_k_cache", lambda c: setattr(c, "v_cache", c.k_cache), f"k_cache {written} share memory with v_cache"),
+        ("shifted_halves", shifted_halves, f"k_cache {written} share memory with v_cache"),
+        ("k_in_appended_slots", k_in_appended_slots, f"k_cache {written} share memory with k$"),
+        ("v_in_v_cache", lambda c: setattr(c, "v", c.v_cache[:, :4]), f"v_cache {written} share memory with v$"),
+        ("q_shares_k_cache", q_shares_k_cache, f"k_cache {written} share memory with q$"),
+        ("lengths_in_v_cache", lengths_in_v_cache, f"v_cache {written} share memory with cache_seqlens"),
+    ]
+
+
+ALIASING_SHAPE = {"B": 2, "C": 2, "K": 2, "L": 5, "Hq": 2, "Hkv": 1, "D": 8, "dtype": torch.float32}
 
 
 def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:

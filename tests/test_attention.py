@@ -7,13 +7,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attention_cases import (
+    ALIASING_SHAPE,
     AXES,
     BASE,
+    INDEX_LAYOUTS,
+    INDEX_TENSORS,
+    aliasing_cases,
     assert_matches_oracle,
     axis_params,
+    combine_caches,
     embed_caches_in_nan_buffers,
+    fuse_qkv,
+    index_view_case,
     make_case,
 )
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sbd_kernels import block_attention_with_kvcache
 from sbd_kernels.ops.attention import naive
@@ -68,9 +76,21 @@ def test_strided_caches(paged):
     assert_rest_untouched()
 
 
-@pytest.mark.parametrize("scale", [0.05, 1.0, -0.3])
+@pytest.mark.parametrize("layout", INDEX_LAYOUTS)
+@pytest.mark.parametrize("name", INDEX_TENSORS)
+def test_index_tensor_views(name, layout):
+    """Guards against a kernel that reads cache_seqlens / num_causal / block_table as if contiguous: each
+    is here a strided (stride 2), offset or expanded (stride 0) view of a poisoned buffer, so a wrong
+    index reads poison or another sequence's value and the cache writes land in the wrong slots."""
+    case, embedded = index_view_case(name, layout)
+    assert_matches_oracle(case, OP)
+    embedded.check_unchanged(name)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 3.0])
 def test_softmax_scale(scale):
-    """Guards against an ignored softmax_scale, or a max taken before scaling (wrong for scale < 0)."""
+    """Guards against an ignored softmax_scale (3.0 also sharpens the softmax enough to expose a max taken
+    before scaling)."""
     assert_matches_oracle(make_case(**BASE, softmax_scale=scale), OP)
 
 
@@ -217,6 +237,10 @@ def test_cached_decode_equals_full_recompute():
         assert torch.isfinite(k_cache[0, :15]).all() and torch.isnan(k_cache[0, 15:]).all()
 
 
+# Errors about values inside the index tensors: the fake kernel cannot see them.
+VALUE_ERRORS = ("capacity", "negative_length", "num_causal_range")
+
+
 def error_cases():
     """(id, mutate(case) -> None, message fragment naming the argument)."""
     def set_(name, value):
@@ -233,6 +257,18 @@ def error_cases():
         ("cache_dtype", lambda c: setattr(c, "v_cache", c.v_cache.half()), "v_cache must have the dtype of q"),
         ("block_size", set_("block_size", 9), "block_size must be in"),
         ("device", lambda c: setattr(c, "num_causal", c.num_causal.to("meta")), "num_causal must be on the device"),
+        ("scale_nan", set_("softmax_scale", float("nan")), "softmax_scale must be finite and > 0, got nan"),
+        ("scale_inf", set_("softmax_scale", float("inf")), "softmax_scale must be finite and > 0, got inf"),
+        ("scale_zero", set_("softmax_scale", 0.0), "softmax_scale must be finite and > 0, got 0"),
+        ("scale_negative", set_("softmax_scale", -0.3), r"softmax_scale must be finite and > 0, got -0\.3"),
+        ("scale_negative_nan", set_("softmax_scale", -float("nan")), "softmax_scale must be finite and > 0, got nan"),
+        ("scale_tiny_negative", set_("softmax_scale", -1e-30), "softmax_scale must be finite and > 0, got -1e-30"),
+        ("k_shape", lambda c: setattr(c, "k", c.k[:, :-1]), r"k must have shape \[3, 8, Hkv, 64\], got \[3, 7,"),
+        ("cache_shapes", lambda c: setattr(c, "v_cache", c.v_cache[:, :-1]), r"v_cache shape \[3, 43, 2, 64\] must equal"),
+        ("table_dtype", lambda c: setattr(c, "block_table", torch.zeros(3, 4, dtype=torch.int64)),
+         "block_table must be int32, got torch.int64"),
+        ("table_shape", lambda c: setattr(c, "block_table", torch.zeros(3, dtype=torch.int32)),
+         r"block_table must have shape \[3, max_pages\], got \[3\]"),
     ]
 
 
@@ -248,6 +284,93 @@ def test_bad_inputs_name_the_argument(impl, mutate, message):
     with pytest.raises(RuntimeError, match=message):
         fn(*case.args())
     assert torch.equal(case.k_cache.isnan(), before.isnan())
+
+
+def all_error_cases():
+    """(id, shape for make_case, mutate(case)) of every bad-input and aliasing case."""
+    return ([(name, BASE, mutate) for name, mutate, _ in error_cases()]
+            + [(name, ALIASING_SHAPE, mutate) for name, mutate, _ in aliasing_cases()])
+
+
+@pytest.mark.parametrize("shape,mutate", [e[1:] for e in all_error_cases()], ids=[e[0] for e in all_error_cases()])
+def test_cpu_and_python_checks_say_the_same(shape, mutate):
+    """Guards against the C++ checks and the Python checks (oracle, Triton launcher, fake kernel) drifting
+    apart: for every bad input both raise the same message, word for word."""
+    messages = []
+    for fn in (OP, naive.block_attention_with_kvcache):
+        case = make_case(**shape)
+        mutate(case)
+        with pytest.raises(RuntimeError) as error:
+            fn(*case.args())
+        messages.append(str(error.value).splitlines()[0])
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("mutate,message", [e[1:] for e in error_cases() if e[0] not in VALUE_ERRORS],
+                         ids=[e[0] for e in error_cases() if e[0] not in VALUE_ERRORS])
+def test_fake_kernel_checks(mutate, message):
+    """Guards against a fake kernel that lets through what the kernels reject (torch.compile would trace a
+    call that fails, or worse, at run time): every metadata check raises under FakeTensorMode too."""
+    case = make_case(**BASE)
+    mutate(case)
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in case.args()]
+        with pytest.raises(RuntimeError, match=message):
+            OP(*args)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "naive"])
+@pytest.mark.parametrize("mutate,message", [e[1:] for e in aliasing_cases()], ids=[e[0] for e in aliasing_cases()])
+def test_aliased_caches_are_rejected(impl, mutate, message):
+    """Guards against silent wrong results from caches that alias: an expanded k_cache made two sequences
+    write the same slots, `k_cache is v_cache` let V overwrite K, and k as a view of the slots being
+    appended changed the output. Each must raise a RuntimeError naming both arguments."""
+    case = make_case(**ALIASING_SHAPE)
+    mutate(case)
+    fn = OP if impl == "cpu" else naive.block_attention_with_kvcache
+    with pytest.raises(RuntimeError, match=message):
+        fn(*case.args())
+
+
+def test_fake_kernel_rejects_self_overlapping_cache():
+    """Guards against torch.compile tracing a call with an expanded cache: internal overlap is decided
+    from strides alone, so the fake kernel raises too (overlap between two arguments needs data
+    pointers, which the real kernel checks when it runs)."""
+    case = make_case(**ALIASING_SHAPE)
+    case.k_cache = case.k_cache[:1].expand(case.k_cache.shape)
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in case.args()]
+        with pytest.raises(RuntimeError, match="k_cache is written in place and must not have elements sharing"):
+            OP(*args)
+
+
+@pytest.mark.parametrize("layout", ["combined_paged", "combined_contiguous", "fused_qkv"])
+def test_legal_shared_allocations(layout):
+    """Guards against an aliasing check that rejects legal layouts whose byte ranges interleave:
+    k_cache / v_cache as the halves of FlashInfer's kv[num_pages, 2, page_size, H, D] (or the contiguous
+    kv[B, S_max, 2, H, D]), and q / k / v as head slices of one fused qkv projection output."""
+    case = make_case(**{**BASE, "paged": layout == "combined_paged"})
+    if layout == "fused_qkv":
+        fuse_qkv(case)
+    else:
+        combine_caches(case)
+    assert_matches_oracle(case, OP)
+
+
+def test_remembered_safe_layouts_do_not_let_aliasing_through():
+    """Guards against the Python checks' memory of layouts already found safe (which spares a decode loop
+    the exact decision at every step) accepting an aliasing call whose shapes and strides match a safe
+    one: the distance between the data pointers is part of what is remembered."""
+    case = make_case(**{**BASE, "paged": True})
+    combine_caches(case)
+    for _ in range(2):  # decided, then remembered
+        naive.block_attention_with_kvcache(*case.args())
+    case.v_cache = case.k_cache.select(1, 0).unsqueeze(1).expand(case.k_cache.shape)
+    with pytest.raises(RuntimeError, match="v_cache is written in place and must not have elements sharing"):
+        naive.block_attention_with_kvcache(*case.args())
+    case.v_cache = case.k_cache
+    with pytest.raises(RuntimeError, match="k_cache is written in place and must not share memory with v_cache"):
+        naive.block_attention_with_kvcache(*case.args())
 
 
 @pytest.mark.parametrize("impl", ["cpu", "naive"])

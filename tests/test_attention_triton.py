@@ -13,11 +13,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attention_cases import (
+    ALIASING_SHAPE,
     AXES,
     BASE,
+    INDEX_LAYOUTS,
+    INDEX_TENSORS,
+    aliasing_cases,
     assert_matches_oracle,
     axis_params,
+    combine_caches,
     embed_caches_in_nan_buffers,
+    fuse_qkv,
+    index_view_case,
     make_case,
 )
 from test_attention import (
@@ -137,9 +144,22 @@ def test_strided_caches(paged):
     assert_rest_untouched()
 
 
-@pytest.mark.parametrize("scale", [0.05, -0.3])
+@pytest.mark.parametrize("layout", INDEX_LAYOUTS)
+@pytest.mark.parametrize("name", INDEX_TENSORS)
+def test_index_tensor_views(name, layout):
+    """Guards against kernels that index cache_seqlens / num_causal / block_table as if contiguous: each
+    is here a strided (stride 2), offset or expanded (stride 0) view of a poisoned buffer; ignoring the
+    strides wrote K/V into other sequences' slots, read past a one-element allocation, or read the wrong
+    pages."""
+    c, embedded = index_view_case(name, layout, device=DEVICE)
+    assert_matches_oracle(c, triton_op)
+    embedded.check_unchanged(name)
+
+
+@pytest.mark.parametrize("scale", [0.05, 3.0])
 def test_softmax_scale(scale):
-    """Guards against an ignored softmax_scale, or a max taken before scaling (wrong for scale < 0)."""
+    """Guards against an ignored softmax_scale (3.0 also sharpens the softmax enough to expose a max taken
+    before scaling)."""
     assert_matches_oracle(case(**BASE, softmax_scale=scale), triton_op)
 
 
@@ -225,6 +245,28 @@ def test_bad_inputs_name_the_argument(mutate, message):
     assert torch.equal(c.k_cache.isnan(), before.isnan())
 
 
+@pytest.mark.parametrize("mutate,message", [e[1:] for e in aliasing_cases()], ids=[e[0] for e in aliasing_cases()])
+def test_aliased_caches_are_rejected(mutate, message):
+    """Guards against silent corruption from caches that alias themselves, each other or a read argument
+    (on a GPU: sequences racing on the same slots): a RuntimeError naming both arguments."""
+    c = make_case(**ALIASING_SHAPE)
+    mutate(c)
+    with pytest.raises(RuntimeError, match=message):
+        LAUNCH(*c.args())
+
+
+@pytest.mark.parametrize("layout", ["combined_paged", "combined_contiguous", "fused_qkv"])
+def test_legal_shared_allocations(layout):
+    """Guards against an aliasing check that rejects legal layouts whose byte ranges interleave: the
+    halves of a combined kv allocation (paged or contiguous) and q / k / v sliced from one fused qkv."""
+    c = case(**{**BASE, "paged": layout == "combined_paged"})
+    if layout == "fused_qkv":
+        fuse_qkv(c)
+    else:
+        combine_caches(c)
+    assert_matches_oracle(c, triton_op)
+
+
 def test_bad_page_id():
     """Guards against reading or writing a page outside the pool through a corrupt block_table."""
     c = make_case(**{**BASE, "paged": True})
@@ -257,6 +299,13 @@ def test_aot_specs_cover_every_launch_config():
                                           "PAGED": paged, "ALIGNED": aligned, "HALF_DOT": cfg.half_dot,
                                           "INPUT_PRECISION": cfg.input_precision}
                         assert _spec_key(constexprs, cfg.num_warps, cfg.num_stages) in listed[name], cfg
+
+
+def test_aot_spec_signatures_follow_the_kernels():
+    """Guards against a kernel signature change (e.g. new stride arguments) that the AOT compile specs do
+    not follow: every spec must name each argument of its kernel, in order."""
+    for spec in attention_triton.aot_specs():
+        assert list(spec.signature) == spec.fn.arg_names, spec.name
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the CUDA registration runs on CUDA tensors (no GPU here)")

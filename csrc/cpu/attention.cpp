@@ -4,7 +4,10 @@
 // the CPU, so they run here before the kernel touches memory.
 #include <cmath>
 #include <limits>
+#include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
@@ -12,6 +15,7 @@
 
 #include "cpu/attention.h"
 #include "cpu/isa.h"
+#include "cpu/overlap.h"
 
 namespace sbd::cpu {
 namespace {
@@ -19,10 +23,16 @@ namespace {
 constexpr const char* kOp = "sbd.block_attention_with_kvcache";
 constexpr int64_t kMaxHeadDim = 256;
 
+// Python's names ("torch.float32"), so that messages read as those of _checks.py.
+std::string dtype_name(at::ScalarType type) { return "torch." + std::string(c10::getDtypeNames(type).first); }
+
+// Python's f"{x:g}": ostream prints a NaN with its sign bit set as "-nan", Python always as "nan".
+std::string format_g(double x) { return std::isnan(x) ? std::string("nan") : c10::str(x); }
+
 void check_cache(const char* name, const at::Tensor& cache, const at::Tensor& q, int64_t kv_heads) {
   TORCH_CHECK(cache.dim() == 4, kOp, ": ", name, " must be 4-D, got shape ", cache.sizes());
   TORCH_CHECK(cache.scalar_type() == q.scalar_type(), kOp, ": ", name, " must have the dtype of q (",
-              q.scalar_type(), "), got ", cache.scalar_type());
+              dtype_name(q.scalar_type()), "), got ", dtype_name(cache.scalar_type()));
   TORCH_CHECK(cache.device() == q.device(), kOp, ": ", name, " must be on the device of q (", q.device(),
               "), got ", cache.device());
   TORCH_CHECK(cache.size(2) == kv_heads && cache.size(3) == q.size(3), kOp, ": ", name, " must have ",
@@ -31,20 +41,65 @@ void check_cache(const char* name, const at::Tensor& cache, const at::Tensor& q,
 }
 
 void check_int32_vector(const char* name, const at::Tensor& t, int64_t batch, const at::Tensor& q) {
-  TORCH_CHECK(t.scalar_type() == at::kInt, kOp, ": ", name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == at::kInt, kOp, ": ", name, " must be int32, got ", dtype_name(t.scalar_type()));
   TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, kOp, ": ", name, " must have shape [", batch, "], got ",
               t.sizes());
   TORCH_CHECK(t.device() == q.device(), kOp, ": ", name, " must be on the device of q (", q.device(),
               "), got ", t.device());
 }
 
-// Shapes, dtypes, devices (same order and wording as _checks.check_block_attention_args).
+void check_block_table(const at::Tensor& table, int64_t batch, const at::Tensor& q, const at::Tensor& k_cache) {
+  TORCH_CHECK(table.scalar_type() == at::kInt, kOp, ": block_table must be int32, got ",
+              dtype_name(table.scalar_type()));
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == batch, kOp, ": block_table must have shape [", batch,
+              ", max_pages], got ", table.sizes());
+  TORCH_CHECK(table.device() == q.device(), kOp, ": block_table must be on the device of q (", q.device(),
+              "), got ", table.device());
+  TORCH_CHECK(k_cache.size(1) > 0, kOp, ": k_cache page size must be positive");
+}
+
+// Do the storages of a and b share a byte? A view never reaches outside its storage, so when they do not,
+// neither do the views (separate allocations, the usual case).
+bool storages_meet(const at::Tensor& a, const at::Tensor& b) {
+  const auto* first_a = static_cast<const char*>(a.storage().data());
+  const auto* first_b = static_cast<const char*>(b.storage().data());
+  return first_a < first_b + b.storage().nbytes() && first_b < first_a + a.storage().nbytes();
+}
+
+// The caches are written in place: no internal overlap, no memory shared with each other or with any
+// argument read (as _checks._check_no_aliasing; exact for strided views, see cpu/overlap.h). Metadata only.
+void check_no_aliasing(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& cache_seqlens, const at::Tensor& num_causal,
+                       const c10::optional<at::Tensor>& block_table) {
+  using Named = std::pair<const char*, const at::Tensor*>;
+  const Named caches[] = {{"k_cache", &k_cache}, {"v_cache", &v_cache}};
+  for (const auto& [name, cache] : caches) {
+    if (!cache->is_contiguous()) check_writable(kOp, name, *cache);
+  }
+  std::vector<std::pair<Named, Named>> pairs = {{caches[0], caches[1]}};
+  for (const auto& cache : caches) {
+    for (const Named& read : {Named{"q", &q}, {"k", &k}, {"v", &v}, {"cache_seqlens", &cache_seqlens},
+                              {"num_causal", &num_causal}}) {
+      pairs.push_back({cache, read});
+    }
+    if (block_table.has_value()) pairs.push_back({cache, {"block_table", &*block_table}});
+  }
+  for (const auto& [written, other] : pairs) {
+    if (storages_meet(*written.second, *other.second)) {
+      check_disjoint(kOp, written.first, *written.second, other.first, *other.second);
+    }
+  }
+}
+
+// Shapes, dtypes, devices, softmax_scale, aliasing (same order and wording as
+// _checks.check_block_attention_args).
 void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                 const at::Tensor& v_cache, const at::Tensor& cache_seqlens, const at::Tensor& num_causal,
-                int64_t block_size, const c10::optional<at::Tensor>& block_table) {
+                int64_t block_size, const c10::optional<at::Tensor>& block_table,
+                c10::optional<double> softmax_scale) {
   TORCH_CHECK(q.dim() == 4, kOp, ": q must be 4-D [B, S, Hq, D], got shape ", q.sizes());
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-              kOp, ": q must be float32, float16 or bfloat16, got ", q.scalar_type());
+              kOp, ": q must be float32, float16 or bfloat16, got ", dtype_name(q.scalar_type()));
   const int64_t batch = q.size(0), seq = q.size(1), q_heads = q.size(2), dim = q.size(3);
   TORCH_CHECK(dim > 0 && dim <= kMaxHeadDim, kOp, ": q head dim must be in [1, ", kMaxHeadDim, "], got ", dim);
   TORCH_CHECK(k.dim() == 4 && k.size(0) == batch && k.size(1) == seq && k.size(3) == dim, kOp,
@@ -55,30 +110,29 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   TORCH_CHECK(v.sizes() == k.sizes(), kOp, ": v shape ", v.sizes(), " must equal k shape ", k.sizes());
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"k", k}, {"v", v}}) {
     TORCH_CHECK(t.scalar_type() == q.scalar_type(), kOp, ": ", name, " must have the dtype of q (",
-                q.scalar_type(), "), got ", t.scalar_type());
+                dtype_name(q.scalar_type()), "), got ", dtype_name(t.scalar_type()));
     TORCH_CHECK(t.device() == q.device(), kOp, ": ", name, " must be on the device of q (", q.device(),
                 "), got ", t.device());
   }
   TORCH_CHECK(block_size >= 0 && block_size <= seq, kOp, ": block_size must be in [0, S=", seq, "], got ",
               block_size);
+  if (softmax_scale.has_value()) {
+    TORCH_CHECK(std::isfinite(*softmax_scale) && *softmax_scale > 0, kOp,
+                ": softmax_scale must be finite and > 0, got ", format_g(*softmax_scale));
+  }
   check_cache("k_cache", k_cache, q, kv_heads);
   check_cache("v_cache", v_cache, q, kv_heads);
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), kOp, ": v_cache shape ", v_cache.sizes(),
               " must equal k_cache shape ", k_cache.sizes());
   check_int32_vector("cache_seqlens", cache_seqlens, batch, q);
   check_int32_vector("num_causal", num_causal, batch, q);
-  if (!block_table.has_value()) {
+  if (block_table.has_value()) {
+    check_block_table(*block_table, batch, q, k_cache);
+  } else {
     TORCH_CHECK(k_cache.size(0) == batch, kOp, ": k_cache must have batch size ", batch,
                 " (contiguous cache), got ", k_cache.size(0));
-    return;
   }
-  const at::Tensor& table = *block_table;
-  TORCH_CHECK(table.scalar_type() == at::kInt, kOp, ": block_table must be int32, got ", table.scalar_type());
-  TORCH_CHECK(table.dim() == 2 && table.size(0) == batch, kOp, ": block_table must have shape [", batch,
-              ", max_pages], got ", table.sizes());
-  TORCH_CHECK(table.device() == q.device(), kOp, ": block_table must be on the device of q (", q.device(),
-              "), got ", table.device());
-  TORCH_CHECK(k_cache.size(1) > 0, kOp, ": k_cache page size must be positive");
+  check_no_aliasing(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_table);
 }
 
 // Values (same wording as _checks.assert_block_attention_values): 0 <= c <= C, L >= 0, L + c <= capacity,
@@ -105,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor> block_attention_with_kvcache_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
     const at::Tensor& cache_seqlens, const at::Tensor& num_causal, int64_t block_size,
     const c10::optional<at::Tensor>& block_table, c10::optional<double> softmax_scale) {
-  check_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size, block_table);
+  check_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size, block_table, softmax_scale);
   const int64_t batch = q.size(0), seq = q.size(1), q_heads = q.size(2), dim = q.size(3);
   const at::Tensor lengths = cache_seqlens.contiguous();
   const at::Tensor causal = num_causal.contiguous();

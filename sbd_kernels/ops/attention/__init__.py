@@ -39,13 +39,50 @@ def block_attention_with_kvcache(
         num_causal: [B] int32, 0 <= c_b <= C.
         block_size: K >= 0 (0: a prefill-only call, S = C).
         block_table: optional [B, max_pages] int32 page ids (paged cache; any page size).
-        softmax_scale: default D ** -0.5.
+        softmax_scale: finite and > 0; default D ** -0.5.
 
     Returns:
         out [B, S, Hq, D] (dtype of q) and lse [B, Hq, S] fp32 (natural log).
 
-    Errors: RuntimeError naming the argument for bad shapes / dtypes / devices, L_b + c_b beyond the
-    cache capacity, num_causal outside [0, C] or page ids out of range.
+    Strides and memory:
+        - q, k, v may have any strides, and may share memory with each other (e.g. head slices of one
+          fused qkv projection output); they are only read.
+        - cache_seqlens, num_causal and block_table may have any strides, 0 included (a column of a
+          [B, n] state tensor, `torch.tensor([L]).expand(B)`, `table[:, ::2]`); they are only read.
+        - k_cache and v_cache may have any strides with a contiguous last dimension: one layer of a
+          stacked cache, a head-major layout, or the two halves of one allocation (FlashInfer's paged
+          `kv[num_pages, 2, page_size, Hkv, D]` with k_cache = kv[:, 0], v_cache = kv[:, 1]; or
+          `kv[B, S_max, 2, Hkv, D]`).
+        - Written: only cache slots [L_b, L_b + c_b) (and the fresh out, lse). Never read: padding rows
+          [c_b, C) of q / k / v, cache slots at or past L_b, block_table entries past the pages holding
+          slots [0, L_b + c_b) (they may hold any value).
+        - Aliasing is rejected: a cache with two elements at one address (e.g. expanded), k_cache and
+          v_cache sharing memory, or a cache sharing memory with q, k, v, cache_seqlens, num_causal or
+          block_table. The decision is exact for strided views, from sizes, strides and data pointers only
+          (no data read, no sync); a layout it cannot decide within its search budget is rejected as
+          "may share memory". Not checked: two sequences whose block_table rows name the same page. A
+          page may be shared (a common prefix) only where this call does not write it.
+
+    Errors (RuntimeError, "sbd.block_attention_with_kvcache: <argument> ..."; the C++ CPU kernel and the
+    Python backends raise the same words):
+        - shapes: q not 4-D; D not in [1, 256]; k not [B, S, Hkv, D]; Hq not a multiple of Hkv; v shape
+          != k shape; a cache not 4-D or not [*, *, Hkv, D]; v_cache shape != k_cache shape; a
+          contiguous cache whose batch is not B; cache_seqlens / num_causal not [B]; block_table not
+          [B, max_pages]; a paged cache with page size 0; block_size not in [0, S];
+        - dtypes: q not fp32 / fp16 / bf16; k, v or a cache not of q's dtype; cache_seqlens, num_causal
+          or block_table not int32;
+        - devices: any tensor not on q's device;
+        - layout: a cache whose last dimension has stride != 1; the aliasing above ("... is written in
+          place and must not share memory with ...", "... must not have elements sharing memory", or
+          "... may share memory ..." when undecidable);
+        - softmax_scale NaN, infinite or <= 0;
+        - values: cache_seqlens < 0; num_causal outside [0, C]; L_b + c_b beyond the cache capacity
+          (S_max, or max_pages * page_size); a page id outside [0, num_pages) for a page in use. On CUDA
+          these come from `torch._assert_async` (no host sync: reported as a device-side assert at the
+          next synchronisation; the kernels clamp, so nothing is read or written out of bounds).
+        The fake kernel (torch.compile) raises every error above except the values, memory shared between
+        two arguments (fake tensors have no data pointers) and, with symbolic shapes, a cache's own
+        overlap; the compiled call raises those when it runs.
 
     Example:
         >>> import torch, sbd_kernels
@@ -65,7 +102,7 @@ def block_attention_with_kvcache(
 def _block_attention_with_kvcache_fake(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size,
                                        block_table=None, softmax_scale=None):
     dims = check_block_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size,
-                                      block_table)
+                                      block_table, softmax_scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((dims.batch, dims.q_heads, dims.seq), dtype=torch.float32)
     return out, lse

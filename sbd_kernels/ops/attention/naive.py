@@ -67,7 +67,7 @@ def block_attention_with_kvcache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Oracle of the op (same signature and side effect). Returns out [B, S, Hq, D] (q.dtype), lse [B, Hq, S] fp32."""
     dims = check_block_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size,
-                                      block_table)
+                                      block_table, softmax_scale)
     assert_block_attention_values(cache_seqlens, num_causal, dims, block_table)
     scale = dims.head_dim ** -0.5 if softmax_scale is None else softmax_scale
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

@@ -139,10 +139,12 @@ def _online_softmax_update(q, k, v, valid, m_i, l_i, acc, qk_scale,
 
 
 @triton.jit
-def _cache_rows(slots, live, b, block_table_ptr, stride_btb, page_size, num_pages, PAGED: tl.constexpr):
+def _cache_rows(slots, live, b, block_table_ptr, stride_btb, stride_btp, page_size, num_pages,
+                PAGED: tl.constexpr):
     """(page, offset in page, in range) of cache slots [BN]. Contiguous caches are one page per sequence."""
     if PAGED:
-        page = tl.load(block_table_ptr + b.to(tl.int64) * stride_btb + slots // page_size, mask=live, other=0)
+        entry = b.to(tl.int64) * stride_btb + (slots // page_size).to(tl.int64) * stride_btp
+        page = tl.load(block_table_ptr + entry, mask=live, other=0)
         ok = live & (page >= 0) & (page < num_pages)
         return page.to(tl.int64), slots % page_size, ok
     else:
@@ -159,7 +161,7 @@ def _attention_split_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_kcp, stride_kcs, stride_kch,
     stride_vcp, stride_vcs, stride_vch,
-    stride_btb,
+    stride_len, stride_nc, stride_btb, stride_btp,
     S, C, Hkv, G, D, M, capacity, page_size, num_pages, split_len, num_splits,
     qk_scale,
     PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -171,8 +173,9 @@ def _attention_split_kernel(
     split = tl.program_id(2)
     b = pid_bh // Hkv
     h = pid_bh % Hkv
-    length = tl.minimum(tl.maximum(tl.load(cache_seqlens_ptr + b), 0), capacity)
-    causal = tl.minimum(tl.maximum(tl.load(num_causal_ptr + b), 0), C)
+    # Index tensors may be any views (a column of a [B, n] state tensor, an expanded scalar): use their strides.
+    length = tl.minimum(tl.maximum(tl.load(cache_seqlens_ptr + b.to(tl.int64) * stride_len), 0), capacity)
+    causal = tl.minimum(tl.maximum(tl.load(num_causal_ptr + b.to(tl.int64) * stride_nc), 0), C)
     start = (split - 1) * split_len
     if (split > 0) & (start >= length):
         return
@@ -210,7 +213,8 @@ def _attention_split_kernel(
             if pid_m == 0:
                 # Cache append of the causal rows: slots [L, L + c), bit-exact copies of the loaded rows.
                 page, offset, ok = _cache_rows(length + j, key_causal & (length + j < capacity), b,
-                                               block_table_ptr, stride_btb, page_size, num_pages, PAGED)
+                                               block_table_ptr, stride_btb, stride_btp, page_size, num_pages,
+                                               PAGED)
                 store_mask = ok[:, None] & d_ok[None, :]
                 tl.store(_tile_ptrs(k_cache_ptr, page * stride_kcp + offset * stride_kcs + h * stride_kch,
                                     d_idx, 1, ALIGNED), k_tile, mask=store_mask)
@@ -228,8 +232,8 @@ def _attention_split_kernel(
         end = tl.minimum(start + split_len, length)
         for n0 in range(start, end, BLOCK_N):
             slots = n0 + n_idx
-            page, offset, ok = _cache_rows(slots, slots < end, b, block_table_ptr, stride_btb, page_size,
-                                           num_pages, PAGED)
+            page, offset, ok = _cache_rows(slots, slots < end, b, block_table_ptr, stride_btb, stride_btp,
+                                           page_size, num_pages, PAGED)
             kv_mask = ok[:, None] & d_ok[None, :]
             k_tile = tl.load(_tile_ptrs(k_cache_ptr, page * stride_kcp + offset * stride_kcs + h * stride_kch,
                                         d_idx, 1, ALIGNED), mask=kv_mask, other=0.0)
@@ -253,7 +257,7 @@ def _attention_split_kernel(
 @triton.jit
 def _attention_combine_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, cache_seqlens_ptr, out_ptr, lse_ptr,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    stride_len, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     Hkv, G, D, M, capacity, split_len, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
 ):
@@ -262,7 +266,7 @@ def _attention_combine_kernel(
     pid_m = tl.program_id(1)
     b = pid_bh // Hkv
     h = pid_bh % Hkv
-    length = tl.minimum(tl.maximum(tl.load(cache_seqlens_ptr + b), 0), capacity)
+    length = tl.minimum(tl.maximum(tl.load(cache_seqlens_ptr + b.to(tl.int64) * stride_len), 0), capacity)
     live_splits = 1 + tl.cdiv(length, split_len)
 
     m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -365,7 +369,7 @@ def block_attention_with_kvcache(
     """Triton launcher of the op (same signature and side effect); CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1. Returns out [B, S, Hq, D] (dtype of q) and lse [B, Hq, S] fp32. No host sync."""
     dims = check_block_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size,
-                                      block_table)
+                                      block_table, softmax_scale)
     assert_block_attention_values(cache_seqlens, num_causal, dims, block_table)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((dims.batch, dims.q_heads, dims.seq), dtype=torch.float32, device=q.device)
@@ -382,13 +386,14 @@ def block_attention_with_kvcache(
     part_m = torch.empty((bh, plan.num_splits, rows), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((bh, plan.num_splits, rows, dims.head_dim), dtype=torch.float32, device=q.device)
-    table = block_table if block_table is not None else cache_seqlens  # unread when not paged
+    table = block_table if dims.paged else cache_seqlens  # unread when not paged
+    table_strides = block_table.stride() if dims.paged else (0, 0)
     _attention_split_kernel[(bh, plan.m_tiles, plan.num_splits)](
         q, k, v, k_cache, v_cache, cache_seqlens, num_causal, table,
         part_acc, part_m, part_l,
         *q.stride(), *k.stride(), *v.stride(),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
-        table.stride(0),
+        cache_seqlens.stride(0), num_causal.stride(0), *table_strides,
         dims.seq, dims.num_causal_slots, dims.kv_heads, group, dims.head_dim, rows,
         dims.capacity, dims.page_size, dims.num_pages, plan.split_len, plan.num_splits,
         scale * _LOG2E,
@@ -398,7 +403,7 @@ def block_attention_with_kvcache(
     )
     _attention_combine_kernel[(bh, triton.cdiv(rows, COMBINE_BLOCK_M))](
         part_acc, part_m, part_l, cache_seqlens, out, lse,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        cache_seqlens.stride(0), out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         dims.kv_heads, group, dims.head_dim, rows, dims.capacity, plan.split_len, plan.num_splits,
         BLOCK_M=COMBINE_BLOCK_M, BLOCK_D=config.block_d, ALIGNED=config.aligned,
         num_warps=COMBINE_WARPS[config.aligned],
@@ -435,8 +440,9 @@ def _split_spec(dtype: torch.dtype, block_m: int, block_d: int, paged: bool, ali
                      "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
     signature |= {f"stride_{t}{a}": "constexpr" if a == "d" else "i32"
                   for t, axes in _STRIDE_AXES.items() for a in axes}
-    signature |= {name: "i32" for name in ("stride_btb", "S", "C", "Hkv", "G", "D", "M", "capacity", "page_size",
-                                           "num_pages", "split_len", "num_splits")}
+    signature |= {name: "i32" for name in ("stride_len", "stride_nc", "stride_btb", "stride_btp", "S", "C", "Hkv",
+                                           "G", "D", "M", "capacity", "page_size", "num_pages", "split_len",
+                                           "num_splits")}
     signature["qk_scale"] = "fp32"
     constexprs = {"stride_qd": 1, "stride_kd": 1, "stride_vd": 1, "PAGED": paged, "BLOCK_M": block_m,
                       "BLOCK_N": config.block_n, "BLOCK_D": block_d, "HALF_DOT": config.half_dot,
@@ -450,8 +456,9 @@ def _combine_spec(dtype: torch.dtype, block_d: int, aligned: bool) -> KernelSpec
     ty = "*" + _TRITON_DTYPES[dtype]
     signature = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "cache_seqlens_ptr": "*i32",
                      "out_ptr": ty, "lse_ptr": "*fp32"}
-    signature |= {name: "i32" for name in ("stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_lh",
-                                           "Hkv", "G", "D", "M", "capacity", "split_len", "num_splits")}
+    signature |= {name: "i32" for name in ("stride_len", "stride_ob", "stride_os", "stride_oh", "stride_lb",
+                                           "stride_lh", "Hkv", "G", "D", "M", "capacity", "split_len",
+                                           "num_splits")}
     signature |= {"BLOCK_M": "constexpr", "BLOCK_D": "constexpr", "ALIGNED": "constexpr"}
     return KernelSpec(_combine_name(dtype, block_d, aligned), _attention_combine_kernel, signature,
                       {"BLOCK_M": COMBINE_BLOCK_M, "BLOCK_D": block_d, "ALIGNED": aligned},
