@@ -263,7 +263,13 @@ def error_cases():
         ("scale_negative", set_("softmax_scale", -0.3), r"softmax_scale must be finite and > 0, got -0\.3"),
         ("scale_negative_nan", set_("softmax_scale", -float("nan")), "softmax_scale must be finite and > 0, got nan"),
         ("scale_tiny_negative", set_("softmax_scale", -1e-30), "softmax_scale must be finite and > 0, got -1e-30"),
-        ("k_shape", lambda c: setattr(c, "k", c.k[:, :-1]), r"k must have shape \[3, 8, Hkv, 64\], got \[3, 7,"),
+        ("k_shape", lambda c: setattr(c, "k", c.k[:, :-1]), (r"k dimension 1 \(S\) is 7, q's is 8; q, k and v are "
+         r"\[B, S, H, D\] \(Hugging Face attention passes \[B, H, S, D\]: call \.transpose\(1, 2\)")),
+        ("hf_layout_qkv", lambda c: [setattr(c, t, getattr(c, t).transpose(1, 2)) for t in ("q", "k", "v")],
+         r"k dimension 1 \(S\) is 2, q's is 8; q, k and v are \[B, S, H, D\]"),
+        ("hf_layout_cache", lambda c: [setattr(c, t, getattr(c, t).transpose(1, 2)) for t in ("k_cache", "v_cache")],
+         (r"k_cache dimension 2 \(Hkv\) is 44, k's is 2; caches are \[B, S_max, Hkv, D\].*StaticCache layer is "
+         r"\[B, Hkv, S_max, D\]: call \.transpose\(1, 2\)")),
         ("cache_shapes", lambda c: setattr(c, "v_cache", c.v_cache[:, :-1]), r"v_cache shape \[3, 43, 2, 64\] must equal"),
         ("table_dtype", lambda c: setattr(c, "block_table", torch.zeros(3, 4, dtype=torch.int64)),
          "block_table must be int32, got torch.int64"),

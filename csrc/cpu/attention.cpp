@@ -29,14 +29,29 @@ std::string dtype_name(at::ScalarType type) { return "torch." + std::string(c10:
 // Python's f"{x:g}": ostream prints a NaN with its sign bit set as "-nan", Python always as "nan".
 std::string format_g(double x) { return std::isnan(x) ? std::string("nan") : c10::str(x); }
 
+// Layout reminders appended to shape errors (as _checks.QKV_LAYOUT / CACHE_LAYOUT): the usual cause is a tensor
+// in Hugging Face's head-major layout.
+constexpr const char* kQkvLayout =
+    "q, k and v are [B, S, H, D] (Hugging Face attention passes [B, H, S, D]: call .transpose(1, 2) on q, k and v)";
+constexpr const char* kCacheLayout =
+    "caches are [B, S_max, Hkv, D] or paged [num_pages, page_size, Hkv, D] (a Hugging Face StaticCache layer is "
+    "[B, Hkv, S_max, D]: call .transpose(1, 2))";
+
+// "<name> dimension <dim> (<label>) is <got>, <other>'s is <expected>; <layout>" unless got == expected.
+void check_dim(const char* name, int64_t dim, const char* label, int64_t got, const char* other, int64_t expected,
+               const char* layout) {
+  TORCH_CHECK(got == expected, kOp, ": ", name, " dimension ", dim, " (", label, ") is ", got, ", ", other, "'s is ",
+              expected, "; ", layout);
+}
+
 void check_cache(const char* name, const at::Tensor& cache, const at::Tensor& q, int64_t kv_heads) {
-  TORCH_CHECK(cache.dim() == 4, kOp, ": ", name, " must be 4-D, got shape ", cache.sizes());
+  TORCH_CHECK(cache.dim() == 4, kOp, ": ", name, " must be 4-D, got shape ", cache.sizes(), "; ", kCacheLayout);
   TORCH_CHECK(cache.scalar_type() == q.scalar_type(), kOp, ": ", name, " must have the dtype of q (",
               dtype_name(q.scalar_type()), "), got ", dtype_name(cache.scalar_type()));
   TORCH_CHECK(cache.device() == q.device(), kOp, ": ", name, " must be on the device of q (", q.device(),
               "), got ", cache.device());
-  TORCH_CHECK(cache.size(2) == kv_heads && cache.size(3) == q.size(3), kOp, ": ", name, " must have ",
-              kv_heads, " heads of dim ", q.size(3), ", got shape ", cache.sizes());
+  check_dim(name, 2, "Hkv", cache.size(2), "k", kv_heads, kCacheLayout);
+  check_dim(name, 3, "D", cache.size(3), "q", q.size(3), kCacheLayout);
   TORCH_CHECK(cache.stride(3) == 1, kOp, ": ", name, " must have a contiguous last dimension (stride 1)");
 }
 
@@ -97,13 +112,15 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
                 const at::Tensor& v_cache, const at::Tensor& cache_seqlens, const at::Tensor& num_causal,
                 int64_t block_size, const c10::optional<at::Tensor>& block_table,
                 c10::optional<double> softmax_scale) {
-  TORCH_CHECK(q.dim() == 4, kOp, ": q must be 4-D [B, S, Hq, D], got shape ", q.sizes());
+  TORCH_CHECK(q.dim() == 4, kOp, ": q must be 4-D [B, S, Hq, D], got shape ", q.sizes(), "; ", kQkvLayout);
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               kOp, ": q must be float32, float16 or bfloat16, got ", dtype_name(q.scalar_type()));
   const int64_t batch = q.size(0), seq = q.size(1), q_heads = q.size(2), dim = q.size(3);
   TORCH_CHECK(dim > 0 && dim <= kMaxHeadDim, kOp, ": q head dim must be in [1, ", kMaxHeadDim, "], got ", dim);
-  TORCH_CHECK(k.dim() == 4 && k.size(0) == batch && k.size(1) == seq && k.size(3) == dim, kOp,
-              ": k must have shape [", batch, ", ", seq, ", Hkv, ", dim, "], got ", k.sizes());
+  TORCH_CHECK(k.dim() == 4, kOp, ": k must be 4-D [B, S, Hkv, D], got shape ", k.sizes(), "; ", kQkvLayout);
+  check_dim("k", 0, "B", k.size(0), "q", batch, kQkvLayout);
+  check_dim("k", 1, "S", k.size(1), "q", seq, kQkvLayout);
+  check_dim("k", 3, "D", k.size(3), "q", dim, kQkvLayout);
   const int64_t kv_heads = k.size(2);
   TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, kOp, ": q heads (", q_heads,
               ") must be a multiple of k heads (", kv_heads, ")");

@@ -42,16 +42,29 @@ def _fail(message: str) -> None:
     raise RuntimeError(f"{OP}: {message}")
 
 
+# Layout reminders appended to shape errors: the usual cause is a tensor in Hugging Face's head-major layout.
+QKV_LAYOUT = ("q, k and v are [B, S, H, D] (Hugging Face attention passes [B, H, S, D]: call .transpose(1, 2) "
+              "on q, k and v)")
+CACHE_LAYOUT = ("caches are [B, S_max, Hkv, D] or paged [num_pages, page_size, Hkv, D] (a Hugging Face "
+                "StaticCache layer is [B, Hkv, S_max, D]: call .transpose(1, 2))")
+
+
+def _fail_dim(name: str, dim: int, label: str, got: int, other: str, expected: int, layout: str) -> None:
+    _fail(f"{name} dimension {dim} ({label}) is {got}, {other}'s is {expected}; {layout}")
+
+
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, hkv: int) -> None:
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.dim() != 4:
-            _fail(f"{name} must be 4-D, got shape {list(cache.shape)}")
+            _fail(f"{name} must be 4-D, got shape {list(cache.shape)}; {CACHE_LAYOUT}")
         if cache.dtype != q.dtype:
             _fail(f"{name} must have the dtype of q ({q.dtype}), got {cache.dtype}")
         if cache.device != q.device:
             _fail(f"{name} must be on the device of q ({q.device}), got {cache.device}")
-        if not (cache.shape[2] == hkv and cache.shape[3] == q.shape[3]):
-            _fail(f"{name} must have {hkv} heads of dim {q.shape[3]}, got shape {list(cache.shape)}")
+        if cache.shape[2] != hkv:
+            _fail_dim(name, 2, "Hkv", cache.shape[2], "k", hkv, CACHE_LAYOUT)
+        if cache.shape[3] != q.shape[3]:
+            _fail_dim(name, 3, "D", cache.shape[3], "q", q.shape[3], CACHE_LAYOUT)
         if cache.stride(3) != 1:
             _fail(f"{name} must have a contiguous last dimension (stride 1)")
     if k_cache.shape != v_cache.shape:
@@ -149,14 +162,17 @@ def check_block_attention_args(
     the sizes of the call. Raises RuntimeError naming the argument(s), in the C++ kernel's words (dtypes
     as `torch.float32`, shapes as `[B, S, H, D]`)."""
     if q.dim() != 4:
-        _fail(f"q must be 4-D [B, S, Hq, D], got shape {list(q.shape)}")
+        _fail(f"q must be 4-D [B, S, Hq, D], got shape {list(q.shape)}; {QKV_LAYOUT}")
     if q.dtype not in FLOAT_DTYPES:
         _fail(f"q must be float32, float16 or bfloat16, got {q.dtype}")
     batch, seq, hq, dim = q.shape
     if not 0 < dim <= MAX_HEAD_DIM:
         _fail(f"q head dim must be in [1, {MAX_HEAD_DIM}], got {dim}")
-    if not (k.dim() == 4 and k.shape[:2] == q.shape[:2] and k.shape[3] == dim):
-        _fail(f"k must have shape [{batch}, {seq}, Hkv, {dim}], got {list(k.shape)}")
+    if k.dim() != 4:
+        _fail(f"k must be 4-D [B, S, Hkv, D], got shape {list(k.shape)}; {QKV_LAYOUT}")
+    for axis, label in ((0, "B"), (1, "S"), (3, "D")):
+        if k.shape[axis] != q.shape[axis]:
+            _fail_dim("k", axis, label, k.shape[axis], "q", q.shape[axis], QKV_LAYOUT)
     hkv = k.shape[2]
     if not (hkv > 0 and hq % hkv == 0):
         _fail(f"q heads ({hq}) must be a multiple of k heads ({hkv})")
