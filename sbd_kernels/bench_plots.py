@@ -188,7 +188,7 @@ def write_plots(results_dir: Path, families: dict[str, list[dict]] | None = None
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results_dir", type=Path, help="folder with report.json (bench/report.py)")
+    parser.add_argument("results_dir", type=Path, help="folder with the report.json of `sbd bench`")
     parser.add_argument("--demo-json", type=Path,
                         help="`sbd demo --json` output (default results_dir/demo.json)")
     args = parser.parse_args(argv)

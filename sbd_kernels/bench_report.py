@@ -7,10 +7,11 @@ the machine.
     sbd bench --bench-dir ~/src/sbd_kernels/bench # from outside the checkout
 
 The benchmark files (`bench/bench_<family>.py`, pytest-benchmark modules) are part of the source
-repository, not of the installed package: `sbd bench` runs those of `--bench-dir`, by default `./bench`,
-and otherwise stops with one line saying so (a pip-installed package runs them from a clone of the
-repository: `sbd bench --bench-dir CLONE/bench`). What the report needs at run time is here in the package: the grid records (`sbd_kernels.benchmark_grid`), the
-ceilings and header (`sbd_kernels.machine`), the plots (`sbd_kernels.bench_plots`).
+repository, not of the installed package: `sbd bench` runs those of `--bench-dir` (the `bench` folder of
+a checkout), by default `./bench`, and otherwise stops with one line saying so; a pip-installed package
+runs them from a clone of the repository, `sbd bench --bench-dir CLONE/bench`. What the report needs at
+run time is in the package: the grid records (`sbd_kernels.benchmark_grid`), the ceilings and header
+(`sbd_kernels.machine`), the plots (`sbd_kernels.bench_plots`).
 
 For each case the table lists every provider with its median time and p20-p80 spread, achieved GB/s and
 its fraction of the measured copy bandwidth (ops that stream memory), achieved GFLOP/s and its fraction of
