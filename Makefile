@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEPS := $(VENV)/.deps-installed
 BUILT := $(VENV)/.extension-built
-BUILD_INPUTS := $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py pyproject.toml
+BUILD_INPUTS := $(shell find csrc -name '*.cpp' -o -name '*.h') csrc/sources.txt setup.py pyproject.toml
 # ccache, where installed, makes a rebuild after a one-file change take seconds instead of a minute.
 CCACHE := $(shell command -v ccache 2>/dev/null)
 BUILD_ENV := $(if $(CCACHE),CC="ccache gcc" CXX="ccache g++",)

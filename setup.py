@@ -1,15 +1,22 @@
 """Build of the `sbd_kernels._C` extension: the `sbd` op schemas and the C++ CPU kernels.
 
-CPU kernels are compiled once per instruction set (files named `*_default.cpp`, `*_avx2.cpp`,
-`*_avx512.cpp`, each with its own flags and `CPU_CAPABILITY` namespace) and picked at run time, so one
-wheel is fast on AVX2 and AVX-512 machines without `-march=native`. No `-ffast-math`: NaN and inf
-handling must stay exact.
+The sources and the flags of each instruction-set build come from `csrc/sources.txt`, the list that
+CMakeLists.txt reads too: the vectorised kernels are compiled once per instruction set, each in its own
+`CPU_CAPABILITY` namespace, and picked at run time, so one wheel is fast on AVX2 and AVX-512 machines
+without `-march=native`.
+
+The sources compile in parallel, one compiler process per core (`build_ext --parallel N` sets another
+count): the per-file flags rule out torch's ninja build, whose flags are per extension.
 """
+import os
+import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.errors import CompileError, ExecError
 
 
 def import_installed_torch():
@@ -36,39 +43,44 @@ def import_installed_torch():
 import_installed_torch()
 from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
-ROOT = Path(__file__).parent
+ROOT = Path(__file__).resolve().parent
+SOURCE_LIST = "csrc/sources.txt"
 # -fopenmp: torch's CPU build runs `at::parallel_for` on OpenMP, and its implementation is inline in the
 # ATen headers; compiled without the flag the pragma is dropped and every kernel runs on one thread. The
 # extension then resolves libgomp.so.1 to the copy torch has already loaded (one OpenMP runtime).
 COMMON_FLAGS = ["-O3", "-g0", "-std=c++17", "-fvisibility=hidden", "-fopenmp"]
 LINK_FLAGS = ["-fopenmp"]
-# Flags per instruction-set variant, chosen by the source file's suffix.
-ISA_FLAGS = {
-    "_default.cpp": ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"],
-    "_avx2.cpp": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
-    "_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-                    "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
-}
-# Families whose inner loops are vectorised: one kernel file per ISA beside the dispatch file.
-VECTORISED_FAMILIES = ["sampling", "attention"]
-# Families whose work is a few hundred scalars per sequence: a single file.
-SCALAR_FAMILIES = ["scatter"]
 
 
-def sources() -> list[str]:
-    """Explicit source list: schemas, the ISA switch, one file per family, one kernel file per ISA."""
-    srcs = ["csrc/sbd_ops.cpp", "csrc/cpu/isa.cpp"]
-    srcs += [f"csrc/cpu/{family}.cpp" for family in VECTORISED_FAMILIES + SCALAR_FAMILIES]
-    for family in VECTORISED_FAMILIES:
-        srcs += [f"csrc/cpu/{family}_kernel{suffix}" for suffix in ISA_FLAGS]
-    return srcs
+def read_source_list(path: Path = ROOT / SOURCE_LIST) -> tuple[list[str], dict[str, list[str]]]:
+    """(sources in order, {source: flags of its instruction-set build}) from csrc/sources.txt, whose lines
+    are `isa <name> <flag>...` and `source <path> [<isa>]`."""
+    isa_flags: dict[str, list[str]] = {}
+    sources: list[str] = []
+    flags_of: dict[str, list[str]] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        kind, *fields = line.split() or [""]
+        if kind == "isa":
+            isa_flags[fields[0]] = fields[1:]
+        elif kind == "source" and len(fields) in (1, 2):
+            sources.append(fields[0])
+            if len(fields) == 2:
+                if fields[1] not in isa_flags:
+                    sys.exit(f"{SOURCE_LIST}:{number}: instruction set {fields[1]!r} is not declared above")
+                flags_of[fields[0]] = isa_flags[fields[1]]
+        elif kind and not kind.startswith("#"):
+            sys.exit(f"{SOURCE_LIST}:{number}: expected `isa <name> <flag>...` or `source <path> [<isa>]`")
+    return sources, flags_of
+
+
+SOURCES, ISA_FLAGS_OF = read_source_list()
 
 
 def get_extensions():
     return [
         CppExtension(
             "sbd_kernels._C",
-            sources(),
+            SOURCES,
             include_dirs=[str(ROOT / "csrc")],
             define_macros=[("SBD_PYTHON_MODULE", None)],
             extra_compile_args=COMMON_FLAGS,
@@ -78,16 +90,41 @@ def get_extensions():
 
 
 class BuildWithIsaFlags(BuildExtension):
-    """BuildExtension that appends the per-instruction-set flags of each kernel file."""
+    """BuildExtension that appends each source's instruction-set flags and runs the compiler processes in
+    parallel (one extension: setuptools' own --parallel only runs extensions side by side).
+
+    The compile loop itself stays serial, since torch's compile wrapper swaps the compiler executable
+    around each call; only the compiler processes it starts run in a thread pool, and all of them finish
+    before the link."""
 
     def build_extensions(self):
-        compile_one = self.compiler._compile
+        compiler = self.compiler
+        # The method that starts one compiler process: `call` since setuptools 80, `spawn` before.
+        runner = "call" if hasattr(compiler, "call") else "spawn"
+        compile_one, compile_all, run = compiler._compile, compiler.compile, getattr(compiler, runner)
+        flags_of = {str(ROOT / src): flags for src, flags in ISA_FLAGS_OF.items()}
 
         def compile_with_isa_flags(obj, src, ext, cc_args, extra_postargs, pp_opts):
-            extra = [f for suffix, flags in ISA_FLAGS.items() if src.endswith(suffix) for f in flags]
+            extra = flags_of.get(str(Path(src).resolve()), [])
             return compile_one(obj, src, ext, cc_args, list(extra_postargs) + extra, pp_opts)
 
-        self.compiler._compile = compile_with_isa_flags
+        def compile_in_parallel(*args, **kwargs):
+            with ThreadPoolExecutor(max_workers=self.parallel or os.cpu_count() or 1) as pool:
+                started = []
+                setattr(compiler, runner, lambda cmd, **kw: started.append(pool.submit(run, cmd, **kw)))
+                try:
+                    objects = compile_all(*args, **kwargs)
+                finally:
+                    setattr(compiler, runner, run)
+                for job in started:
+                    try:
+                        job.result()
+                    except (ExecError, subprocess.CalledProcessError, OSError) as err:
+                        raise CompileError(err) from err
+            return objects
+
+        compiler._compile = compile_with_isa_flags
+        compiler.compile = compile_in_parallel
         super().build_extensions()
 
 

@@ -1,6 +1,6 @@
 """Benchmark of sbd.entropy_sample: the C++ op against the oracle, eager torch and torch.compile.
 
-    python -m pytest bench/bench_sampling.py -q         # or: python -m bench.report --only sampling
+    python -m pytest bench/bench_sampling.py -q         # or: sbd bench --only sampling
     SBD_BENCH_QUICK=1 python -m pytest bench/bench_sampling.py -q  # B = 1, V in {32000, 128256} only
 
 Providers on the same inputs: `sbd` (torch.ops.sbd.entropy_sample on CPU), `naive` (the oracle: int64
@@ -17,19 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.common import DTYPES_BY_NAME, quick_grid, record, run_timed
+from bench.harness import build_provider, compiled, measure, parametrize_shapes
+from sbd_kernels.benchmark_grid import TORCH_DTYPES, SamplingShape
 from sbd_kernels.ops.sampling import naive
 
 FAMILY = "sampling"
 PROVIDERS = ["sbd", "naive", "eager", "compile", "triton"]
-TEMPERATURE = 1.0
-# Every V x K x B x dtype of the design: Llama-2 / Llama-3 / Qwen vocabularies, one position and a k = 16
-# block, batch 1 and 8. SBD_BENCH_QUICK=1 keeps batch 1 and the first two vocabularies.
-if quick_grid():
-    VOCABS, POSITIONS, BATCHES = [32000, 128256], [1, 16], [1]
-else:
-    VOCABS, POSITIONS, BATCHES = [32000, 128256, 151936], [1, 16], [1, 8]
-DTYPES = ["fp32", "bf16"]
 # The oracle draws int64 Philox words for every entry: ~1 s per 32000-entry row on this loaded machine, so
 # it is timed only up to 32768 entries per call, with 3 rounds, and the correctness gate runs it on the
 # first CHECKED_POSITIONS positions of batch row 0 (rows are independent; the tests check batch invariance).
@@ -52,18 +45,9 @@ def eager_entropy_sample(logits: torch.Tensor, temperature: float):
     return tokens, entropy, logprob, valid
 
 
-_COMPILED = {}
-
-
-def compiled_eager():
-    """torch.compile of the eager version, compiled once with dynamic shapes for every case."""
-    if "fn" not in _COMPILED:
-        _COMPILED["fn"] = torch.compile(eager_entropy_sample, dynamic=True)
-    return _COMPILED["fn"]
-
-
-def make_inputs(batch: int, positions: int, vocab: int, dtype: torch.dtype, device: str = "cpu"):
+def make_inputs(shape: SamplingShape, device: str = "cpu"):
     """N(0, 3^2) logits (a spread like a language model's over its vocabulary), one seed per row."""
+    batch, positions, vocab, dtype = shape.batch, shape.positions, shape.vocab, TORCH_DTYPES[shape.dtype]
     gen = torch.Generator().manual_seed(vocab + 97 * positions + batch)
     logits = (3.0 * torch.randn(batch, positions, vocab, generator=gen)).to(dtype)
     seed = torch.randint(0, 2**62, (batch,), generator=gen)
@@ -71,26 +55,26 @@ def make_inputs(batch: int, positions: int, vocab: int, dtype: torch.dtype, devi
     return logits.to(device), seed.to(device), offset.to(device)
 
 
-def provider_fn(provider: str):
+def provider_fn(provider: str, temperature: float):
     """(function of (logits, seed, offset), device) of one provider."""
     if provider == "sbd":
-        return lambda x, s, o: torch.ops.sbd.entropy_sample(x, s, o, None, TEMPERATURE), "cpu"
+        return lambda x, s, o: torch.ops.sbd.entropy_sample(x, s, o, None, temperature), "cpu"
     if provider == "naive":
-        return lambda x, s, o: naive.entropy_sample(x, s, o, temperature_val=TEMPERATURE), "cpu"
+        return lambda x, s, o: naive.entropy_sample(x, s, o, temperature_val=temperature), "cpu"
     if provider == "eager":
-        return lambda x, s, o: eager_entropy_sample(x, TEMPERATURE), "cpu"
+        return lambda x, s, o: eager_entropy_sample(x, temperature), "cpu"
     if provider == "compile":
-        compiled = compiled_eager()
-        return lambda x, s, o: compiled(x, TEMPERATURE), "cpu"
+        fn = compiled(eager_entropy_sample)
+        return lambda x, s, o: fn(x, temperature), "cpu"
     from sbd_kernels.ops.sampling import triton as sampling_triton
-    return lambda x, s, o: sampling_triton.entropy_sample(x, s, o, temperature_val=TEMPERATURE), "cuda"
+    return lambda x, s, o: sampling_triton.entropy_sample(x, s, o, temperature_val=temperature), "cuda"
 
 
-def matches_oracle(fn, logits, seed, offset) -> bool:
+def matches_oracle(fn, logits, seed, offset, temperature: float) -> bool:
     """Whether `fn` gives the oracle's outputs at the first CHECKED_POSITIONS positions of batch row 0."""
     got = fn(logits, seed, offset)
     ref = naive.entropy_sample(logits[:1, :CHECKED_POSITIONS].cpu(), seed[:1].cpu(), offset[:1].cpu(),
-                               temperature_val=TEMPERATURE)
+                               temperature_val=temperature)
     tokens, entropy, logprob, valid = (t[:1, :CHECKED_POSITIONS].cpu() for t in got)
     atol = rtol = 1e-4  # fp32 sums over up to 151936 entries; tokens and valid must match exactly
     return (torch.equal(tokens, ref[0]) and torch.equal(valid, ref[3])
@@ -104,32 +88,21 @@ def bytes_moved(logits: torch.Tensor) -> int:
     return logits.numel() * logits.element_size() + batch * positions * (8 + 4 + 4 + 1)
 
 
+def set_up(provider: str, shape: SamplingShape):
+    """(function, device, inputs, oracle check) of one provider."""
+    fn, device = provider_fn(provider, shape.temperature)
+    inputs = make_inputs(shape, device)
+    # eager / compile draw from torch's generator: same distribution, other tokens; not checked.
+    correct = matches_oracle(fn, *inputs, shape.temperature) if provider in ("sbd", "triton") else None
+    return fn, device, inputs, correct
+
+
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("vocab", VOCABS)
-@pytest.mark.parametrize("positions", POSITIONS)
-@pytest.mark.parametrize("batch", BATCHES)
-def test_entropy_sample(benchmark, batch, positions, vocab, dtype_name, provider):
-    if provider == "triton" and not torch.cuda.is_available():
-        pytest.skip("triton provider: no CUDA device on this machine (the CPU set runs instead)")
-    if provider == "naive" and batch * positions * vocab > NAIVE_MAX_ENTRIES:
+@parametrize_shapes(FAMILY)
+def test_entropy_sample(benchmark, shape, provider):
+    if provider == "naive" and shape.batch * shape.positions * shape.vocab > NAIVE_MAX_ENTRIES:
         pytest.skip(f"naive provider: timed only up to {NAIVE_MAX_ENTRIES} entries (seconds per call)")
-    try:
-        fn, device = provider_fn(provider)
-        logits, seed, offset = make_inputs(batch, positions, vocab, DTYPES_BY_NAME[dtype_name], device)
-        # eager / compile draw from torch's generator: same distribution, other tokens; not checked.
-        correct = matches_oracle(fn, logits, seed, offset) if provider in ("sbd", "triton") else None
-    except Exception as err:  # torch.compile failing on this machine is a result, not a crash
-        if provider != "compile":
-            raise
-        pytest.skip(f"compile provider: torch.compile of the eager version failed: {type(err).__name__}: {err}")
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    def call():
-        out = fn(logits, seed, offset)
-        sync()
-        return out
-
-    record(benchmark, family=FAMILY, case=f"B={batch} K={positions} V={vocab} {dtype_name}", provider=provider,
-           baseline="eager", bytes_moved=bytes_moved(logits), correct=correct)
-    run_timed(benchmark, call, rounds=NAIVE_ROUNDS if provider == "naive" else None)
+    fn, device, inputs, correct = build_provider(provider, lambda: set_up(provider, shape), optional=("compile",))
+    measure(benchmark, lambda: fn(*inputs), family=FAMILY, shape=shape, provider=provider, baseline="eager",
+            device=device, bytes_moved=bytes_moved(inputs[0]), correct=correct,
+            rounds=NAIVE_ROUNDS if provider == "naive" else None)

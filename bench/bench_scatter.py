@@ -1,6 +1,6 @@
 """Benchmark of sbd.mask_scatter_ (EB rule): the C++ op against the oracle, eager torch and torch.compile.
 
-    python -m pytest bench/bench_scatter.py -q          # or: python -m bench.report --only scatter
+    python -m pytest bench/bench_scatter.py -q          # or: sbd bench --only scatter
 
 Providers on the same inputs: `sbd` (torch.ops.sbd.mask_scatter_ on CPU), `naive` (the oracle, a Python
 loop per row), `eager` (what a user would write in torch: stable sort + cumsum + scatter), `compile`
@@ -14,16 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.common import record, run_timed
+from bench.harness import build_provider, compiled, measure, parametrize_shapes
+from sbd_kernels.benchmark_grid import ScatterShape
 from sbd_kernels.ops.scatter import naive
 
 FAMILY = "scatter"
-BATCHES = [1, 16, 128]
-BLOCKS = [16, 32]
 PROVIDERS = ["sbd", "naive", "eager", "compile", "triton"]
-# Paper's "high" chat setting (docs/algorithm.md §3.7): with entropies uniform in [0, 0.2) about 4-5 positions
-# of a 16-block are accepted, a realistic mid-block pass.
-GAMMA = 0.35
 
 
 def eager_mask_scatter_(block_tokens, is_masked, sampled, entropy, gamma):
@@ -45,24 +41,15 @@ def eager_mask_scatter_(block_tokens, is_masked, sampled, entropy, gamma):
     return accepted, accepted.sum(dim=1, dtype=torch.int32), ~is_masked.any(dim=1)
 
 
-_COMPILED = {}
-
-
-def compiled_eager():
-    """torch.compile of the eager version, compiled once with dynamic shapes for every case."""
-    if "fn" not in _COMPILED:
-        _COMPILED["fn"] = torch.compile(eager_mask_scatter_, dynamic=True)
-    return _COMPILED["fn"]
-
-
-def make_inputs(batch: int, k: int, device: str = "cpu"):
+def make_inputs(shape: ScatterShape, device: str = "cpu"):
     """A mid-block pass: 70% of positions still masked, entropies uniform in [0, 0.2), gamma per row."""
+    batch, k = shape.batch, shape.block
     gen = torch.Generator().manual_seed(batch * 1000 + k)
     tokens = torch.randint(0, 50000, (batch, k), generator=gen)
     is_masked = torch.rand(batch, k, generator=gen) < 0.7
     sampled = torch.randint(0, 50000, (batch, k), generator=gen)
     entropy = torch.rand(batch, k, generator=gen) * 0.2
-    gamma = torch.full((batch,), GAMMA)
+    gamma = torch.full((batch,), shape.gamma)
     return [t.to(device) for t in (tokens, is_masked, sampled, entropy, gamma)]
 
 
@@ -75,7 +62,7 @@ def provider_fn(provider: str):
     if provider == "eager":
         return eager_mask_scatter_, "cpu"
     if provider == "compile":
-        return compiled_eager(), "cpu"
+        return compiled(eager_mask_scatter_), "cpu"
     from sbd_kernels.ops.scatter import triton as triton_kernels
     return triton_kernels.mask_scatter_, "cuda"
 
@@ -90,38 +77,31 @@ def matches_oracle(fn, inputs) -> bool:
     return all(torch.equal(a.cpu(), e) for a, e in zip((*got, got_tokens, got_masked), (*ref, ref_tokens, ref_masked)))
 
 
-def bytes_moved(batch: int, k: int) -> int:
+def bytes_moved(shape: ScatterShape) -> int:
     """Bytes one call must touch: per position is_masked read + write (2), entropy (4), sampled read and
     block_tokens write (16, upper bound: every position accepted), accepted (1); per row gamma (4),
     num_accepted (4), block_done (1)."""
-    return batch * k * (2 + 4 + 16 + 1) + batch * (4 + 4 + 1)
+    return shape.batch * shape.block * (2 + 4 + 16 + 1) + shape.batch * (4 + 4 + 1)
+
+
+def set_up(provider: str, shape: ScatterShape):
+    """(function, device, inputs, oracle check) of one provider."""
+    fn, device = provider_fn(provider)
+    inputs = make_inputs(shape, device)
+    return fn, device, inputs, None if provider == "naive" else matches_oracle(fn, inputs)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("k", BLOCKS)
-@pytest.mark.parametrize("batch", BATCHES)
-def test_mask_scatter(benchmark, batch, k, provider):
-    if provider == "triton" and not torch.cuda.is_available():
-        pytest.skip("triton provider: no CUDA device on this machine (the CPU set runs instead)")
-    try:
-        fn, device = provider_fn(provider)
-        inputs = make_inputs(batch, k, device)
-        correct = None if provider == "naive" else matches_oracle(fn, inputs)
-    except Exception as err:  # torch.compile failing on this machine is a result, not a crash
-        if provider != "compile":
-            raise
-        pytest.skip(f"compile provider: torch.compile of the eager version failed: {type(err).__name__}: {err}")
+@parametrize_shapes(FAMILY)
+def test_mask_scatter(benchmark, shape, provider):
+    fn, device, inputs, correct = build_provider(provider, lambda: set_up(provider, shape), optional=("compile",))
     tokens, is_masked, sampled, entropy, gamma = inputs
     saved_tokens, saved_masked = tokens.clone(), is_masked.clone()
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def call():
         tokens.copy_(saved_tokens)
         is_masked.copy_(saved_masked)
-        out = fn(tokens, is_masked, sampled, entropy, gamma)
-        sync()
-        return out
+        return fn(tokens, is_masked, sampled, entropy, gamma)
 
-    record(benchmark, family=FAMILY, case=f"B={batch} K={k} eb", provider=provider, baseline="eager",
-           bytes_moved=bytes_moved(batch, k), correct=correct)
-    run_timed(benchmark, call)
+    measure(benchmark, call, family=FAMILY, shape=shape, provider=provider, baseline="eager", device=device,
+            bytes_moved=bytes_moved(shape), correct=correct)

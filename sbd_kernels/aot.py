@@ -9,9 +9,9 @@ shared memory overflow, unsupported ops, register pressure), then `ptxas -v` is 
 flags Triton uses to read registers and spill bytes, and the theoretical occupancy is derived from
 registers, shared memory and warps.
 
-A second table shows, for every benchmark shape, the configurations the launchers pick there (each
-family's `benchmark_picks()`, computed by the launcher's own selection functions) with their registers,
-spills and occupancy. Exits 1 if any configuration fails to compile or spills registers, or if a picked
+A second table shows, for every shape of the benchmark grid (`sbd_kernels.benchmark_grid`, the shapes
+`bench/` times), the configurations the launchers pick there (each family's `picked_specs()`, computed by
+the launcher's own selection functions) with their registers, spills and occupancy. Exits 1 if any configuration fails to compile or spills registers, or if a picked
 configuration is not among the listed ones.
 """
 from __future__ import annotations
@@ -28,6 +28,8 @@ import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+
+from sbd_kernels import benchmark_grid as grid
 
 FAMILIES = ("sampling", "scatter", "attention")
 DEFAULT_ARCHS = (80, 90)
@@ -125,13 +127,27 @@ def collect_specs(families=FAMILIES) -> list:
     return specs
 
 
+def picked_at(family: str, shape: grid.Shape) -> list[str]:
+    """Spec names the launcher of `family` compiles for one benchmark record, called as the benchmark calls
+    it (bench/bench_<family>.py): sampling with a scalar temperature and no compute_mask; scatter with a
+    [B] gamma tensor and no valid mask; attention on a contiguous, 16-byte aligned cache."""
+    kernels = importlib.import_module(f"sbd_kernels.ops.{family}.triton")
+    if family == "sampling":
+        return kernels.picked_specs(shape.vocab, grid.TORCH_DTYPES[shape.dtype], temperature_tensor=False,
+                                    compute_mask=False)
+    if family == "scatter":
+        return kernels.picked_specs(shape.block, shape.rule, gamma_tensor=True, valid=False)
+    return kernels.picked_specs(shape.q_heads, shape.kv_heads, shape.head_dim, shape.seq,
+                                grid.TORCH_DTYPES[shape.dtype], paged=False, aligned=True)
+
+
+OP_NAMES = {"sampling": "entropy_sample", "scatter": "mask_scatter_", "attention": "attention"}
+
+
 def collect_picks(families=FAMILIES) -> list[tuple[str, str]]:
-    """(shape label, spec name) of every kernel launched at every benchmark shape, family by family."""
-    picks = []
-    for family in families:
-        module = importlib.import_module(f"sbd_kernels.ops.{family}.triton")
-        picks.extend(module.benchmark_picks())
-    return picks
+    """(shape label, spec name) of every kernel launched at every shape of the full benchmark grid."""
+    return [(f"{OP_NAMES[family]} {shape.label}", spec)
+            for family in families for shape in grid.GRIDS[family]() for spec in picked_at(family, shape)]
 
 
 def _compile_job(job: tuple[int, int]) -> CompileResult:

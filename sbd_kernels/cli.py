@@ -156,20 +156,15 @@ def run_roofline(args: argparse.Namespace) -> None:
 # sbd bench
 # ----------------------------------------------------------------------------------------------------
 def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    try:
-        from bench import report
-    except ImportError:  # an installed package without the source checkout: run_bench says so
-        return parser
-    return report.add_arguments(parser)
+    from sbd_kernels import bench_report
+
+    return bench_report.add_arguments(parser)
 
 
 def run_bench(args: argparse.Namespace) -> None:
-    try:
-        from bench import report
-    except ImportError as err:
-        raise RuntimeError("sbd bench runs the benchmark suite of a source checkout (bench/ is not part of the "
-                           f"installed package): run it from the repository root ({err})") from err
-    sys.exit(report.run(args))
+    from sbd_kernels import bench_report
+
+    sys.exit(bench_report.run(args))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -94,11 +94,11 @@ HARDWARE: dict[str, Hardware] = {
 
 
 def cpu_hardware(ceilings: dict | None = None) -> Hardware:
-    """This CPU from measured ceilings (`bench.common.machine_ceilings()`, measured now if not given):
+    """This CPU from measured ceilings (`sbd_kernels.machine.machine_ceilings()`, measured now if not given):
     STREAM-convention copy bandwidth and torch.mm GFLOP/s in fp32 and bf16 (fp16 at the fp32 rate: CPU torch
     has no fast fp16 GEMM)."""
     if ceilings is None:
-        from bench.common import machine_ceilings
+        from sbd_kernels.machine import machine_ceilings
 
         ceilings = machine_ceilings()
     gflops = ceilings["matmul_gflops"]

@@ -5,16 +5,17 @@ import importlib
 
 import pytest
 
-from sbd_kernels.aot import FAMILIES, CompileResult, format_picks, theoretical_occupancy
+from sbd_kernels.aot import FAMILIES, CompileResult, collect_picks, format_picks, theoretical_occupancy
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_benchmark_picks_name_listed_specs(family):
-    """Guards against a launcher picking, at a benchmark shape, a configuration that `aot_specs()` does not
-    list (it would never be compiled nor checked for spills), or a spec renamed on one side only."""
+    """Guards against a launcher picking, at a shape of the benchmark grid, a configuration that
+    `aot_specs()` does not list (it would never be compiled nor checked for spills), or a spec renamed on
+    one side only."""
     module = importlib.import_module(f"sbd_kernels.ops.{family}.triton")
     names = {spec.name for spec in module.aot_specs()}
-    picks = module.benchmark_picks()
+    picks = collect_picks((family,))
     assert picks, f"{family}: no benchmark picks"
     missing = [(shape, spec) for shape, spec in picks if spec not in names]
     assert not missing, f"{family}: picks not in aot_specs(): {missing}"

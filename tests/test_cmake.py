@@ -1,5 +1,10 @@
-"""The CMake build for libtorch users: the same ops as a plain shared library, loadable without the Python
-package, and callable from C++ through the dispatcher."""
+"""The two builds, setup.py (the Python extension) and CMakeLists.txt (the op library for libtorch users):
+one source list for both, the same sources with the same instruction-set flags, and the CMake library
+loadable without the Python package and callable from C++ through the dispatcher."""
+import json
+import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -9,23 +14,111 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+SOURCE_LIST = REPO / "csrc" / "sources.txt"
+ISA_FLAG = re.compile(r"-m(avx|fma|f16c)|-DCPU_CAPABILITY")
 
-pytestmark = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+needs_cmake = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+
+
+def declared_sources() -> dict[str, list[str]]:
+    """{source: flags of its instruction-set build} as csrc/sources.txt declares them (a test-side reading
+    of the format, independent of both builds' parsers)."""
+    isa, sources = {}, {}
+    for line in SOURCE_LIST.read_text().splitlines():
+        kind, *fields = line.split() or [""]
+        if kind == "isa":
+            isa[fields[0]] = fields[1:]
+        elif kind == "source":
+            sources[fields[0]] = isa[fields[1]] if len(fields) == 2 else []
+    return sources
+
+
+def isa_flags_by_source(commands: list[list[str]]) -> dict[str, list[str]]:
+    """{source relative to the repository: its instruction-set flags, in order} from compiler command lines."""
+    result = {}
+    for cmd in commands:
+        src = next(arg for arg in cmd if arg.endswith(".cpp"))
+        result[str(Path(src).resolve().relative_to(REPO))] = [arg for arg in cmd if ISA_FLAG.match(arg)]
+    return result
+
+
+def test_sources_are_named_in_one_list():
+    """Guards against a second source list drifting from the first: neither build names a C++ file, and
+    csrc/sources.txt lists every .cpp under csrc exactly once (a new file is not silently left out)."""
+    for build_file in ("setup.py", "CMakeLists.txt"):
+        named = re.findall(r"csrc/[\w/]+\.cpp\b", (REPO / build_file).read_text())
+        assert not named, f"{build_file} names sources itself: {named}; list them in csrc/sources.txt"
+    listed = [line.split()[1] for line in SOURCE_LIST.read_text().splitlines() if line.startswith("source ")]
+    on_disk = sorted(str(p.relative_to(REPO)) for p in (REPO / "csrc").rglob("*.cpp"))
+    assert sorted(listed) == on_disk
+
+
+# Records every compile as a JSON line and writes empty objects and library: what setup.py would run,
+# in seconds. Version queries (torch's compiler check) go to the real compiler.
+FAKE_COMPILER = """#!{python}
+import json, os, sys
+args = sys.argv[1:]
+if "-o" in args:
+    if "-c" in args:
+        with open({log!r}, "a") as f:
+            f.write(json.dumps(args) + "\\n")
+    open(args[args.index("-o") + 1], "w").close()
+else:
+    os.execvp("c++", ["c++", *args])
+"""
+
+
+def setup_py_compile_commands(tmp_path: Path) -> list[list[str]]:
+    """The compiler command lines of `setup.py build_ext`, run with a recording compiler."""
+    log = tmp_path / "compiles.jsonl"
+    fake = tmp_path / "fake-c++"
+    fake.write_text(FAKE_COMPILER.format(python=sys.executable, log=str(log)))
+    fake.chmod(0o755)
+    env = {**os.environ, "CC": str(fake), "CXX": str(fake), "LDSHARED": f"{fake} -shared",
+           "TORCH_NO_COMPILER_WRAPPER": "1"}
+    cmd = [sys.executable, "setup.py", "-q", "build_ext", "--build-temp", str(tmp_path / "temp"),
+           "--build-lib", str(tmp_path / "lib")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in log.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
-def cmake_build(tmp_path_factory) -> Path:
-    """Configures and builds CMakeLists.txt against the installed torch; returns the build folder."""
+def cmake_configured(tmp_path_factory) -> Path:
+    """Configures CMakeLists.txt against the installed torch, with compile_commands.json; returns the build
+    folder."""
     build = tmp_path_factory.mktemp("cmake-build")
-    configure = ["cmake", "-S", str(REPO), "-B", str(build), f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"]
+    configure = ["cmake", "-S", str(REPO), "-B", str(build), f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+                 "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"]
     if shutil.which("ccache"):
         configure.append("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache")
-    for cmd in (configure, ["cmake", "--build", str(build), "-j", "2"]):
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc = subprocess.run(configure, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, f"{' '.join(configure)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return build
 
 
+@needs_cmake
+def test_both_builds_compile_the_same_sources_with_the_same_isa_flags(cmake_configured, tmp_path):
+    """Guards against the Python extension and the libtorch library compiling different sources, or a kernel
+    file without (or with another) instruction set's flags in one of them: an AVX-512 kernel built without
+    -mavx512f, or a default build with AVX2 code that faults on older CPUs."""
+    cmake = json.loads((cmake_configured / "compile_commands.json").read_text())
+    cmake_commands = [shlex.split(entry["command"]) for entry in cmake if "examples" not in entry["file"]]
+    declared = declared_sources()
+    assert isa_flags_by_source(cmake_commands) == declared
+    assert isa_flags_by_source(setup_py_compile_commands(tmp_path)) == declared
+
+
+@pytest.fixture(scope="module")
+def cmake_build(cmake_configured) -> Path:
+    """Builds the configured CMake project; returns the build folder."""
+    cmd = ["cmake", "--build", str(cmake_configured), "-j", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return cmake_configured
+
+
+@needs_cmake
 @pytest.mark.slow
 def test_library_loads_without_the_python_package(cmake_build):
     """Guards against the libtorch build missing a schema or a CPU kernel that the wheel has."""
@@ -50,6 +143,7 @@ print("ok")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
+@needs_cmake
 @pytest.mark.slow
 def test_cpp_program_calls_an_op_through_the_dispatcher(cmake_build):
     """Guards against the C++ entry point (schema lookup + boxed call) not reaching the CPU kernel."""

@@ -479,27 +479,11 @@ def aot_specs() -> list[KernelSpec]:
     return specs
 
 
-# Shapes of bench/bench_attention.py (B = 1, Hq = 32, Hkv = 8, D = 128, C = K = 16, fp32 / bf16), on a
-# contiguous cache and on a paged one with 16-slot pages. Fresh torch allocations of such shapes are 16-byte
-# aligned with D % 4 == 0, so the launcher's `_rows_aligned` check gives ALIGNED.
-_BENCH_BATCH, _BENCH_Q_HEADS, _BENCH_KV_HEADS, _BENCH_HEAD_DIM, _BENCH_SEQ = 1, 32, 8, 128, 16 + 16
-_BENCH_LENGTHS = (512, 4096, 16384)
-_BENCH_DTYPES = (torch.float32, torch.bfloat16)
-_BENCH_PAGE_SIZE = 16
-
-
-def benchmark_picks() -> list[tuple[str, str]]:
-    """(shape label, spec name) of both stages at every benchmark shape, chosen by the launcher's
-    `_pick_config` on the M = S * G rows of a KV group (the cache length only sets the runtime split plan)."""
-    rows = _BENCH_SEQ * (_BENCH_Q_HEADS // _BENCH_KV_HEADS)
-    picks = []
-    for dtype in _BENCH_DTYPES:
-        for paged in (False, True):
-            config = _pick_config(_BENCH_HEAD_DIM, rows, dtype, paged, aligned=True, on_gpu=True)
-            layout = f"paged page_size={_BENCH_PAGE_SIZE}" if paged else "contig"
-            for length in _BENCH_LENGTHS:
-                shape = (f"attention B={_BENCH_BATCH} Hq={_BENCH_Q_HEADS} Hkv={_BENCH_KV_HEADS} "
-                         f"D={_BENCH_HEAD_DIM} S={_BENCH_SEQ} L={length} {_TRITON_DTYPES[dtype]} {layout}")
-                picks += [(shape, _split_name(dtype, config)),
-                          (shape, _combine_name(dtype, config.block_d, config.aligned))]
-    return picks
+def picked_specs(q_heads: int, kv_heads: int, head_dim: int, seq: int, dtype: torch.dtype, paged: bool = False,
+                 aligned: bool = True) -> list[str]:
+    """Names (as in `aot_specs()`) of the split and combine configurations a GPU launch with these shapes
+    compiles, chosen by the launcher's `_pick_config` on the M = S * G rows of a KV group; batch and cache
+    length only set the runtime split plan. aligned: what `_rows_aligned` finds for fresh torch allocations
+    with D % 4 == 0 (16-byte aligned rows)."""
+    config = _pick_config(head_dim, seq * (q_heads // kv_heads), dtype, paged, aligned, on_gpu=True)
+    return [_split_name(dtype, config), _combine_name(dtype, config.block_d, config.aligned)]

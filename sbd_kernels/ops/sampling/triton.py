@@ -338,22 +338,11 @@ def aot_specs() -> list[KernelSpec]:
     return specs
 
 
-# Shapes of bench/bench_sampling.py (its full grid): logits [B, K, V], scalar temperature, no compute_mask.
-_BENCH_VOCABS, _BENCH_POSITIONS, _BENCH_BATCHES = (32000, 128256, 151936), (1, 16), (1, 8)
-_BENCH_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def benchmark_picks() -> list[tuple[str, str]]:
-    """(shape label, spec name) of both kernels at every benchmark shape, chosen by the launcher's own
-    `_block_size` (the tile size is the only shape-dependent compile-time choice; the split plan is a
-    runtime argument)."""
-    flags = {"HAS_TEMPERATURE": False, "HAS_COMPUTE_MASK": False}
-    picks = []
-    for dtype in _BENCH_DTYPES:
-        label = _flags_label(_TRITON_DTYPES[dtype], flags)
-        for vocab in _BENCH_VOCABS:
-            for positions in _BENCH_POSITIONS:
-                for batch in _BENCH_BATCHES:
-                    shape = f"entropy_sample B={batch} K={positions} V={vocab} {_TRITON_DTYPES[dtype]}"
-                    picks += [(shape, _partial_name(label, _block_size(vocab))), (shape, _combine_name(label))]
-    return picks
+def picked_specs(vocab: int, dtype: torch.dtype, temperature_tensor: bool = False,
+                 compute_mask: bool = False) -> list[str]:
+    """Names (as in `aot_specs()`) of the partial and combine configurations a launch over a vocabulary of
+    `vocab` logits of `dtype` compiles: the tile is the launcher's `_block_size` (the only shape-dependent
+    compile-time choice; the split plan is a runtime argument)."""
+    flags = {"HAS_TEMPERATURE": temperature_tensor, "HAS_COMPUTE_MASK": compute_mask}
+    label = _flags_label(_TRITON_DTYPES[dtype], flags)
+    return [_partial_name(label, _block_size(vocab)), _combine_name(label)]

@@ -154,11 +154,7 @@ def aot_specs():
     return specs
 
 
-# Shapes of bench/bench_scatter.py: [B, K] blocks, rule "eb", gamma per row, no valid mask.
-_BENCH_BATCHES, _BENCH_BLOCKS = (1, 16, 128), (16, 32)
-
-
-def benchmark_picks() -> list[tuple[str, str]]:
-    """(shape label, spec name) at every benchmark shape, BLOCK_K chosen by the launcher's `_block_k`."""
-    return [(f"mask_scatter_ B={batch} K={k} eb gamma=tensor", _accept_name(_block_k(k), True, True, False))
-            for batch in _BENCH_BATCHES for k in _BENCH_BLOCKS]
+def picked_specs(k: int, rule: str = "eb", gamma_tensor: bool = True, valid: bool = False) -> list[str]:
+    """Name (as in `aot_specs()`) of the configuration a launch over blocks of `k` positions compiles,
+    BLOCK_K chosen by the launcher's `_block_k`."""
+    return [_accept_name(_block_k(k), rule == "eb", gamma_tensor, valid)]

@@ -1,11 +1,12 @@
 """PNG plots of the benchmark report (matplotlib, headless).
 
-    python -m bench.plots bench/results [--demo-json demo.json]
+    python -m sbd_kernels.bench_plots bench/results [--demo-json demo.json]
 
-Input: the `results` of `bench/report.py`'s report.json ({family: [row, ...]}, each row with the case
-label, provider, median_ms and gflops) and, for the two SBD plots, `sbd demo --json` output. Each plot
-function takes the parsed results and writes one PNG, or returns None and prints why when its input is
-missing:
+Input: the `results` of the report.json that `sbd bench` writes ({family: [row, ...]}, each row with its
+grid record under "shape", the provider, median_ms and gflops) and, for the two SBD plots, `sbd demo
+--json` output. Axes and legends come from the records' fields and generated labels
+(`sbd_kernels.benchmark_grid`). Each plot function takes the parsed results and writes one PNG, or returns
+None and prints why when its input is missing:
 
 - sampling_latency.png: entropy_sample latency vs vocabulary size, one line per provider and (B, K, dtype);
 - attention_gflops.png: block attention GFLOP/s vs cache length, one line per provider and shape;
@@ -18,20 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from collections import defaultdict
 from pathlib import Path
 
+from sbd_kernels.benchmark_grid import Shape, shape_from_dict
 from sbd_kernels.roofline import NfeStat, nfe_stats_from_demo
 
-_KEY_VALUE = re.compile(r"(\w+)=(\S+)")
 
-
-def parse_case(case: str) -> dict[str, str]:
-    """"small fp32 B=4 L=512 k=16" -> {"B": "4", "L": "512", "k": "16", "words": "small fp32"}."""
-    fields = dict(_KEY_VALUE.findall(case))
-    fields["words"] = " ".join(w for w in case.split() if "=" not in w)
-    return fields
+def row_shapes(rows: list[dict], family: str) -> list[tuple[dict, Shape]]:
+    """(row, its grid record) for the rows of `family` that carry one."""
+    return [(r, shape_from_dict(family, r["shape"])) for r in rows if "shape" in r]
 
 
 def _pyplot():
@@ -47,17 +44,12 @@ def _skip(name: str, why: str) -> None:
     print(f"plots: {name} skipped: {why}")
 
 
-def _series(rows: list[dict], x_key: str, value: str, group_keys: tuple[str, ...]) -> dict[str, list]:
-    """{label: [(x, value), ...] sorted by x} over rows whose case names x_key, grouped by provider and the
-    other fields of the case."""
+def _series(rows: list[dict], family: str, x_field: str, value: str) -> dict[str, list]:
+    """{label: [(x, value), ...] sorted by x}: one series per provider and record less its `x_field`."""
     series: dict[str, list] = defaultdict(list)
-    for r in rows:
-        fields = parse_case(r["case"])
-        if x_key not in fields or r.get(value) is None:
-            continue
-        shape = " ".join(f"{k}={fields[k]}" for k in group_keys if k in fields)
-        label = " ".join(part for part in (r["provider"], shape, fields["words"]) if part)
-        series[label].append((float(fields[x_key]), r[value]))
+    for r, shape in row_shapes(rows, family):
+        if r.get(value) is not None:
+            series[f"{r['provider']} {shape.label_without(x_field)}"].append((getattr(shape, x_field), r[value]))
     return {label: sorted(points) for label, points in series.items()}
 
 
@@ -82,9 +74,9 @@ def plot_sampling_latency(families: dict[str, list[dict]], path: Path) -> Path |
     rows = families.get("sampling")
     if not rows:
         return _skip(path.name, "no sampling results")
-    series = _series(rows, "V", "median_ms", ("B", "K"))
+    series = _series(rows, "sampling", "vocab", "median_ms")
     if not series:
-        return _skip(path.name, "no sampling case names its vocabulary size (V=...)")
+        return _skip(path.name, "no sampling row with its grid record")
     return _line_plot(series, path, "entropy_sample latency vs vocabulary size", "vocabulary size V",
                       "median latency (ms)", logy=True)
 
@@ -93,22 +85,19 @@ def plot_attention_gflops(families: dict[str, list[dict]], path: Path) -> Path |
     rows = families.get("attention")
     if not rows:
         return _skip(path.name, "no attention results")
-    series = _series(rows, "L", "gflops", ("B", "K", "C", "H", "D"))
+    series = _series(rows, "attention", "length", "gflops")
     if not series:
-        return _skip(path.name, "no attention case with a cache length (L=...) and GFLOP/s")
+        return _skip(path.name, "no attention row with its grid record and GFLOP/s")
     return _line_plot(series, path, "block attention throughput vs cache length", "cache length L",
                       "GFLOP/s")
 
 
 def decode_times(rows: list[dict]) -> dict[tuple[str, int], dict[int, dict[int, float]]]:
-    """{(config words, cache length): {batch: {tokens: median seconds}}} from the decode family's rows
-    (provider "sbd t=<tokens>")."""
+    """{(model and dtype, cache length): {batch: {tokens: median seconds}}} from the decode family's rows."""
     times: dict = defaultdict(lambda: defaultdict(dict))
-    for r in rows:
-        fields = parse_case(r["case"])
-        match = re.fullmatch(r"sbd t=(\d+)", r["provider"])
-        if match and "B" in fields and "L" in fields:
-            times[fields["words"], int(fields["L"])][int(fields["B"])][int(match[1])] = r["median_ms"] / 1e3
+    for r, shape in row_shapes(rows, "decode"):
+        model = shape.label_without("batch", "kv_len", "k")
+        times[model, shape.kv_len][shape.batch][shape.tokens] = r["median_ms"] / 1e3
     return times
 
 
@@ -199,7 +188,7 @@ def write_plots(results_dir: Path, families: dict[str, list[dict]] | None = None
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results_dir", type=Path, help="folder with report.json (bench/report.py)")
+    parser.add_argument("results_dir", type=Path, help="folder with the report.json of `sbd bench`")
     parser.add_argument("--demo-json", type=Path,
                         help="`sbd demo --json` output (default results_dir/demo.json)")
     args = parser.parse_args(argv)

@@ -1,8 +1,17 @@
-"""Run the benchmark suite and write one report: Markdown tables + JSON + CSV, headed by the machine.
+"""`sbd bench`: run the benchmark files and write one report: Markdown tables + JSON + CSV + plots, headed by
+the machine.
 
-    python -m bench.report                       # every bench/bench_*.py
-    python -m bench.report --only sampling -k "V=128256"   # one family, a subset of cases
-    python -m bench.report --from-json bench/results/raw.json   # rebuild the report without re-timing
+    sbd bench                                     # every bench_*.py of the benchmark folder
+    sbd bench --only sampling -k "128256"         # one family, a subset of cases (pytest -k on the ids)
+    sbd bench --from-json bench/results/raw.json  # rebuild the report without re-timing
+    sbd bench --bench-dir ~/src/sbd_kernels/bench # from outside the checkout
+
+The benchmark files (`bench/bench_<family>.py`, pytest-benchmark modules) are part of the source
+repository, not of the installed package: `sbd bench` runs those of `--bench-dir` (the `bench` folder of
+a checkout), by default `./bench`, and otherwise stops with one line saying so; a pip-installed package
+runs them from a clone of the repository, `sbd bench --bench-dir CLONE/bench`. What the report needs at
+run time is in the package: the grid records (`sbd_kernels.benchmark_grid`), the ceilings and header
+(`sbd_kernels.machine`), the plots (`sbd_kernels.bench_plots`).
 
 For each case the table lists every provider with its median time and p20-p80 spread, achieved GB/s and
 its fraction of the measured copy bandwidth (ops that stream memory), achieved GFLOP/s and its fraction of
@@ -10,12 +19,13 @@ the measured matmul peak (ops with flops), and the speedup against the case's ba
 the same run. A provider that failed its oracle check on the benchmark inputs gets no speedup: the cell
 says so instead. After the tables: the roofline model's prediction against the measured decode forwards
 (`sbd_kernels.roofline`), the GPU static report of every Triton kernel configuration (`sbd_kernels.aot`:
-registers, spills, shared memory, occupancy on sm_80 / sm_90), and the plots (`bench/plots.py`).
+registers, spills, shared memory, occupancy on sm_80 / sm_90), and the plots.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,22 +33,36 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from bench.common import PEAK_DTYPE_FOR, REPO_ROOT, machine_header
-from bench.plots import write_plots
 from sbd_kernels import argtypes
 from sbd_kernels.argtypes import add_option
+from sbd_kernels.bench_plots import write_plots
+from sbd_kernels.benchmark_grid import GRIDS, shape_from_dict
+from sbd_kernels.machine import PEAK_DTYPE_FOR, machine_header
 
-RESULTS_DIR = REPO_ROOT / "bench" / "results"
 COLUMNS = ["case", "provider", "median_ms", "p20_ms", "p80_ms", "gbs", "pct_copy", "gflops", "pct_peak",
            "speedup", "oracle"]
 
 
-def run_benchmarks(raw_json: Path, only: list[str], keyword: str | None, rounds: int | None) -> int:
+def find_bench_dir(given: Path | None) -> Path:
+    """The folder of the benchmark files: `given`, else ./bench. Exits with one line when it holds no
+    bench_*.py files."""
+    folder = given if given is not None else Path("bench")
+    if not any(folder.glob("bench_*.py")):
+        raise SystemExit(f"sbd bench: no benchmark files (bench_*.py) in {folder.resolve()}; they are in the "
+                         "source repository, not the installed package: run `sbd bench` at the root of a checkout "
+                         "or pass --bench-dir CHECKOUT/bench")
+    return folder.resolve()
+
+
+def run_benchmarks(bench_dir: Path, raw_json: Path, only: list[str], keyword: str | None,
+                   rounds: int | None) -> int:
     """Run the bench files with pytest-benchmark in a child process; raw timings go to `raw_json`."""
-    files = sorted(str(p) for p in (REPO_ROOT / "bench").glob("bench_*.py")
+    if importlib.util.find_spec("pytest_benchmark") is None:
+        raise SystemExit("sbd bench: pytest-benchmark is not installed (pip install 'sbd_kernels[bench]')")
+    files = sorted(str(p) for p in bench_dir.glob("bench_*.py")
                    if not only or p.stem.removeprefix("bench_") in only)
     if not files:
-        raise SystemExit(f"bench: no benchmark files match --only {only}")
+        raise SystemExit(f"sbd bench: no benchmark files in {bench_dir} match --only {','.join(only)}")
     cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider",
            f"--benchmark-json={raw_json}", "--benchmark-save-data", "--benchmark-disable-gc",
            "--benchmark-columns=median,iqr,rounds"]
@@ -47,7 +71,7 @@ def run_benchmarks(raw_json: Path, only: list[str], keyword: str | None, rounds:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if rounds:
         env["SBD_BENCH_ROUNDS"] = str(rounds)
-    return subprocess.run(cmd, check=False, cwd=REPO_ROOT, env=env).returncode
+    return subprocess.run(cmd, check=False, cwd=bench_dir.parent, env=env).returncode
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -56,14 +80,6 @@ def percentile(sorted_values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(sorted_values) - 1)
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def case_dtype(case: str) -> str:
-    """The dtype named in a case label ("... bf16"); fp32 when none is named."""
-    for name in ("bf16", "fp16", "fp32"):
-        if name in case.split():
-            return name
-    return "fp32"
 
 
 def rows_from_raw(raw: dict, ceilings: dict) -> dict[str, list[dict]]:
@@ -75,8 +91,9 @@ def rows_from_raw(raw: dict, ceilings: dict) -> dict[str, list[dict]]:
             continue
         times = sorted(bench["stats"].get("data") or [bench["stats"]["median"]])
         median = bench["stats"]["median"]
+        shape = shape_from_dict(info["family"], info["shape"])
         row = {
-            "family": info["family"], "case": info["case"], "provider": info["provider"],
+            "family": info["family"], "case": shape.label, "shape": info["shape"], "provider": info["provider"],
             "baseline": info["baseline"], "median_ms": median * 1e3,
             "p20_ms": percentile(times, 0.2) * 1e3, "p80_ms": percentile(times, 0.8) * 1e3,
             "gbs": None, "pct_copy": None, "gflops": None, "pct_peak": None, "speedup": None,
@@ -87,9 +104,9 @@ def rows_from_raw(raw: dict, ceilings: dict) -> dict[str, list[dict]]:
             row["pct_copy"] = 100 * row["gbs"] / ceilings["copy_gbs"]
         if info.get("flops"):
             row["gflops"] = info["flops"] / median / 1e9
-            peak = ceilings["matmul_gflops"][PEAK_DTYPE_FOR[case_dtype(info["case"])]]
+            peak = ceilings["matmul_gflops"][PEAK_DTYPE_FOR[shape.dtype]]
             row["pct_peak"] = 100 * row["gflops"] / peak
-        by_case[(info["family"], info["case"])].append(row)
+        by_case[(info["family"], shape.label)].append(row)
 
     families: dict[str, list[dict]] = defaultdict(list)
     for (family, _case), rows in by_case.items():
@@ -152,7 +169,7 @@ def roofline_section(raw: dict) -> str:
 def gpu_static_section() -> tuple[str, int]:
     """The GPU compile check's table for every Triton kernel configuration, and its exit status."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "sbd_kernels.aot"], check=False, cwd=REPO_ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "sbd_kernels.aot"], check=False, env=env,
                           capture_output=True, text=True)
     body = (proc.stdout + proc.stderr).strip()
     return (("\n## GPU static report (compiled with no GPU present; not timed)\n\n"
@@ -174,7 +191,7 @@ def write_outputs(out_dir: Path, header: dict, families: dict[str, list[dict]], 
     return report
 
 
-FAMILIES = sorted(p.stem.removeprefix("bench_") for p in (REPO_ROOT / "bench").glob("bench_*.py"))
+FAMILIES = sorted(GRIDS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -182,8 +199,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"comma-separated families among {', '.join(FAMILIES)} (default: all)")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression selecting cases")
     parser.add_argument("--rounds", type=argtypes.positive_int, help="timed rounds per provider and case (default 20)")
-    parser.add_argument("--out", type=lambda text: Path(argtypes.output_dir(text)), default=RESULTS_DIR,
-                        help="results folder")
+    add_option(parser, "--bench-dir", type=Path, help="folder of the benchmark files (default: ./bench)")
+    parser.add_argument("--out", type=lambda text: Path(argtypes.output_dir(text)),
+                        help="results folder (default: BENCH_DIR/results; with --from-json, its folder)")
     add_option(parser, "--from-json", type=lambda text: Path(argtypes.existing_file(text)),
                help="build the report from an earlier raw.json")
     add_option(parser, "--no-gpu-static", action="store_true", help="skip the GPU compile check section")
@@ -192,17 +210,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the selected benchmarks (or reads --from-json), writes the report; returns an exit status."""
-    import sbd_kernels  # noqa: F401  (the header names the active CPU kernel variant)
-
-    raw_json = args.from_json or args.out / "raw.json"
     status = 0
     if args.from_json is None:
-        args.out.mkdir(parents=True, exist_ok=True)
+        bench_dir = find_bench_dir(args.bench_dir)
+        out = args.out or bench_dir / "results"
+        raw_json = out / "raw.json"
+        out.mkdir(parents=True, exist_ok=True)
         only = args.only.split(",") if args.only else []
-        status = run_benchmarks(raw_json, only, args.keyword, args.rounds)
+        status = run_benchmarks(bench_dir, raw_json, only, args.keyword, args.rounds)
         if not raw_json.exists():
             return status or 1
-    header = machine_header()
+    else:
+        bench_dir = args.bench_dir or Path.cwd()  # only names the commit in the header
+        raw_json = args.from_json
+        out = args.out or raw_json.parent
+    header = machine_header(bench_dir)
     try:
         raw = json.loads(raw_json.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -213,16 +235,17 @@ def run(args: argparse.Namespace) -> int:
         section, aot_status = gpu_static_section()
         extra += section
         status = status or aot_status
-    report = write_outputs(args.out, header, families, extra)
+    report = write_outputs(out, header, families, extra)
     print(report.read_text())
     print(f"written: {report}, {report.with_suffix('.json')}, {report.with_suffix('.csv')}")
-    for plot in write_plots(args.out, families):
+    for plot in write_plots(out, families):
         print(f"written: {plot}")
     return status
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="sbd bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     return run(add_arguments(parser).parse_args(argv))
 
 

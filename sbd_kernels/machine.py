@@ -1,0 +1,135 @@
+"""This machine: its measured ceilings (copy bandwidth, matmul peaks) and what a benchmark result is
+labelled with (CPU, GPU, software versions, commit).
+
+The ceilings are what achieved GB/s and GFLOP/s are set against, in the benchmark report and in the
+roofline model of this CPU (`sbd roofline --hardware cpu`). They are measured, not looked up: a 2-core
+cloud slice reaches a fraction of its socket's datasheet bandwidth.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import time
+from functools import cache
+from pathlib import Path
+
+import torch
+
+# Matmul ceilings are measured for fp32 and bf16 only: CPU torch has no fast fp16 GEMM (0.2 GFLOP/s
+# measured on the 2-core reference machine at n = 2048), so fp16 results are compared against the fp32
+# ceiling.
+PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PEAK_DTYPE_FOR = {"fp32": "fp32", "fp16": "fp32", "bf16": "bf16"}
+
+
+def median_seconds(fn, repeats: int = 7) -> float:
+    """Median wall time of `fn()` over `repeats` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_copy_bandwidth_gbs(nbytes: int = 256 << 20) -> float:
+    """Copy bandwidth in GB/s, STREAM convention: (bytes read + bytes written) / time of `dst.copy_(src)`
+    over a 256 MiB fp32 buffer, far beyond the last-level cache, with torch's current thread count."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / median_seconds(lambda: dst.copy_(src)) / 1e9
+
+
+def measure_matmul_peak_gflops(dtype: torch.dtype, n: int = 2048) -> float:
+    """Achieved GFLOP/s of `torch.mm` on square n x n operands (2 n^3 flops) in `dtype`: the practical
+    matmul ceiling of this machine (bf16 runs on AMX where the CPU has it)."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    return 2 * n**3 / median_seconds(lambda: torch.mm(a, b, out=out), repeats=5) / 1e9
+
+
+@cache
+def _ceilings_at(threads: int) -> dict:
+    return {
+        "copy_gbs": measure_copy_bandwidth_gbs(),
+        "matmul_gflops": {name: measure_matmul_peak_gflops(dtype) for name, dtype in PEAK_DTYPES.items()},
+    }
+
+
+def machine_ceilings() -> dict:
+    """{"copy_gbs": GB/s, "matmul_gflops": {"fp32": ..., "bf16": ...}} measured at torch's current thread
+    count (a few seconds; cached per thread count for the process)."""
+    return _ceilings_at(torch.get_num_threads())
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit(folder: Path) -> str:
+    """Short commit of the git checkout holding `folder` ("+dirty" with uncommitted changes to tracked
+    files), or "unknown" outside a checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=folder, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=folder,
+                               capture_output=True, text=True, check=False).stdout.strip()
+        return out + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def gpu_info() -> dict | None:
+    """Name, driver and clocks of GPU 0 from nvidia-ml-py, or None without CUDA or NVML."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import pynvml
+    except ImportError:
+        return {"name": torch.cuda.get_device_name(0), "nvml": "nvidia-ml-py not installed"}
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(handle)
+        return {
+            "name": name.decode() if isinstance(name, bytes) else name,
+            "driver": pynvml.nvmlSystemGetDriverVersion(),
+            "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+            "mem_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM),
+            "max_sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM),
+        }
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def machine_header(checkout: Path) -> dict:
+    """Everything a results table is labelled with: machine, software versions, the commit of `checkout`
+    (the folder the benchmark files came from), ceilings."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_isa": torch.ops.sbd._cpu_isa() if hasattr(torch.ops.sbd, "_cpu_isa") else "n/a",
+        "gpu": gpu_info(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "commit": git_commit(checkout),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **machine_ceilings(),
+    }
