@@ -146,9 +146,40 @@ class DecodeShape(_Labelled):
         return f"{self.model}-{self.batch}-{self.kv_len}-{self.tokens}"
 
 
-Shape = SamplingShape | ScatterShape | AttentionShape | DecodeShape
+# Hugging Face Llama configs of the HF decode benchmark (transformers names), both run in bf16: a small model
+# (the regime where per-pass overhead decides) and Llama-3.2-1B's shapes.
+HF_MODELS: dict[str, dict] = {
+    "small": {"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2},
+    "1b": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0},
+}
+
+
+@dataclass(frozen=True)
+class HfDecodeShape(_Labelled):
+    """A whole decode of `new_tokens` tokens after `prompt` prompt tokens by a random-weight HF Llama
+    (`model`, an HF_MODELS key, bf16) for `batch` sequences. Providers: HF greedy `generate`, our NTP decode
+    through the ops, our SBD decode (block `k`) through the ops."""
+
+    model: str
+    batch: int
+    prompt: int = 64
+    new_tokens: int = 64
+    k: int = 16
+
+    def label_parts(self) -> list[tuple[str, str]]:
+        return [("model", f"hf-{self.model}"), ("batch", f"B={self.batch}"), ("prompt", f"P={self.prompt}"),
+                ("new_tokens", f"N={self.new_tokens}"), ("k", f"k={self.k}")]
+
+    @property
+    def test_id(self) -> str:
+        return f"{self.model}-{self.batch}"
+
+
+Shape = SamplingShape | ScatterShape | AttentionShape | DecodeShape | HfDecodeShape
 SHAPE_TYPES: dict[str, type] = {"sampling": SamplingShape, "scatter": ScatterShape,
-                                "attention": AttentionShape, "decode": DecodeShape}
+                                "attention": AttentionShape, "decode": DecodeShape, "hf": HfDecodeShape}
 
 
 def sampling_grid(quick: bool = False) -> list[SamplingShape]:
@@ -184,7 +215,15 @@ def decode_grid(quick: bool = False) -> list[DecodeShape]:
     return shapes
 
 
-GRIDS = {"sampling": sampling_grid, "scatter": scatter_grid, "attention": attention_grid, "decode": decode_grid}
+def hf_grid(quick: bool = False) -> list[HfDecodeShape]:
+    """Batch 1, 4, 16 of the small model, batch 1 of the 1B-shaped one (32 new tokens: a 1B forward took
+    0.25-0.6 s on one core here); quick: the small model at batch 1 and 16."""
+    small = [HfDecodeShape("small", batch) for batch in ((1, 16) if quick else (1, 4, 16))]
+    return small if quick else small + [HfDecodeShape("1b", 1, prompt=64, new_tokens=32)]
+
+
+GRIDS = {"sampling": sampling_grid, "scatter": scatter_grid, "attention": attention_grid, "decode": decode_grid,
+         "hf": hf_grid}
 
 
 def shape_to_dict(shape: Shape) -> dict:

@@ -41,8 +41,9 @@ class SbdModel(Protocol):
         rows `[0, c_b)` causal (position L_b + i, appended to the cache), rows `[c_b, C)` padding, rows
         `[C, C + K)` the block (positions L_b + c_b + j, never cached); num_causal `[B]` int32;
         attention_op: the attention kernel (default the fused op); keep_last > 0 computes the logits of the
-        last `keep_last` rows only. Returns logits `[B, C + K or keep_last, V]` float32 and advances
-        `cache.seqlens` by num_causal on the device (no host sync).
+        last `keep_last` rows only. Returns logits `[B, C + K or keep_last, V]` (float32, or the model's
+        dtype: the sampler reads fp32 / fp16 / bf16) and advances `cache.seqlens` by num_causal on the device
+        (no host sync).
     """
 
     mask_token_id: int
