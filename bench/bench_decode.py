@@ -26,7 +26,7 @@ import os
 import pytest
 import torch
 
-from bench.harness import measure, parametrize_shapes
+from bench.harness import measure, parametrize_shapes, random_weights_
 from sbd_kernels import roofline
 from sbd_kernels.benchmark_grid import DECODE_BLOCK, DECODE_MODELS, TORCH_DTYPES, DecodeShape, decode_grid
 from sbd_kernels.machine import machine_ceilings
@@ -82,15 +82,7 @@ def random_model(name: str) -> Transformer:
         _CACHE.clear()
         with torch.device("meta"):
             model = Transformer(model_config(name))
-        model = model.to_empty(device="cpu").to(TORCH_DTYPES[DECODE_MODELS[name][1]]).eval()
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for pname, param in model.named_parameters():
-                if pname.endswith("norm.weight"):
-                    param.fill_(1.0)
-                else:
-                    param.copy_(torch.rand(param.shape, generator=gen, dtype=param.dtype) * 0.04 - 0.02)
-        _MODEL[name] = model
+        _MODEL[name] = random_weights_(model.to_empty(device="cpu").to(TORCH_DTYPES[DECODE_MODELS[name][1]]))
     return _MODEL[name]
 
 

@@ -24,7 +24,7 @@ import os
 import pytest
 import torch
 
-from bench.harness import build_provider, measure, parametrize_shapes
+from bench.harness import build_provider, measure, parametrize_shapes, random_weights_
 from sbd_kernels.benchmark_grid import HF_MODELS, HfDecodeShape
 
 transformers = pytest.importorskip("transformers", reason="the HF benchmark needs transformers (sbd_kernels[hf])")
@@ -56,22 +56,15 @@ def hf_threads():
 
 
 def random_model(name: str) -> torch.nn.Module:
-    """A seeded random HF Llama of HF_MODELS[name] in bf16, prepared for SBD (mask token 0), one alive at a
-    time; weights uniform +-0.02 (the 0.02 init spread, filled without an fp32 copy)."""
+    """A seeded random HF Llama of HF_MODELS[name] in bf16 (`random_weights_`), prepared for SBD (mask token
+    0), one alive at a time."""
     if name not in _MODELS:
         _MODELS.clear()
         config = transformers.LlamaConfig(**HF_MODELS[name], max_position_embeddings=4096,
                                           attn_implementation="sdpa", pad_token_id=1, tie_word_embeddings=False)
         with torch.device("meta"):
             model = transformers.LlamaForCausalLM(config)
-        model = model.to_empty(device="cpu").to(torch.bfloat16).eval()
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for pname, param in model.named_parameters():
-                if pname.endswith("norm.weight"):
-                    param.fill_(1.0)
-                else:
-                    param.copy_(torch.rand(param.shape, generator=gen, dtype=param.dtype) * 0.04 - 0.02)
+        model = random_weights_(model.to_empty(device="cpu").to(torch.bfloat16))
         # RoPE's inv_freq is a buffer computed at construction, which the meta device left empty.
         model.model.rotary_emb = LlamaRotaryEmbedding(config=config)
         hf.enable_sbd(model, mask_token_id=MASK_TOKEN, block_size=16)
