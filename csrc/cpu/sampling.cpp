@@ -2,6 +2,7 @@
 // csrc/cpu/sampling_kernel.h. The math and the random generator are defined in
 // sbd_kernels/ops/sampling/naive.py; the checks word for word match sbd_kernels/ops/sampling/_checks.py.
 #include <cmath>
+#include <limits>
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -32,8 +33,10 @@ int64_t check_per_row_int64(const char* name, const at::Tensor& t, int64_t batch
 void check_temperature(const c10::optional<at::Tensor>& temperature, double temperature_val, int64_t batch,
                        const at::Device& device) {
   if (!temperature.has_value()) {
-    TORCH_CHECK(std::isfinite(temperature_val) && temperature_val >= 0.0, kOp,
-                ": temperature_val must be finite and >= 0, got ", temperature_val);
+    // The kernels run at fp32(temperature_val): a double above the largest float32 would become inf.
+    TORCH_CHECK(temperature_val >= 0.0 && temperature_val <= std::numeric_limits<float>::max(), kOp,
+                ": temperature_val must be finite and >= 0 as a float32 (at most 3.4028235e+38), got ",
+                temperature_val);
     return;
   }
   const at::Tensor& t = *temperature;

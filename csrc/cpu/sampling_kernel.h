@@ -61,7 +61,9 @@ constexpr float kBoundMargin = 1e-3f;
 // Relative margin of the filter's x * (1/T) against x / T: two roundings differ by < 2^-22 relative.
 constexpr float kScaleMargin = 1e-6f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
-// Lower clamp of x - max in the entropy sums: below ln(smallest denormal) = -103.3, so e^(x - max) = 0.
+// Lower clamp of x - max in the entropy sums and of the shift between two maxima: below ln(smallest
+// denormal) = -103.3, so e^(x - max) = 0 exactly as without the clamp, and sums * shift stays finite (a
+// tile of finfo.min before ordinary logits shifts by -3.4e38: 2048 * -3.4e38 = -inf, and -inf * 0 = NaN).
 constexpr float kExpFloor = -128.f;
 
 constexpr uint32_t kPhiloxM0 = 0xD2511F53u;
@@ -376,10 +378,11 @@ struct EntropySums {
   Vec sum_exp = Vec(0.f);
   Vec sum_xexp = Vec(0.f);
 
-  // Moves the reference to new_max >= max: sum' = e^(max - new_max) (sum + sum_exp (max - new_max)).
+  // Moves the reference to new_max >= max: sum' = e^(max - new_max) (sum + sum_exp (max - new_max)),
+  // the shift clamped to kExpFloor (then e^shift = 0 and the old sums vanish, without inf * 0).
   void rebase(float new_max) {
     if (max != -kInf) {
-      const Vec shift(max - new_max);
+      const Vec shift(std::max(max - new_max, kExpFloor));
       const Vec scale = shift.exp();
       sum_xexp = (sum_xexp + sum_exp * shift) * scale;
       sum_exp = sum_exp * scale;
@@ -461,7 +464,8 @@ inline void gumbel_race_tile(const float* buf, const float* group_max, int64_t n
                              float temperature, const PhiloxRow& row, float& best, int64_t& best_idx) {
   alignas(64) uint32_t words[kGroup];
   alignas(64) float score[Vec::size()];
-  const Vec t(temperature), inv_t(1.f / temperature), rel_margin(kScaleMargin);
+  const Vec t(temperature), inv_t(1.f / temperature);
+  const Vec widen_up(1.f + kScaleMargin), widen_down(1.f - kScaleMargin);
   const double inv_t_double = 1.0 / temperature;
   for (int64_t g = 0; g < n; g += kGroup) {
     const int64_t max_exponent = max_winning_exponent(group_max[g / kGroup], inv_t_double, best);
@@ -472,11 +476,14 @@ inline void gumbel_race_tile(const float* buf, const float* group_max, int64_t n
       if (!any_word_at_least(words + i, min_word)) continue;
       const Vec x = Vec::loadu(buf + g + i);
       // Filter with x * (1/T) (a multiply, ~5x cheaper than vdivps here), widened by kScaleMargin of its
-      // magnitude so that it stays >= the exact score x / T + g of every lane that could win.
+      // magnitude so that it stays >= the exact score x / T + g of every lane that could win. The widening
+      // is a product, not |approx| * margin + approx, so that x = -inf gives -inf rather than NaN.
       const Vec approx = x * inv_t;
-      const Vec reach = at::vec::fmadd(approx.abs(), rel_margin, approx + gumbel_bound(words + i));
-      // zero_mask: bit l set when lane l of (reach >= best) is all-zero, i.e. the lane cannot win.
-      if ((reach >= Vec(best)).zero_mask() == (1 << Vec::size()) - 1) continue;
+      const Vec reach = max_of_numbers(approx * widen_up, approx * widen_down) + gumbel_bound(words + i);
+      // Skip only when every lane is provably below the best. A NaN reach is never skipped: 1 / T
+      // overflows to inf for a subnormal T, and 0 * inf = NaN for the tied maxima x = 0, whose exact
+      // scores 0 / T + g are ordinary numbers. zero_mask: bit l set when lane l of (reach < best) is false.
+      if ((reach < Vec(best)).zero_mask() == 0) continue;
       const Vec gumbel = uniforms(words + i).log().neg().log().neg();
       (x / t + gumbel).store(score);
       for (int64_t l = 0; l < Vec::size(); ++l) {
@@ -549,7 +556,7 @@ void finish_row(const Partial* parts, int64_t n_parts, const scalar_t* row_ptr, 
   for (int64_t p = 0; p < n_parts; ++p) {
     const Partial& part = parts[p];
     if (part.max != -kInf) {
-      const float shift = part.max - m;
+      const float shift = std::max(part.max - m, kExpFloor);
       const float scale = std::exp(shift);
       sum_exp += part.sum_exp * scale;
       sum_xexp += (part.sum_xexp + part.sum_exp * shift) * scale;

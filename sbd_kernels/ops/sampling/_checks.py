@@ -5,13 +5,13 @@ argument in the same words.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
 OP = "sbd.entropy_sample"
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class SampleDims(NamedTuple):
@@ -55,8 +55,9 @@ def check_entropy_sample_args(logits: torch.Tensor, seed: torch.Tensor, offset: 
             _fail(f"temperature must be on the device of logits ({device}), got {temperature.device}")
         if tuple(temperature.shape) != (batch,):
             _fail(f"temperature must have shape [B] = [{batch}], got {list(temperature.shape)}")
-    elif not (math.isfinite(temperature_val) and temperature_val >= 0.0):
-        _fail(f"temperature_val must be finite and >= 0, got {temperature_val}")
+    elif not 0.0 <= temperature_val <= FLOAT32_MAX:  # the kernels run at fp32(temperature_val)
+        _fail(f"temperature_val must be finite and >= 0 as a float32 (at most 3.4028235e+38), "
+              f"got {temperature_val:g}")  # :g prints a double as C++ streams do
     if compute_mask is not None:
         if compute_mask.dtype != torch.bool:
             _fail(f"compute_mask must be a bool tensor, got {compute_mask.dtype}")

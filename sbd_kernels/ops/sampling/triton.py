@@ -54,6 +54,10 @@ _PARTIAL_INTS = tl.constexpr(PARTIAL_INTS)
 INT32_MAX = 2**31 - 1
 _INT32_MAX = tl.constexpr(INT32_MAX)
 _FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)
+# Lower clamp of the shift between two maxima: below ln(smallest denormal) = -103.3, so exp(shift) = 0 as
+# without the clamp, while sum * shift stays finite (sums over a run of finfo.min logits shift by -3.4e38
+# when ordinary logits follow: 128 * -3.4e38 = -inf, and -inf * 0 = NaN).
+_EXP_FLOOR = tl.constexpr(-128.0)
 
 
 @triton.jit
@@ -120,7 +124,7 @@ def _sampling_partial_kernel(
         # Online (m, S, U): -inf entries (and an all -inf prefix) add exactly 0, never NaN.
         m_new = tl.maximum(m, tile_max)
         ref = tl.where(m_new == -float("inf"), 0.0, m_new)
-        shift = tl.where(m == -float("inf"), 0.0, m - ref)
+        shift = tl.where(m == -float("inf"), 0.0, tl.maximum(m - ref, _EXP_FLOOR))
         scale = tl.where(m == -float("inf"), 0.0, tl.exp(shift))
         d = tl.maximum(x - ref, _FLOAT32_LOWEST)  # -inf -> lowest: exp = 0 and exp * d = 0, not NaN
         e = tl.exp(d)
@@ -181,7 +185,7 @@ def _sampling_combine_kernel(
     row_max = tl.max(m)
     valid = computed & (bad == 0) & (row_max > -float("inf"))
     ref = tl.where(row_max == -float("inf"), 0.0, row_max)
-    shift = tl.where(m == -float("inf"), 0.0, m - ref)
+    shift = tl.where(m == -float("inf"), 0.0, tl.maximum(m - ref, _EXP_FLOOR))
     scale = tl.where(m == -float("inf"), 0.0, tl.exp(shift))
     total_exp = tl.sum(sum_exp * scale)
     total_xexp = tl.sum((sum_xexp + sum_exp * shift) * scale)
@@ -222,6 +226,20 @@ def _split_plan(rows: int, vocab: int) -> tuple[int, int]:
     return tiles_per_split, triton.cdiv(num_tiles, tiles_per_split)
 
 
+FLOAT32_MIN_NORMAL = 2.0**-126
+
+
+def _fp32_scalar_argument(value: float, batch: int, device: torch.device) -> tuple[torch.Tensor | None, float]:
+    """(tensor, scalar) kernel arguments for a host scalar, rounded to fp32 as the oracle and the C++ kernel
+    round it. Triton types a Python float as fp64 when it is not 0, inf or a normal fp32 value (e.g. a
+    subnormal 1e-40, or 1e39), which the fp32 math of the kernels rejects and no compiled configuration
+    covers; such a value goes to the kernel as a [B] tensor instead (rare: no speed concern)."""
+    value32 = torch.tensor(value, dtype=torch.float32).item()
+    if value32 != 0.0 and abs(value32) < FLOAT32_MIN_NORMAL:
+        return torch.full((batch,), value32, dtype=torch.float32, device=device), 0.0
+    return None, value32
+
+
 def _per_row_stride(t: torch.Tensor) -> int:
     """Row stride of a [B] / [] / [1] tensor: 0 broadcasts its single element."""
     return t.stride(0) if t.dim() == 1 and t.numel() > 1 else 0
@@ -246,6 +264,8 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
         return tokens, entropy, logprob, valid
     if temperature is not None:
         torch._assert_async(temperature_is_valid(temperature), TEMPERATURE_VALUE_MESSAGE)
+    else:
+        temperature, temperature_val = _fp32_scalar_argument(temperature_val, batch, device)
     if logits.stride(2) != 1:
         logits = logits.contiguous()  # vocabulary-strided rows: one copy, then coalesced tile loads
 
