@@ -525,3 +525,38 @@ def test_torch_compile_fullgraph():
     want = step(logits, seed, offset)
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
 
+
+# -------------------------------------------------------------------------------------- python wrapper
+def test_wrapper_takes_temperature_as_tensor_or_number():
+    """Guards against the wrapper's `temperature: Tensor | float` mapping a number to the wrong schema
+    argument, or breaking the schema's own keywords (temperature=None, temperature_val=...)."""
+    import sbd_kernels
+
+    logits = make_logits(2, 4, 300)
+    seed, offset = make_seeds(2)
+    want = torch.ops.sbd.entropy_sample(logits, seed, offset, None, 0.7)
+    for kwargs in ({"temperature": 0.7}, {"temperature": None, "temperature_val": 0.7},
+                   {"temperature_val": 0.7}, {"temperature": torch.tensor([0.7, 0.7])},
+                   {"temperature": torch.tensor([0.7, 0.7]), "temperature_val": 3.0}):
+        got = sbd_kernels.entropy_sample(logits, seed, offset, **kwargs)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), kwargs
+    greedy = sbd_kernels.entropy_sample(logits, seed, offset)[0]
+    assert torch.equal(greedy, logits.argmax(-1))
+    assert torch.equal(sbd_kernels.entropy_sample(logits, seed, offset, 0)[0], greedy)  # positional int
+    with pytest.raises(ValueError, match="pass temperature either as a number or as temperature_val"):
+        sbd_kernels.entropy_sample(logits, seed, offset, temperature=0.7, temperature_val=0.7)
+
+
+def test_wrapper_number_temperature_compiles():
+    """Guards against a graph break when the wrapper maps a Python number temperature inside a compiled
+    decode step."""
+    import sbd_kernels
+
+    def step(logits, seed, offset):
+        return sbd_kernels.entropy_sample(logits, seed, offset, temperature=0.7)[0]
+
+    logits = make_logits(2, 4, 100)
+    seed, offset = make_seeds(2)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(logits, seed, offset), step(logits, seed, offset))

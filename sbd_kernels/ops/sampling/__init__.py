@@ -14,13 +14,13 @@ __all__ = ["entropy_sample"]
 
 
 def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
-                   temperature: torch.Tensor | None = None, temperature_val: float = 0.0,
+                   temperature: torch.Tensor | float | None = None, temperature_val: float | None = None,
                    compute_mask: torch.Tensor | None = None, mask_token_id: int = -1
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Entropy of softmax(logits), a sampled (or greedy) token and its log-probability, per position.
 
     For each position (b, j) with x = logits[b, j] (entry ``mask_token_id`` excluded, i.e. set to -inf)
-    and T = temperature[b] (or ``temperature_val``):
+    and T = temperature[b] (or the scalar temperature):
 
         entropy = -sum_v p_v log p_v,   p = softmax(x)          (always temperature 1)
         token   = argmax_v x_v                    if T == 0     (lowest index on ties)
@@ -30,31 +30,51 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
     g_v = -log(-log(u_v)) with u_v from Philox4x32-10 keyed on (seed[b], offset[b], j, v), defined bit for
     bit in `sbd_kernels.ops.sampling.naive`: the same (seed, offset, j, logits) give the same token on
     every backend (rare float near-ties aside) whatever the batch around the row. ``offset`` is meant to be
-    the caller's step counter. The logits are read once; the math is fp32.
+    the caller's step counter. The logits are read once; the math is fp32, at fp32(T). x_v / T is computed
+    as a division in fp32, so tied maxima stay equally likely for any T > 0, subnormal ones included;
+    if every x_v / T + g_v is -inf (finite logits so negative that x / T overflows) the token is the
+    greedy one.
 
     Sentinels:
         - compute_mask[b, j] False: token -1, entropy +inf, logprob -inf, valid False (logits not read).
         - invalid position (a NaN or +inf logit, or no finite logit, e.g. V == 1 with that entry masked):
           token 0 (an in-range placeholder), entropy +inf, logprob -inf, valid False.
-        - -inf logits have probability 0 and are never drawn; the mask token is never drawn.
+        - -inf logits have probability 0 and are never drawn; the mask token is never drawn. Finite huge
+          negative logits (e.g. ``torch.finfo(dtype).min`` as a mask value) are ordinary logits whose
+          probability underflows to 0 beside any ordinary logit: such rows stay valid, with the entropy
+          of the remaining entries.
 
     Args:
-        logits: ``[B, K, V]`` float32 / float16 / bfloat16, any strides (vocabulary-contiguous is read in
-            place, other layouts are copied once).
+        logits: ``[B, K, V]`` float32 / float16 / bfloat16.
         seed: int64 ``[B]``, or one element (shape ``[]`` or ``[1]``) shared by every row.
         offset: int64 ``[B]``, or one element (shape ``[]`` or ``[1]``) shared by every row.
-        temperature: float32 ``[B]`` (finite, >= 0), or None to use ``temperature_val`` for every row.
-        temperature_val: scalar temperature (finite, >= 0) used when ``temperature`` is None.
+        temperature: float32 ``[B]`` tensor (finite, >= 0), or a Python number used for every row (as
+            FlashInfer's sampling API takes it), or None to use ``temperature_val``.
+        temperature_val: scalar temperature used when ``temperature`` is None (default 0.0: greedy); the
+            schema's own scalar argument, kept so that ``temperature=None, temperature_val=0.7`` works.
         compute_mask: bool ``[B, K]``, positions to compute; None computes all.
         mask_token_id: -1 (none) or a vocabulary id in [0, V) never drawn and excluded from the entropy.
 
     Returns:
         ``tokens [B, K]`` int64, ``entropy [B, K]`` float32, ``logprob [B, K]`` float32,
-        ``valid [B, K]`` bool.
+        ``valid [B, K]`` bool: new contiguous tensors on the device of ``logits``.
 
-    Errors (RuntimeError naming the argument): wrong dtype, shape or device; ``mask_token_id`` not -1 and
-    not in [0, V); a temperature that is negative, NaN or infinite (on CUDA checked without a host sync,
-    raised at the next synchronisation).
+    Strides: every tensor argument may have any strides, including a storage offset and stride 0 (e.g.
+    ``torch.tensor([7]).expand(B)`` for seed, offset or temperature); ``logits`` whose vocabulary is
+    contiguous (stride(2) == 1) is read in place whatever its row strides, any other layout (and a
+    non-contiguous ``compute_mask``) is copied once. No argument is ever written.
+
+    Errors (RuntimeError naming the argument, the same words on every backend):
+        - ``logits`` not 3-D, not float32 / float16 / bfloat16, or with V == 0 (on CUDA also V >= 2^31);
+        - ``seed`` / ``offset`` not int64, not on the device of logits, or not of shape [B], [] or [1];
+        - ``temperature`` not float32, not on the device of logits, or not of shape [B];
+        - a ``temperature`` entry that is negative, NaN or infinite (on CUDA checked without a host sync,
+          raised at the next synchronisation);
+        - ``temperature_val`` (or a number passed as ``temperature``) negative, NaN, or above the largest
+          float32 (3.4028235e+38): the kernels run at fp32(T);
+        - ``compute_mask`` not bool, not on the device of logits, or not of shape [B, K];
+        - ``mask_token_id`` not -1 and not in [0, V).
+      ValueError from this wrapper: a number passed as ``temperature`` together with ``temperature_val``.
 
     Example:
         >>> import torch, sbd_kernels
@@ -66,9 +86,25 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
         ([[1, 0]], [[True, True]])
         >>> [round(h, 4) for h in entropy[0].tolist()]
         [0.1291, 0.8854]
+        >>> tokens, *_ = sbd_kernels.entropy_sample(logits, seed, offset, temperature=0.0)  # a number
+        >>> tokens.tolist()
+        [[3, 0]]
     """
+    temperature, temperature_val = _tensor_or_scalar("temperature", temperature, temperature_val, 0.0)
     return torch.ops.sbd.entropy_sample(logits, seed, offset, temperature, temperature_val, compute_mask,
                                         mask_token_id)
+
+
+def _tensor_or_scalar(name: str, value, value_val, default):
+    """The schema's (Tensor? name, name_val) pair from a tensor, a Python number, or None + name_val."""
+    if isinstance(value, torch.Tensor):
+        return value, default if value_val is None else value_val
+    if value is None:
+        return None, default if value_val is None else value_val
+    if value_val is not None:
+        raise ValueError(f"sbd.entropy_sample: pass {name} either as a number or as {name}_val, not both "
+                         f"(got {name}={value!r}, {name}_val={value_val!r})")
+    return None, value
 
 
 @torch.library.register_fake("sbd::entropy_sample")
