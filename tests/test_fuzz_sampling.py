@@ -2,13 +2,15 @@
 oracle.
 
 Each case draws B, K, V (odd and tiny V included), a dtype, rows with -inf / finfo.min runs, NaN or +inf
-entries, exact ties, flat rows; greedy, sampled and per-row temperatures; a mask token and a compute_mask.
+entries, exact ties, flat rows; greedy, sampled and per-row temperatures; a mask token and a compute_mask;
+top-k / top-p / min-p filters as scalars or per-row tensors.
 Every tensor argument is passed as a view into a larger poisoned buffer (`sbd_kernels.testing.Embedded`:
 offset, strided, stride-0 views; logits with padded rows or a strided vocabulary), and each backend (C++
 CPU, Triton under the interpreter, the oracle itself) runs on its own fresh copy. The reference is the
 oracle on plain contiguous copies. Sampled tokens are compared through the oracle's Gumbel scores: the
 backends compute -log(-log u) with different log implementations, so two scores within a few ulp may
-legitimately swap; any other difference fails.
+legitimately swap; so may the kept sets of a row whose top-p cumulative mass or min-p ratio lies within
+float rounding of its cut-off (the backends sum in fp32, the oracle in fp64); any other difference fails.
 """
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ FAST_CASES, FAST_MAX_VOCAB = 160, 300
 SLOW_CASES, SLOW_MAX_VOCAB = 300, 9000
 ROW_KINDS = ("plain", "ties", "neg_inf_run", "finfo_min_run", "nan", "pos_inf", "all_neg_inf", "flat",
              "all_finfo_min", "huge_negative_head")
+# A top-p cut-off whose cumulative mass is within this fraction of the total of top_p, or a min-p ratio
+# within this of min_p, counts as tied: the kernels' fp32 sums of up to 10^4 weights are ~1e-6 off.
+FILTER_NEAR_TIE = 1e-4
 # Two sampled scores closer than this (relative to their magnitude, plus an absolute floor for scores
 # near 0) count as tied: fp32 log differs by up to ~2 ulp between implementations, and -log(-log u)
 # applies it twice.
@@ -52,14 +57,16 @@ class Case:
     temperature_val: float
     compute_mask: torch.Tensor | None
     mask_token_id: int
+    filters: dict = field(default_factory=dict)
     layouts: dict = field(default_factory=dict)
     rows: list = field(default_factory=list)
 
     def describe(self) -> str:
         t = self.temperature.tolist() if self.temperature is not None else self.temperature_val
+        filters = {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in self.filters.items()}
         return (f"logits {list(self.logits.shape)} {self.logits.dtype}, T={t}, mask_token_id="
                 f"{self.mask_token_id}, compute_mask={'yes' if self.compute_mask is not None else 'no'}, "
-                f"layouts={self.layouts}, rows={self.rows}")
+                f"filters={filters}, layouts={self.layouts}, rows={self.rows}")
 
 
 def _row(kind: str, vocab: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -124,18 +131,40 @@ def make_case(case_id: int, max_vocab: int) -> Case:
     compute_mask = (torch.rand(batch, positions, generator=gen) < 0.7) if bool(
         torch.rand(1, generator=gen) < 0.4) else None
     mask_token_id = pick([-1, -1, int(torch.randint(vocab, (1,), generator=gen))])
+    filters = _filters(pick(["none", "none", "top_k", "top_p", "min_p", "all", "per_row"]), batch, vocab, gen)
 
     layouts = {"logits": pick(["contiguous", "offset", "strided", "padded_rows", "transposed"])}
     for name, t in (("seed", seed), ("offset", offset), ("temperature", temperature),
-                    ("compute_mask", compute_mask)):
+                    ("compute_mask", compute_mask), *filters.items()):
+        if not isinstance(t, torch.Tensor):
+            continue
         if t is None:
             continue
         options = ["contiguous", "offset", "strided"]
         if t.dim() >= 1 and t.shape[0] > 1 and bool((t == t[:1]).all()):
             options.append("expanded")
         layouts[name] = pick(options if t.dim() else ["contiguous", "offset"])
-    return Case(logits, seed, offset, temperature, temperature_val, compute_mask, mask_token_id, layouts,
-                kinds)
+    return Case(logits, seed, offset, temperature, temperature_val, compute_mask, mask_token_id, filters,
+                layouts, kinds)
+
+
+def _filters(kind: str, batch: int, vocab: int, gen: torch.Generator) -> dict:
+    """Schema keywords of the filters: none, one of them or all three as scalars, or [B] tensors."""
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    top_k = pick([1, 2, 5, max(1, vocab // 2), vocab + 3])
+    top_p = pick([0.3, 0.8, 0.95])
+    min_p = pick([0.05, 0.2, 0.5])
+    if kind == "none":
+        return {}
+    if kind in ("top_k", "top_p", "min_p"):
+        return {f"{kind}_val": {"top_k": top_k, "top_p": top_p, "min_p": min_p}[kind]}
+    if kind == "all":
+        return {"top_k_val": top_k, "top_p_val": top_p, "min_p_val": min_p}
+    rows = torch.randint(3, (3, batch), generator=gen)  # per row: off, or one of two settings
+    return {"top_k": torch.tensor([0, 3, vocab])[rows[0]], "top_p": torch.tensor([1.0, 0.5, 0.9])[rows[1]],
+            "min_p": torch.tensor([0.0, 0.1, 0.3])[rows[2]]}
 
 
 def _logits_view(logits: torch.Tensor, layout: str) -> tuple[torch.Tensor, Embedded | None, torch.Tensor | None]:
@@ -155,15 +184,15 @@ def run_backend(backend: str, case: Case):
     """Runs one backend on fresh views of the case's arguments; checks the read-only buffers afterwards."""
     logits, logits_embedded, padded = _logits_view(case.logits, case.layouts["logits"])
     padded_before = padded.clone() if padded is not None else None
-    embedded = {name: Embedded(getattr(case, name), case.layouts[name])
-                for name in ("seed", "offset", "temperature", "compute_mask") if getattr(case, name) is not None}
-
-    def arg(name):
-        return embedded[name].view if name in embedded else None
-
-    out = backend_op(backend)(logits, arg("seed"), arg("offset"), temperature=arg("temperature"),
-                              temperature_val=case.temperature_val, compute_mask=arg("compute_mask"),
-                              mask_token_id=case.mask_token_id)
+    tensors = {"seed": case.seed, "offset": case.offset, "temperature": case.temperature,
+               "compute_mask": case.compute_mask,
+               **{k: v for k, v in case.filters.items() if isinstance(v, torch.Tensor)}}
+    embedded = {name: Embedded(t, case.layouts[name]) for name, t in tensors.items() if t is not None}
+    scalars = {k: v for k, v in case.filters.items() if not isinstance(v, torch.Tensor)}
+    views = {name: e.view for name, e in embedded.items()}
+    out = backend_op(backend)(logits, views.pop("seed"), views.pop("offset"), temperature=views.pop("temperature", None),
+                              temperature_val=case.temperature_val, compute_mask=views.pop("compute_mask", None),
+                              mask_token_id=case.mask_token_id, **views, **scalars)
     if logits_embedded is not None:
         logits_embedded.check_unchanged("logits")
     if padded is not None:
@@ -171,6 +200,47 @@ def run_backend(backend: str, case: Case):
     for name, e in embedded.items():
         e.check_unchanged(name)
     return out
+
+
+def oracle_call(case: Case):
+    return naive.entropy_sample(case.logits, case.seed, case.offset, case.temperature, case.temperature_val,
+                                case.compute_mask, case.mask_token_id, **case.filters)
+
+
+def _per_row(case: Case, name: str, default) -> torch.Tensor:
+    """A filter's value per batch row b, from its tensor, its scalar or its default."""
+    batch = case.logits.shape[0]
+    if name in case.filters:
+        return case.filters[name].double()
+    return torch.full((batch,), float(case.filters.get(f"{name}_val", default)), dtype=torch.float64)
+
+
+def filter_near_ties(case: Case) -> torch.Tensor:
+    """Bool [B, K]: rows whose top-p cumulative mass or min-p ratio is within FILTER_NEAR_TIE of its cut-off
+    (fp64, on the oracle's own top-k set), where fp32 sums may legitimately decide the other way."""
+    batch, positions, vocab = case.logits.shape
+    x = case.logits.double().clone()
+    if case.mask_token_id >= 0:
+        x[..., case.mask_token_id] = float("-inf")
+    t = case.temperature.double() if case.temperature is not None else torch.full((batch,), case.temperature_val)
+    t = torch.where(t > 0, t, 1.0).double().view(-1, 1, 1)
+    top_k, top_p, min_p = (_per_row(case, "top_k", 0), _per_row(case, "top_p", 1.0), _per_row(case, "min_p", 0.0))
+    near = torch.zeros(batch, positions, dtype=torch.bool)
+    for b in range(batch):
+        for j in range(positions):
+            row = x[b, j]
+            if not torch.isfinite(row).any() or torch.isnan(row).any() or (row == float("inf")).any():
+                continue
+            k = int(top_k[b])
+            if 0 < k < vocab:
+                row = torch.where(row >= row.sort(descending=True).values[k - 1], row, float("-inf"))
+            q = torch.softmax(row / t[b], -1)
+            if top_p[b] < 1:
+                cumulative = q.sort(descending=True).values.cumsum(-1)
+                near[b, j] |= bool(((cumulative - top_p[b]).abs() < FILTER_NEAR_TIE).any())
+            if min_p[b] > 0:
+                near[b, j] |= bool(((q / q.max() - min_p[b]).abs() < FILTER_NEAR_TIE).any())
+    return near
 
 
 def oracle_scores(case: Case) -> torch.Tensor:
@@ -195,13 +265,14 @@ def assert_same_draws(case: Case, out, ref) -> None:
     batch = case.logits.shape[0]
     t = case.temperature if case.temperature is not None else torch.full((batch,), case.temperature_val)
     scores = oracle_scores(case)
+    near_cut = filter_near_ties(case) if case.filters else torch.zeros(tokens.shape, dtype=torch.bool)
     x = case.logits.float()
     for b, j in differ:
         got, want = int(tokens[b, j]), int(ref[0][b, j])
         assert float(t[b]) > 0 and bool(valid[b, j]), \
             f"token {got} != {want} at {(b, j)} (greedy or invalid position); {case.describe()}"
         s_got, s_want = float(scores[b, j, got]), float(scores[b, j, want])
-        assert abs(s_got - s_want) <= SCORE_NEAR_TIE * (abs(s_want) + 1.0), \
+        assert bool(near_cut[b, j]) or abs(s_got - s_want) <= SCORE_NEAR_TIE * (abs(s_want) + 1.0), \
             f"token {got} (score {s_got}) != {want} (score {s_want}) at {(b, j)}; {case.describe()}"
         # The log-prob must then be the one of the token drawn.
         row = x[b, j].double().clone()
@@ -215,8 +286,7 @@ def assert_same_draws(case: Case, out, ref) -> None:
 
 def check_case(backend: str, case_id: int, max_vocab: int) -> None:
     case = make_case(case_id, max_vocab)
-    ref = naive.entropy_sample(case.logits, case.seed, case.offset, case.temperature, case.temperature_val,
-                               case.compute_mask, case.mask_token_id)
+    ref = oracle_call(case)
     out = run_backend(backend, case)
     tokens, entropy, logprob, valid = out
     assert tokens.dtype == torch.int64 and entropy.dtype == logprob.dtype == torch.float32
@@ -259,3 +329,6 @@ def test_fuzz_cases_cover_every_kind():
     assert {c.logits.dtype for c in cases} == set(FLOAT_DTYPES)
     assert any(c.temperature is None and c.temperature_val > 0 for c in cases)
     assert any(c.seed.dim() == 0 for c in cases)
+    filters = {name for c in cases for name in c.filters}
+    assert filters == {"top_k_val", "top_p_val", "min_p_val", "top_k", "top_p", "min_p"}
+    assert {("top_p", lay) for lay in ("offset", "strided")} <= layouts

@@ -15,7 +15,9 @@ __all__ = ["entropy_sample"]
 
 def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
                    temperature: torch.Tensor | float | None = None, temperature_val: float | None = None,
-                   compute_mask: torch.Tensor | None = None, mask_token_id: int = -1
+                   compute_mask: torch.Tensor | None = None, mask_token_id: int = -1,
+                   top_k: torch.Tensor | int = 0, top_p: torch.Tensor | float = 1.0,
+                   min_p: torch.Tensor | float = 0.0,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Entropy of softmax(logits), a sampled (or greedy) token and its log-probability, per position.
 
@@ -24,7 +26,8 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
 
         entropy = -sum_v p_v log p_v,   p = softmax(x)          (always temperature 1)
         token   = argmax_v x_v                    if T == 0     (lowest index on ties)
-                  argmax_v (x_v / T + g_v)        if T > 0      (Gumbel-max: a draw from softmax(x / T))
+                  argmax_{v kept} (x_v / T + g_v) if T > 0      (Gumbel-max: a draw from softmax(x / T)
+                                                                 restricted to the kept tokens)
         logprob = log p_token                                   (under softmax(x), temperature 1)
 
     g_v = -log(-log(u_v)) with u_v from Philox4x32-10 keyed on (seed[b], offset[b], j, v), defined bit for
@@ -34,6 +37,15 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
     as a division in fp32, so tied maxima stay equally likely for any T > 0, subnormal ones included;
     if every x_v / T + g_v is -inf (finite logits so negative that x / T overflows) the token is the
     greedy one.
+
+    Filters, per request like vLLM's and FlashInfer's (a [B] tensor, or a number for every row), applied
+    in Hugging Face's order to softmax(x / T): top-k keeps the k largest logits; top-p then keeps the
+    smallest set of most probable remaining tokens whose (renormalised) mass reaches top_p; min-p then
+    keeps the tokens with probability >= min_p * the largest. Every cut-off keeps all the tokens tied with
+    it (a threshold on the logit: the same set on every backend, found without sorting; Hugging Face's
+    top-k rule). The largest logit is always kept; a filter that keeps everything draws exactly the
+    unfiltered token; T == 0 ignores the filters; entropy and logprob stay unfiltered (temperature 1).
+    Exact definitions: `sbd_kernels.ops.sampling.naive`.
 
     Sentinels:
         - compute_mask[b, j] False: token -1, entropy +inf, logprob -inf, valid False (logits not read).
@@ -54,13 +66,16 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
             schema's own scalar argument, kept so that ``temperature=None, temperature_val=0.7`` works.
         compute_mask: bool ``[B, K]``, positions to compute; None computes all.
         mask_token_id: -1 (none) or a vocabulary id in [0, V) never drawn and excluded from the entropy.
+        top_k: int64 ``[B]`` tensor or a number, >= 0; 0 (or >= V) is off.
+        top_p: float32 ``[B]`` tensor or a number, in (0, 1]; 1 is off.
+        min_p: float32 ``[B]`` tensor or a number, in [0, 1); 0 is off.
 
     Returns:
         ``tokens [B, K]`` int64, ``entropy [B, K]`` float32, ``logprob [B, K]`` float32,
         ``valid [B, K]`` bool: new contiguous tensors on the device of ``logits``.
 
     Strides: every tensor argument may have any strides, including a storage offset and stride 0 (e.g.
-    ``torch.tensor([7]).expand(B)`` for seed, offset or temperature); ``logits`` whose vocabulary is
+    ``torch.tensor([7]).expand(B)`` for seed, offset, temperature or a filter); ``logits`` whose vocabulary is
     contiguous (stride(2) == 1) is read in place whatever its row strides, any other layout (and a
     non-contiguous ``compute_mask``) is copied once. No argument is ever written.
 
@@ -73,7 +88,11 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
         - ``temperature_val`` (or a number passed as ``temperature``) negative, NaN, or above the largest
           float32 (3.4028235e+38): the kernels run at fp32(T);
         - ``compute_mask`` not bool, not on the device of logits, or not of shape [B, K];
-        - ``mask_token_id`` not -1 and not in [0, V).
+        - ``mask_token_id`` not -1 and not in [0, V);
+        - ``top_k`` / ``top_p`` / ``min_p`` tensors not int64 / float32 / float32, not on the device of
+          logits, or not of shape [B]; an entry out of range (top_k < 0, top_p outside (0, 1], min_p
+          outside [0, 1), NaN): on CUDA checked without a host sync, like the temperature;
+        - a number out of those ranges (the schema's ``top_k_val`` / ``top_p_val`` / ``min_p_val``).
       ValueError from this wrapper: a number passed as ``temperature`` together with ``temperature_val``.
 
     Example:
@@ -89,10 +108,25 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
         >>> tokens, *_ = sbd_kernels.entropy_sample(logits, seed, offset, temperature=0.0)  # a number
         >>> tokens.tolist()
         [[3, 0]]
+
+        Sampling at T = 1 with filters (a [B] tensor or a number each): top-k 1 keeps the largest logit,
+        with every token tied with it, so the second row draws 0 or 1 and never 2 or 3; the entropy is
+        still the unfiltered one.
+
+        >>> draws = [sbd_kernels.entropy_sample(logits, torch.tensor([s]), offset, temperature=1.0,
+        ...                                     top_k=torch.tensor([1]), top_p=0.9)
+        ...          for s in range(20)]
+        >>> sorted({int(tokens[0, 1]) for tokens, *_ in draws}), {int(tokens[0, 0]) for tokens, *_ in draws}
+        ([0, 1], {3})
+        >>> torch.allclose(draws[0][1], sbd_kernels.entropy_sample(logits, seed, offset)[1])
+        True
     """
     temperature, temperature_val = _tensor_or_scalar("temperature", temperature, temperature_val, 0.0)
+    top_k, top_k_val = _tensor_or_scalar("top_k", top_k, None, 0)
+    top_p, top_p_val = _tensor_or_scalar("top_p", top_p, None, 1.0)
+    min_p, min_p_val = _tensor_or_scalar("min_p", min_p, None, 0.0)
     return torch.ops.sbd.entropy_sample(logits, seed, offset, temperature, temperature_val, compute_mask,
-                                        mask_token_id)
+                                        mask_token_id, top_k, top_k_val, top_p, top_p_val, min_p, min_p_val)
 
 
 def _tensor_or_scalar(name: str, value, value_val, default):
@@ -109,9 +143,11 @@ def _tensor_or_scalar(name: str, value, value_val, default):
 
 @torch.library.register_fake("sbd::entropy_sample")
 def _entropy_sample_fake(logits, seed, offset, temperature=None, temperature_val=0.0, compute_mask=None,
-                         mask_token_id=-1):
+                         mask_token_id=-1, top_k=None, top_k_val=0, top_p=None, top_p_val=1.0, min_p=None,
+                         min_p_val=0.0):
     batch, positions, _ = check_entropy_sample_args(logits, seed, offset, temperature, temperature_val,
-                                                    compute_mask, mask_token_id)
+                                                    compute_mask, mask_token_id, top_k, top_k_val, top_p,
+                                                    top_p_val, min_p, min_p_val)
     tokens = logits.new_empty((batch, positions), dtype=torch.int64)
     entropy = logits.new_empty((batch, positions), dtype=torch.float32)
     logprob = logits.new_empty((batch, positions), dtype=torch.float32)
