@@ -414,3 +414,18 @@ def test_hf_decode_steps_compile_without_graph_breaks():
                 DecodeConfig(method="ntp", max_new_tokens=6)):
         compiled = generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0, steps=steps)
         assert compiled.tokens == generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0).tokens
+
+
+@pytest.mark.slow
+def test_flex_attention_training_mask_gives_the_sdpa_loss():
+    """Guards against the FlexAttention BlockMask form of the padded training mask reading differently from the
+    boolean sdpa form inside a real model (HF's flex_attention path, compiled on the CPU here)."""
+    losses = {}
+    for attn in ("flex_attention", "sdpa"):
+        model = tiny_model("llama", attn=attn, seed=2)
+        hf.enable_sbd(model, mask_token_id=MASK_ID)
+        collator = hf.SbdDataCollator(model.config, block_min=4, block_max=4)
+        batch = collator([{"input_ids": list(range(3, 20))}, {"input_ids": list(range(5, 15))}])
+        with torch.no_grad():
+            losses[attn] = model(**batch).loss
+    torch.testing.assert_close(losses["flex_attention"], losses["sdpa"], atol=1e-5, rtol=1e-5)
