@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
 
 from sbd_kernels.aot import FAMILIES, CompileResult, collect_picks, format_picks, theoretical_occupancy
 from sbd_kernels.ops import _aot
@@ -82,6 +83,16 @@ def test_triton_type_is_the_jit_specialisation():
         "i32", "constexpr", "i32", "i64", "i64"]
     assert _aot.triton_type(1, specialise=False) == "i32"
     assert _aot.triton_type(0.5) == "fp32"
+
+
+def test_host_integer_helpers_match_triton():
+    """Guards against an off-by-one in the host replacements of triton.cdiv and triton.next_power_of_2
+    (tile counts, split lengths, BLOCK_K / BLOCK_D / BLOCK_M)."""
+    for a in range(600):
+        assert _aot.next_power_of_2(a) == max(1, triton.next_power_of_2(a)), a
+        for b in (1, 2, 16, 63, 512):
+            assert _aot.cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    assert _aot.next_power_of_2(2**40 + 1) == 2**41
 
 
 def _one_launch(family: str) -> KernelLaunch:

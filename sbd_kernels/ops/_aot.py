@@ -49,6 +49,18 @@ def launch(launches: list[KernelLaunch]) -> None:
         kl.kernel[kl.grid](**kl.args, **kl.constexprs, num_warps=kl.num_warps, num_stages=kl.num_stages)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, b > 0. On the host instead of `triton.cdiv`, a constexpr_function whose call
+    costs 1.4 us against 0.01 us (Triton 3.8); a launch computes about ten of these."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1). On the host instead of `triton.next_power_of_2` (1.4 us
+    a call, as `cdiv`)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 _SM_COUNTS: dict[int, int] = {}
 
 

@@ -48,8 +48,10 @@ import triton.language as tl
 from sbd_kernels.ops._aot import (
     KernelLaunch,
     KernelSpec,
+    cdiv,
     compiles_for_gpu,
     launch,
+    next_power_of_2,
     sm_count,
     spec_of_launch,
     unique_specs,
@@ -337,9 +339,9 @@ def _pick_config(head_dim: int, rows: int, dtype: torch.dtype, paged: bool, alig
     operands: fp16/bf16 on GPU tensor cores, 3xTF32 for fp32 (plain fp32 at D > 128), fp32 when
     interpreted."""
     half = dtype != torch.float32
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     tiles = _tiles(half, aligned, block_d)
-    block_m = min(tiles.max_block_m, max(16, triton.next_power_of_2(rows)))
+    block_m = min(tiles.max_block_m, max(16, next_power_of_2(rows)))
     input_precision = "tf32x3" if on_gpu and not half and block_d <= 128 else "ieee"
     return _Config(block_m, tiles.block_n, block_d, tiles.num_warps, tiles.num_stages, on_gpu and half,
                    input_precision, paged, aligned)
@@ -349,13 +351,13 @@ def _plan_splits(dims: AttentionDims, config: _Config, target_programs: int) -> 
     """Cache splits from the capacity (an upper bound of every L_b): about `target_programs` programs
     (PROGRAMS_PER_SM per SM), but no split shorter than MIN_SPLIT_LEN slots."""
     rows = dims.seq * (dims.q_heads // dims.kv_heads)
-    m_tiles = triton.cdiv(rows, config.block_m)
-    by_occupancy = triton.cdiv(target_programs, dims.batch * dims.kv_heads * m_tiles)
-    by_length = triton.cdiv(dims.capacity, MIN_SPLIT_LEN)
+    m_tiles = cdiv(rows, config.block_m)
+    by_occupancy = cdiv(target_programs, dims.batch * dims.kv_heads * m_tiles)
+    by_length = cdiv(dims.capacity, MIN_SPLIT_LEN)
     cache_splits = max(1, min(by_occupancy, by_length))
-    split_len = max(config.block_n, triton.cdiv(triton.cdiv(dims.capacity, cache_splits), config.block_n)
+    split_len = max(config.block_n, cdiv(cdiv(dims.capacity, cache_splits), config.block_n)
                     * config.block_n)
-    cache_splits = max(1, triton.cdiv(dims.capacity, split_len))
+    cache_splits = max(1, cdiv(dims.capacity, split_len))
     return _SplitPlan(m_tiles, split_len, 1 + cache_splits)
 
 
@@ -420,7 +422,7 @@ def _attention_launches(
         "PAGED": config.paged, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": config.block_d,
         "HALF_DOT": config.half_dot, "INPUT_PRECISION": config.input_precision, "ALIGNED": config.aligned,
     }, config.num_warps, config.num_stages)
-    combine = KernelLaunch(_attention_combine_kernel, (bh, triton.cdiv(rows, COMBINE_BLOCK_M)), {
+    combine = KernelLaunch(_attention_combine_kernel, (bh, cdiv(rows, COMBINE_BLOCK_M)), {
         "part_acc_ptr": part_acc, "part_m_ptr": part_m, "part_l_ptr": part_l, "cache_seqlens_ptr": cache_seqlens,
         "out_ptr": out, "lse_ptr": lse, "stride_len": cache_seqlens.stride(0),
         "stride_ob": out.stride(0), "stride_os": out.stride(1), "stride_oh": out.stride(2),
@@ -477,7 +479,7 @@ def meta_launches(batch: int, length: int, q_heads: int, kv_heads: int, head_dim
     block_table = None
     cache_shape = (batch, length, kv_heads, head_dim)
     if paged:
-        pages = triton.cdiv(length, page_size)
+        pages = cdiv(length, page_size)
         block_table = torch.empty(batch, pages, dtype=torch.int32, device="meta")
         cache_shape = (batch * pages, page_size, kv_heads, head_dim)
     k_cache, v_cache = torch.empty(cache_shape, **meta), torch.empty(cache_shape, **meta)

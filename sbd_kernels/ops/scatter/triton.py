@@ -17,7 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from sbd_kernels.ops._aot import KernelLaunch, KernelSpec, launch, spec_of_launch, unique_specs
+from sbd_kernels.ops._aot import (
+    KernelLaunch,
+    KernelSpec,
+    launch,
+    next_power_of_2,
+    spec_of_launch,
+    unique_specs,
+)
 from sbd_kernels.ops.scatter._checks import assert_gamma_values, check_mask_scatter_args, gamma_fp32
 
 # Largest block the launcher accepts. The row lives in registers of one warp: K = 256 is 8 entries per
@@ -86,7 +93,7 @@ def _scatter_accept_kernel(
 
 
 def _block_k(k: int) -> int:
-    return max(MIN_BLOCK_K, triton.next_power_of_2(k))
+    return max(MIN_BLOCK_K, next_power_of_2(k))
 
 
 def _scatter_launches(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampled: torch.Tensor,
