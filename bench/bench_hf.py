@@ -14,7 +14,7 @@ of whole decodes of equal length). Random weights give near-uniform predictions,
 position; the EB rule then reveals 1 + floor(gamma / log V) positions per pass, so gamma fixes how many passes
 SBD saves: the NFE speedup of the run is stored in extra_info["nfe_speedup"] beside the wall-clock figures, which
 is what the comparison is about (does SBD keep its pass savings as wall-clock?). correct: our NTP tokens equal HF
-greedy's; for SBD, the cached block logits equal a recompute (`sbd_kernels.hf.check`, its logit part).
+greedy's up to exact logit ties (`same_greedy_decode`); for SBD, the cached block logits equal a recompute (`sbd_kernels.hf.check`, its logit part).
 """
 from __future__ import annotations
 
@@ -77,6 +77,22 @@ def prompts(shape: HfDecodeShape, vocab: int) -> torch.Tensor:
     return torch.randint(2, vocab, (shape.batch, shape.prompt), generator=gen)
 
 
+def same_greedy_decode(model: torch.nn.Module, expected: torch.Tensor, got: torch.Tensor, prompt: int) -> bool:
+    """Whether two greedy decodes agree, ties aside: identical rows, or rows whose first differing tokens had equal
+    logits (within one bf16 step of 2^-7 relative) on the shared prefix, where either argmax is right (random bf16
+    weights give exact ties; HF and the ops then pick differently)."""
+    for row_expected, row_got in zip(expected, got):
+        differ = (row_expected != row_got).nonzero()
+        if len(differ) == 0:
+            continue
+        at = int(differ[0])
+        logits = model(input_ids=row_expected[None, :at]).logits[0, -1].float()
+        a, b = logits[row_expected[at]], logits[row_got[at]]
+        if at < prompt or (a - b).abs() > 2**-7 * max(a.abs(), b.abs()):
+            return False
+    return True
+
+
 @parametrize_shapes(FAMILY)
 @pytest.mark.parametrize("provider", PROVIDERS)
 @torch.inference_mode()
@@ -98,7 +114,7 @@ def test_hf_decode(benchmark, shape, provider):
         if provider == "hf greedy":
             return hf_greedy, None
         if provider == "ntp ops":
-            return (lambda: ours("ntp")), torch.equal(ours("ntp").sequences, hf_greedy())
+            return (lambda: ours("ntp")), same_greedy_decode(model, hf_greedy(), ours("ntp").sequences, shape.prompt)
         if shape.model not in _CHECKED:
             # The cached-vs-recomputed logits; the decode comparison of the check would hinge on near-ties of
             # random bf16 weights' near-uniform predictions.

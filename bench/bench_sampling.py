@@ -9,6 +9,10 @@ log_softmax, entropy, and the exponential race argmax(p / E), E ~ Exp(1), which 
 instead of two), `compile` (torch.compile of eager) and, where CUDA is present, `triton`. All sample at
 temperature 1, the case that needs the random numbers.
 
+Filtered cases (top-k 50, top-p 0.9): `sbd` runs the filter, `sbd plain` the same call without it (what the
+filter costs), and `eager` filters as Hugging Face's warpers do (top-k: torch.topk; top-p: sort, softmax,
+cumsum, mask) before the draw.
+
 GB/s = bytes_moved / time with bytes_moved = logits bytes read once (B K V x dtype size) + outputs
 (B K x (8 + 4 + 4 + 1)); the report sets it against this machine's measured copy bandwidth.
 """
@@ -22,7 +26,7 @@ from sbd_kernels.benchmark_grid import TORCH_DTYPES, SamplingShape
 from sbd_kernels.ops.sampling import naive
 
 FAMILY = "sampling"
-PROVIDERS = ["sbd", "naive", "eager", "compile", "triton"]
+PROVIDERS = ["sbd", "sbd plain", "naive", "eager", "compile", "triton"]
 # The oracle draws int64 Philox words for every entry: ~1 s per 32000-entry row on this loaded machine, so
 # it is timed only up to 32768 entries per call, with 3 rounds, and the correctness gate runs it on the
 # first CHECKED_POSITIONS positions of batch row 0 (rows are independent; the tests check batch invariance).
@@ -31,14 +35,30 @@ NAIVE_ROUNDS = 3
 CHECKED_POSITIONS = 2
 
 
-def eager_entropy_sample(logits: torch.Tensor, temperature: float):
+def hf_filtered_scores(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Hugging Face's TopK / TopP warpers on scores x / T: -inf outside the kept set."""
+    if top_k:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = torch.sort(scores, dim=-1)
+        remove = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        remove[..., -1] = False
+        scores = scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    return scores
+
+
+def eager_entropy_sample(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0):
     """The same four outputs in plain torch. argmax(p / E) with E = -log(U) ~ Exp(1) is argmax(log p + G),
     G = -log(E) ~ Gumbel: a draw from p, with one log per entry; torch's exponential_ is slower here."""
     x = logits.float()
     logp = torch.log_softmax(x, dim=-1)
     p = logp.exp()
     entropy = -(p * logp).sum(-1)
-    probs = p if temperature == 1.0 else torch.softmax(x / temperature, dim=-1)
+    if top_k or top_p < 1.0:
+        probs = torch.softmax(hf_filtered_scores(x / temperature, top_k, top_p), dim=-1)
+    else:
+        probs = p if temperature == 1.0 else torch.softmax(x / temperature, dim=-1)
     tokens = (probs / -torch.log(torch.rand_like(probs))).argmax(-1)
     logprob = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     valid = ~torch.isnan(x).any(-1) & torch.isfinite(x).any(-1)
@@ -55,26 +75,30 @@ def make_inputs(shape: SamplingShape, device: str = "cpu"):
     return logits.to(device), seed.to(device), offset.to(device)
 
 
-def provider_fn(provider: str, temperature: float):
+def provider_fn(provider: str, shape: SamplingShape):
     """(function of (logits, seed, offset), device) of one provider."""
+    t = shape.temperature
+    filters = {"top_k_val": shape.top_k, "top_p_val": shape.top_p}
     if provider == "sbd":
-        return lambda x, s, o: torch.ops.sbd.entropy_sample(x, s, o, None, temperature), "cpu"
+        return lambda x, s, o: torch.ops.sbd.entropy_sample(x, s, o, None, t, **filters), "cpu"
+    if provider == "sbd plain":
+        return lambda x, s, o: torch.ops.sbd.entropy_sample(x, s, o, None, t), "cpu"
     if provider == "naive":
-        return lambda x, s, o: naive.entropy_sample(x, s, o, temperature_val=temperature), "cpu"
+        return lambda x, s, o: naive.entropy_sample(x, s, o, temperature_val=t, **filters), "cpu"
     if provider == "eager":
-        return lambda x, s, o: eager_entropy_sample(x, temperature), "cpu"
+        return lambda x, s, o: eager_entropy_sample(x, t, shape.top_k, shape.top_p), "cpu"
     if provider == "compile":
         fn = compiled(eager_entropy_sample)
-        return lambda x, s, o: fn(x, temperature), "cpu"
+        return lambda x, s, o: fn(x, t, shape.top_k, shape.top_p), "cpu"
     from sbd_kernels.ops.sampling import triton as sampling_triton
-    return lambda x, s, o: sampling_triton.entropy_sample(x, s, o, temperature_val=temperature), "cuda"
+    return lambda x, s, o: sampling_triton.entropy_sample(x, s, o, temperature_val=t, **filters), "cuda"
 
 
-def matches_oracle(fn, logits, seed, offset, temperature: float) -> bool:
+def matches_oracle(fn, logits, seed, offset, shape: SamplingShape) -> bool:
     """Whether `fn` gives the oracle's outputs at the first CHECKED_POSITIONS positions of batch row 0."""
     got = fn(logits, seed, offset)
     ref = naive.entropy_sample(logits[:1, :CHECKED_POSITIONS].cpu(), seed[:1].cpu(), offset[:1].cpu(),
-                               temperature_val=temperature)
+                               temperature_val=shape.temperature, top_k_val=shape.top_k, top_p_val=shape.top_p)
     tokens, entropy, logprob, valid = (t[:1, :CHECKED_POSITIONS].cpu() for t in got)
     atol = rtol = 1e-4  # fp32 sums over up to 151936 entries; tokens and valid must match exactly
     return (torch.equal(tokens, ref[0]) and torch.equal(valid, ref[3])
@@ -90,10 +114,10 @@ def bytes_moved(logits: torch.Tensor) -> int:
 
 def set_up(provider: str, shape: SamplingShape):
     """(function, device, inputs, oracle check) of one provider."""
-    fn, device = provider_fn(provider, shape.temperature)
+    fn, device = provider_fn(provider, shape)
     inputs = make_inputs(shape, device)
     # eager / compile draw from torch's generator: same distribution, other tokens; not checked.
-    correct = matches_oracle(fn, *inputs, shape.temperature) if provider in ("sbd", "triton") else None
+    correct = matches_oracle(fn, *inputs, shape) if provider in ("sbd", "triton") else None
     return fn, device, inputs, correct
 
 
@@ -102,6 +126,8 @@ def set_up(provider: str, shape: SamplingShape):
 def test_entropy_sample(benchmark, shape, provider):
     if provider == "naive" and shape.batch * shape.positions * shape.vocab > NAIVE_MAX_ENTRIES:
         pytest.skip(f"naive provider: timed only up to {NAIVE_MAX_ENTRIES} entries (seconds per call)")
+    if provider == "sbd plain" and not (shape.top_k or shape.top_p < 1.0):
+        pytest.skip("sbd plain: the unfiltered reference of the filtered cases (here `sbd` is the plain call)")
     fn, device, inputs, correct = build_provider(provider, lambda: set_up(provider, shape), optional=("compile",))
     measure(benchmark, lambda: fn(*inputs), family=FAMILY, shape=shape, provider=provider, baseline="eager",
             device=device, bytes_moved=bytes_moved(inputs[0]), correct=correct,

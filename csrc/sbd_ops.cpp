@@ -22,7 +22,8 @@ TORCH_LIBRARY(sbd, m) {
       "Tensor? block_table=None, float? softmax_scale=None) -> (Tensor out, Tensor lse)");
   m.def(
       "entropy_sample(Tensor logits, Tensor seed, Tensor offset, Tensor? temperature=None, "
-      "float temperature_val=0.0, Tensor? compute_mask=None, int mask_token_id=-1) "
+      "float temperature_val=0.0, Tensor? compute_mask=None, int mask_token_id=-1, Tensor? top_k=None, "
+      "int top_k_val=0, Tensor? top_p=None, float top_p_val=1.0, Tensor? min_p=None, float min_p_val=0.0) "
       "-> (Tensor tokens, Tensor entropy, Tensor logprob, Tensor valid)");
   m.def(
       "mask_scatter_(Tensor(a!) block_tokens, Tensor(b!) is_masked, Tensor sampled, Tensor entropy, "

@@ -94,6 +94,16 @@ def fraction(text: str) -> float:
     return checked_number(text, float, lambda x: 0 <= x <= 1, "a number in [0, 1]")
 
 
+def top_p(text: str) -> float:
+    """A top-p mass: in (0, 1], 1 = off."""
+    return checked_number(text, float, lambda x: 0 < x <= 1, "a number in (0, 1]")
+
+
+def min_p(text: str) -> float:
+    """A min-p ratio: in [0, 1), 0 = off."""
+    return checked_number(text, float, lambda x: 0 <= x < 1, "a number in [0, 1)")
+
+
 def _items(text: str) -> list[str]:
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:

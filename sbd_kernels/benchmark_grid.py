@@ -43,14 +43,22 @@ class SamplingShape(_Labelled):
     vocab: int
     dtype: str
     temperature: float = 1.0  # the case that needs the random numbers
+    top_k: int = 0            # sampling filters (scalar fallbacks top_k_val / top_p_val); 0 / 1.0 = off
+    top_p: float = 1.0
 
     def label_parts(self) -> list[tuple[str, str]]:
-        return [("batch", f"B={self.batch}"), ("positions", f"K={self.positions}"), ("vocab", f"V={self.vocab}"),
-                ("dtype", self.dtype)]
+        parts = [("batch", f"B={self.batch}"), ("positions", f"K={self.positions}"), ("vocab", f"V={self.vocab}"),
+                 ("dtype", self.dtype)]
+        if self.top_k:
+            parts.append(("top_k", f"top-k={self.top_k}"))
+        if self.top_p < 1.0:
+            parts.append(("top_p", f"top-p={self.top_p:g}"))
+        return parts
 
     @property
     def test_id(self) -> str:
-        return f"{self.batch}-{self.positions}-{self.vocab}-{self.dtype}"
+        filters = (f"-k{self.top_k}" if self.top_k else "") + (f"-p{self.top_p:g}" if self.top_p < 1.0 else "")
+        return f"{self.batch}-{self.positions}-{self.vocab}-{self.dtype}{filters}"
 
 
 @dataclass(frozen=True)
@@ -184,10 +192,16 @@ SHAPE_TYPES: dict[str, type] = {"sampling": SamplingShape, "scatter": ScatterSha
 
 def sampling_grid(quick: bool = False) -> list[SamplingShape]:
     """Llama-2 / Llama-3 / Qwen vocabularies, one position and a k = 16 block, batch 1 and 8, fp32 and bf16;
-    quick: batch 1 and the first two vocabularies."""
+    then the filters of a serving stack's defaults, top-k 50 and top-p 0.9, at a k = 16 block of the Llama-3 and
+    Qwen vocabularies. quick: batch 1 and the first two vocabularies, filters at 128256 only."""
     vocabs, batches = ((32000, 128256), (1,)) if quick else ((32000, 128256, 151936), (1, 8))
-    return [SamplingShape(batch, positions, vocab, dtype)
-            for batch in batches for positions in (1, 16) for vocab in vocabs for dtype in ("fp32", "bf16")]
+    plain = [SamplingShape(batch, positions, vocab, dtype)
+             for batch in batches for positions in (1, 16) for vocab in vocabs for dtype in ("fp32", "bf16")]
+    filter_vocabs = (128256,) if quick else (128256, 151936)
+    filtered = [SamplingShape(batch, 16, vocab, dtype, **filters)
+                for batch in batches for vocab in filter_vocabs for dtype in ("fp32", "bf16")
+                for filters in ({"top_k": 50}, {"top_p": 0.9})]
+    return plain + filtered
 
 
 def scatter_grid(quick: bool = False) -> list[ScatterShape]:

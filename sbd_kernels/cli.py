@@ -54,6 +54,12 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--gamma", type=argtypes.non_negative_float, default=0.1, help="EB entropy budget (SBD)")
     add_option(parser, "--block-size", type=argtypes.positive_int, default=16)
     parser.add_argument("--temperature", type=argtypes.non_negative_float, default=0.0)
+    add_option(parser, "--top-k", type=argtypes.non_negative_int, default=0,
+               help="sample among the k most probable tokens only (0: off; ignored at temperature 0)")
+    add_option(parser, "--top-p", type=argtypes.top_p, default=1.0,
+               help="sample among the most probable tokens holding this mass (1: off)")
+    add_option(parser, "--min-p", type=argtypes.min_p, default=0.0,
+               help="drop tokens below min-p x the most probable token's probability (0: off)")
     add_option(parser, "--max-new-tokens", type=argtypes.positive_int, default=None,
                help="answer budget, EOS included (default: the task's answer length, or 64)")
     parser.add_argument("--seed", type=argtypes.seed, default=0)
@@ -89,7 +95,8 @@ def run_generate(args: argparse.Namespace) -> None:
         texts, references = [ex.prompt for ex in examples], [ex.answer for ex in examples]
         budget = get_task(args.task).answer_tokens if args.max_new_tokens is None else args.max_new_tokens
     cfg = DecodeConfig(method=args.method, block_size=args.block_size, gamma=args.gamma,
-                       temperature=args.temperature, max_new_tokens=budget, seed=args.seed)
+                       temperature=args.temperature, max_new_tokens=budget, seed=args.seed, top_k=args.top_k,
+                       top_p=args.top_p, min_p=args.min_p)
     result = generate(model, [TOKENIZER.encode_prompt(t) for t in texts], cfg, eos_id=TOKENIZER.EOS,
                       pad_id=TOKENIZER.PAD, batch_size=args.batch_size,
                       ops=fused_ops() if args.ops == "fused" else naive_ops())

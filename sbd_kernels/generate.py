@@ -52,6 +52,9 @@ class DecodeConfig:
     method: "ntp" (one token per pass) or "sbd" (blocks of `block_size` positions).
     gamma: entropy budget of the EB rule (SBD only; paper: 0.1 reasoning, 0.35 faster).
     temperature: 0 = greedy; T > 0 samples from softmax(logits / T) (the EB entropy stays at T = 1).
+    top_k, top_p, min_p: filters applied before sampling, as Hugging Face applies them (top-k, then top-p,
+        then min-p on softmax(logits / T); see `sbd_kernels.entropy_sample`); 0 / 1.0 / 0.0 = off; ignored
+        at T = 0.
     max_new_tokens: answer budget per sequence, EOS included; SBD block positions past it are never
         revealed (they stay mask tokens in the model input).
     seed: sequence i of a `generate` call samples with seed `seed + i`, whatever its batch.
@@ -64,6 +67,9 @@ class DecodeConfig:
     max_new_tokens: int = 64
     seed: int = 0
     rule: str = "eb"
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -76,6 +82,12 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig: temperature must be >= 0, got {self.temperature}")
         if self.max_new_tokens < 1:
             raise ValueError(f"DecodeConfig: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.top_k < 0:
+            raise ValueError(f"DecodeConfig: top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"DecodeConfig: top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"DecodeConfig: min_p must be in [0, 1), got {self.min_p}")
 
 
 @dataclass(frozen=True)
@@ -170,6 +182,9 @@ class DecodeConstants:
     gamma: float
     temperature: float
     rule: str
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
     @staticmethod
     def of(model_mask_id: int, cfg: DecodeConfig, eos_id: int | Sequence[int], pad_id: int) -> DecodeConstants:
@@ -180,7 +195,7 @@ class DecodeConstants:
         return DecodeConstants(eos_ids=eos_ids, pad_id=pad_id, mask_id=model_mask_id,
                                block_size=cfg.block_size if cfg.method == "sbd" else 1,
                                max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma, temperature=cfg.temperature,
-                               rule=cfg.rule)
+                               rule=cfg.rule, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
 
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         """Bool tensor of tokens' shape: which tokens are one of `eos_ids`."""
@@ -209,7 +224,8 @@ def _sample(ops: DecodeOps, logits: torch.Tensor, seed: torch.Tensor, offset: to
             compute: torch.Tensor, sp: DecodeConstants) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """entropy_sample over logits [B, K, V] -> (tokens [B, K] int64, entropy [B, K] fp32, valid [B, K])."""
     tokens, entropy, _, valid = ops.entropy_sample(
-        logits, seed, offset, temperature_val=sp.temperature, compute_mask=compute, mask_token_id=sp.mask_id)
+        logits, seed, offset, temperature_val=sp.temperature, compute_mask=compute, mask_token_id=sp.mask_id,
+        top_k_val=sp.top_k, top_p_val=sp.top_p, min_p_val=sp.min_p)
     return tokens, entropy, valid
 
 

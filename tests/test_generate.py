@@ -318,3 +318,22 @@ def test_cuda_graph_needs_a_cuda_model(model, prompts):
     """Guards against cuda_graph=True silently decoding eagerly on a CPU model."""
     with pytest.raises(ValueError, match="CUDA device"):
         generate(model, prompts, DecodeConfig(max_new_tokens=4), eos_id=EOS, pad_id=PAD, cuda_graph=True)
+
+
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_sampling_filters_reach_the_sampler(model, prompts, oracle, method):
+    """Guards against DecodeConfig's top_k / top_p / min_p not reaching entropy_sample: top-1 sampling at a high
+    temperature equals greedy decoding, and the cached decode with filters equals the oracle decode with them."""
+    greedy = DecodeConfig(method=method, block_size=BLOCK, gamma=0.5, max_new_tokens=BUDGET)
+    top1 = dataclasses.replace(greedy, temperature=3.0, top_k=1)
+    assert_same_decode(generate(model, prompts, top1, eos_id=EOS, pad_id=PAD), oracle(greedy, EOS))
+    filtered = dataclasses.replace(greedy, temperature=1.0, top_k=5, top_p=0.8, min_p=0.05, seed=7)
+    assert_same_decode(generate(model, prompts, filtered, eos_id=EOS, pad_id=PAD),
+                       oracle_decode(model, prompts, filtered, eos_id=EOS, pad_id=PAD))
+
+
+@pytest.mark.parametrize("field,value", [("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.0)])
+def test_bad_filter_settings_name_the_field(field, value):
+    """Guards against a filter value the sampler would reject mid-decode (or silently misread)."""
+    with pytest.raises(ValueError, match=field):
+        DecodeConfig(**{field: value})

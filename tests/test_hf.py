@@ -364,21 +364,25 @@ def test_two_process_training(tmp_path, mode, wrapper):
     assert len(result["losses"]) == 3 and result["losses"][-1] < result["losses"][0]
 
 
-def test_sampling_follows_the_seed_and_refuses_filters_it_cannot_apply():
-    """Guards against sampled SBD decodes ignoring `seed` (irreproducible) or HF's default top_k=50 being silently
-    dropped when do_sample=True."""
+def test_sampling_follows_the_seed_and_the_generation_config_filters():
+    """Guards against sampled SBD decodes ignoring `seed` (irreproducible) or the generation config's top_k /
+    top_p / min_p (HF's default top_k=50 among them) being silently dropped when do_sample=True."""
     model = tiny_model("llama")
     hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
 
-    def sample(seed):
-        return model.generate(ids, max_new_tokens=8, custom_generate=hf.sbd_generate, do_sample=True, top_k=0,
-                              temperature=1.5, seed=seed, gamma=0.5)
+    def sample(seed, **filters):
+        return model.generate(ids, max_new_tokens=8, custom_generate=hf.sbd_generate, do_sample=True,
+                              temperature=1.5, seed=seed, gamma=0.5, **filters)
 
-    assert torch.equal(sample(3), sample(3))
-    assert not torch.equal(sample(3), sample(4))
-    with pytest.raises(ValueError, match="top_k"):
-        model.generate(ids, max_new_tokens=8, custom_generate=hf.sbd_generate, do_sample=True, top_k=50)
+    assert torch.equal(sample(3, top_k=0), sample(3, top_k=0))
+    assert not torch.equal(sample(3, top_k=0), sample(4, top_k=0))
+    greedy = model.generate(ids, max_new_tokens=8, custom_generate=hf.sbd_generate, do_sample=False, gamma=0.5)
+    assert torch.equal(sample(3, top_k=1), greedy)                  # top-1 sampling is greedy decoding
+    for filters in ({"top_k": 5}, {"top_p": 0.5, "top_k": 0}, {"min_p": 0.3, "top_k": 0}):
+        direct = hf.generate(model, ids, max_new_tokens=8, temperature=1.5, seed=3, gamma=0.5,
+                             **{"top_k": 0, **filters})
+        assert torch.equal(sample(3, **filters), direct.sequences), filters
 
 
 def test_graph_safe_steps_hold_for_the_hf_cache(sbd_model):

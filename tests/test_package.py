@@ -17,7 +17,8 @@ EXPECTED_SCHEMAS = {
     ),
     "entropy_sample": (
         "sbd::entropy_sample(Tensor logits, Tensor seed, Tensor offset, Tensor? temperature=None, "
-        "float temperature_val=0., Tensor? compute_mask=None, int mask_token_id=-1) "
+        "float temperature_val=0., Tensor? compute_mask=None, int mask_token_id=-1, Tensor? top_k=None, "
+        "int top_k_val=0, Tensor? top_p=None, float top_p_val=1., Tensor? min_p=None, float min_p_val=0.) "
         "-> (Tensor tokens, Tensor entropy, Tensor logprob, Tensor valid)"
     ),
     "mask_scatter_": (

@@ -378,6 +378,74 @@ def test_empty_batch(backend):
         assert tokens.shape == entropy.shape == logprob.shape == valid.shape == shape[:2]
 
 
+# Where a run of huge-negative logits sits in the row: whole tiles and vocabulary chunks of both backends
+# (CPU: 2048-entry tiles, 16384-entry chunks at V = 128256; Triton: 128-entry tiles, 512-entry splits at
+# V = 3000). The values: -inf, each dtype's finfo.min (a common mask value in constrained decoding).
+HUGE_NEGATIVE_PLACES = ("start", "middle", "end")
+
+
+def with_huge_negative_run(logits, place, value, length):
+    """logits with `length` entries at the start, middle or end of every row set to `value`."""
+    vocab = logits.shape[-1]
+    begin = {"start": 0, "middle": (vocab - length) // 2, "end": vocab - length}[place]
+    logits = logits.clone()
+    logits[..., begin:begin + length] = value
+    return logits
+
+
+@pytest.mark.parametrize("fill", ["-inf", "finfo.min"])
+@pytest.mark.parametrize("place", HUGE_NEGATIVE_PLACES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("backend, vocab, length", [("cpu", 128256, 60000), ("triton", 3000, 1100)],
+                         ids=["cpu", "triton"])
+def test_huge_negative_chunks_are_like_neg_inf(backend, vocab, length, dtype, place, fill):
+    """Guards against NaN entropy when whole tiles / chunks hold only finfo.min: the online log-sum-exp
+    rescaled their sums by exp(-3.4e38) = 0 after multiplying them by -3.4e38 (-inf * 0 = NaN)."""
+    value = float("-inf") if fill == "-inf" else torch.finfo(dtype).min
+    logits = with_huge_negative_run(make_logits(2, 2, vocab), place, value, length).to(dtype)
+    seed, offset = make_seeds(2)
+    _, entropy, _, valid = check_backend(backend, logits, seed, offset, **temperature_args("per_row", 2))
+    assert valid.all() and torch.isfinite(entropy).all()
+
+
+@pytest.mark.parametrize("value", [-3e38, -1e38, -2e36])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("backend, vocab, length", [("cpu", 50000, 20000), ("triton", 3000, 1024)],
+                         ids=["cpu", "triton"])
+def test_huge_negative_first_tiles_then_ordinary_logits(backend, vocab, length, dtype, value):
+    """Guards against NaN entropy when the first tiles hold huge negative (finite) logits and ordinary ones
+    follow: rebasing the sums onto the larger max multiplied them by a shift that overflows."""
+    logits = with_huge_negative_run(make_logits(1, 3, vocab), "start", value, length).to(dtype)
+    seed, offset = make_seeds(1)
+    check_backend(backend, logits, seed, offset, temperature_val=0.0)
+    check_backend(backend, logits, seed, offset, temperature_val=1.0)
+
+
+@pytest.mark.parametrize("as_tensor", [True, False], ids=["tensor", "scalar"])
+@pytest.mark.parametrize("temperature", [1e-40, 1e-39])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_subnormal_temperature_keeps_ties_random(backend, temperature, as_tensor):
+    """Guards against a subnormal temperature always drawing the lowest tied maximum: 1 / T overflows to
+    inf, and the CPU prefilter's 0 * inf = NaN dropped every tied entry, falling back to greedy."""
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0, -1.0]]])
+    args = {"temperature": torch.tensor([temperature])} if as_tensor else {"temperature_val": temperature}
+    drawn = []
+    for seed in range(20):
+        tokens, *_ = check_backend(backend, logits, torch.tensor([seed]), torch.tensor([0]), **args)
+        drawn.append(int(tokens))
+    assert set(drawn) == {0, 1, 2, 3}, drawn
+
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scalar_temperature_is_rounded_to_fp32(backend):
+    """Guards against a host temperature_val below fp32's normal range used unrounded (Triton typed 1e-46
+    as fp64 and failed): every backend runs at fp32(T), i.e. greedy for 1e-46."""
+    logits = make_logits(2, 8, 300)
+    seed, offset = make_seeds(2)
+    tokens, *_ = check_backend(backend, logits, seed, offset, temperature_val=1e-46)
+    assert torch.equal(tokens, logits.argmax(-1))
+
 # ------------------------------------------------------------------------------------------- bad inputs
 def _bad_cases():
     logits = torch.randn(2, 3, 10)
@@ -398,7 +466,10 @@ def _bad_cases():
          "temperature must be finite and >= 0"),
         ("temperature_nan", dict(good, temperature=torch.tensor([float("nan"), 1.0])),
          "temperature must be finite and >= 0"),
-        ("temperature_val_negative", dict(good, temperature_val=-1.0), "temperature_val must be finite"),
+        ("temperature_val_negative", dict(good, temperature_val=-1.0),
+         "temperature_val must be finite and >= 0 as a float32 \\(at most 3.4028235e\\+38\\), got -1$"),
+        ("temperature_val_above_float32", dict(good, temperature_val=1e39),
+         "temperature_val must be finite and >= 0 as a float32 \\(at most 3.4028235e\\+38\\), got 1e\\+39$"),
         ("compute_mask_dtype", dict(good, compute_mask=torch.ones(2, 3, dtype=torch.int32)),
          "compute_mask must be a bool tensor"),
         ("compute_mask_shape", dict(good, compute_mask=torch.ones(3, 2, dtype=torch.bool)),
@@ -453,3 +524,39 @@ def test_torch_compile_fullgraph():
     got = compiled(logits, seed, offset)
     want = step(logits, seed, offset)
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+
+
+# -------------------------------------------------------------------------------------- python wrapper
+def test_wrapper_takes_temperature_as_tensor_or_number():
+    """Guards against the wrapper's `temperature: Tensor | float` mapping a number to the wrong schema
+    argument, or breaking the schema's own keywords (temperature=None, temperature_val=...)."""
+    import sbd_kernels
+
+    logits = make_logits(2, 4, 300)
+    seed, offset = make_seeds(2)
+    want = torch.ops.sbd.entropy_sample(logits, seed, offset, None, 0.7)
+    for kwargs in ({"temperature": 0.7}, {"temperature": None, "temperature_val": 0.7},
+                   {"temperature_val": 0.7}, {"temperature": torch.tensor([0.7, 0.7])},
+                   {"temperature": torch.tensor([0.7, 0.7]), "temperature_val": 3.0}):
+        got = sbd_kernels.entropy_sample(logits, seed, offset, **kwargs)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), kwargs
+    greedy = sbd_kernels.entropy_sample(logits, seed, offset)[0]
+    assert torch.equal(greedy, logits.argmax(-1))
+    assert torch.equal(sbd_kernels.entropy_sample(logits, seed, offset, 0)[0], greedy)  # positional int
+    with pytest.raises(ValueError, match="pass temperature either as a number or as temperature_val"):
+        sbd_kernels.entropy_sample(logits, seed, offset, temperature=0.7, temperature_val=0.7)
+
+
+def test_wrapper_number_temperature_compiles():
+    """Guards against a graph break when the wrapper maps a Python number temperature inside a compiled
+    decode step."""
+    import sbd_kernels
+
+    def step(logits, seed, offset):
+        return sbd_kernels.entropy_sample(logits, seed, offset, temperature=0.7)[0]
+
+    logits = make_logits(2, 4, 100)
+    seed, offset = make_seeds(2)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(logits, seed, offset), step(logits, seed, offset))

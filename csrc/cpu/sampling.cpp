@@ -2,6 +2,7 @@
 // csrc/cpu/sampling_kernel.h. The math and the random generator are defined in
 // sbd_kernels/ops/sampling/naive.py; the checks word for word match sbd_kernels/ops/sampling/_checks.py.
 #include <cmath>
+#include <limits>
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -32,8 +33,10 @@ int64_t check_per_row_int64(const char* name, const at::Tensor& t, int64_t batch
 void check_temperature(const c10::optional<at::Tensor>& temperature, double temperature_val, int64_t batch,
                        const at::Device& device) {
   if (!temperature.has_value()) {
-    TORCH_CHECK(std::isfinite(temperature_val) && temperature_val >= 0.0, kOp,
-                ": temperature_val must be finite and >= 0, got ", temperature_val);
+    // The kernels run at fp32(temperature_val): a double above the largest float32 would become inf.
+    TORCH_CHECK(temperature_val >= 0.0 && temperature_val <= std::numeric_limits<float>::max(), kOp,
+                ": temperature_val must be finite and >= 0 as a float32 (at most 3.4028235e+38), got ",
+                temperature_val);
     return;
   }
   const at::Tensor& t = *temperature;
@@ -45,6 +48,43 @@ void check_temperature(const c10::optional<at::Tensor>& temperature, double temp
               "], got ", t.sizes());
   TORCH_CHECK((at::isfinite(t) & (t >= 0)).all().item<bool>(), kOp,
               ": temperature must be finite and >= 0");
+}
+
+// top_k / top_p / min_p: a [B] tensor of `dtype` on the device of logits (values checked by the caller).
+// `kind` names the dtype with its article: "an int64", "a float32".
+void check_filter_tensor(const char* name, const at::Tensor& t, at::ScalarType dtype, const char* kind,
+                         int64_t batch, const at::Device& device) {
+  TORCH_CHECK(t.scalar_type() == dtype, kOp, ": ", name, " must be ", kind, " tensor, got ", t.scalar_type());
+  TORCH_CHECK(t.device() == device, kOp, ": ", name, " must be on the device of logits (", device,
+              "), got ", t.device());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, kOp, ": ", name, " must have shape [B] = [", batch,
+              "], got ", t.sizes());
+}
+
+void check_filters(const c10::optional<at::Tensor>& top_k, int64_t top_k_val,
+                   const c10::optional<at::Tensor>& top_p, double top_p_val,
+                   const c10::optional<at::Tensor>& min_p, double min_p_val, int64_t batch,
+                   const at::Device& device) {
+  if (top_k.has_value()) {
+    check_filter_tensor("top_k", *top_k, at::kLong, "an int64", batch, device);
+    TORCH_CHECK((*top_k >= 0).all().item<bool>(), kOp, ": top_k must be >= 0 (0: off)");
+  } else {
+    TORCH_CHECK(top_k_val >= 0, kOp, ": top_k_val must be >= 0 (0: off), got ", top_k_val);
+  }
+  if (top_p.has_value()) {
+    check_filter_tensor("top_p", *top_p, at::kFloat, "a float32", batch, device);
+    TORCH_CHECK(((*top_p > 0) & (*top_p <= 1)).all().item<bool>(), kOp, ": top_p must be in (0, 1] (1: off)");
+  } else {
+    TORCH_CHECK(top_p_val > 0.0 && top_p_val <= 1.0, kOp, ": top_p_val must be in (0, 1] (1: off), got ",
+                top_p_val);
+  }
+  if (min_p.has_value()) {
+    check_filter_tensor("min_p", *min_p, at::kFloat, "a float32", batch, device);
+    TORCH_CHECK(((*min_p >= 0) & (*min_p < 1)).all().item<bool>(), kOp, ": min_p must be in [0, 1) (0: off)");
+  } else {
+    TORCH_CHECK(min_p_val >= 0.0 && min_p_val < 1.0, kOp, ": min_p_val must be in [0, 1) (0: off), got ",
+                min_p_val);
+  }
 }
 
 void check_compute_mask(const c10::optional<at::Tensor>& compute_mask, int64_t batch, int64_t positions,
@@ -62,7 +102,9 @@ void check_compute_mask(const c10::optional<at::Tensor>& compute_mask, int64_t b
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> entropy_sample_cpu(
     const at::Tensor& logits, const at::Tensor& seed, const at::Tensor& offset,
     const c10::optional<at::Tensor>& temperature, double temperature_val,
-    const c10::optional<at::Tensor>& compute_mask, int64_t mask_token_id) {
+    const c10::optional<at::Tensor>& compute_mask, int64_t mask_token_id, const c10::optional<at::Tensor>& top_k,
+    int64_t top_k_val, const c10::optional<at::Tensor>& top_p, double top_p_val,
+    const c10::optional<at::Tensor>& min_p, double min_p_val) {
   TORCH_CHECK(logits.dim() == 3, kOp, ": logits must be a 3-D tensor [B, K, V], got shape ", logits.sizes());
   const auto dtype = logits.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, kOp,
@@ -76,6 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> entropy_sample_cpu(
   check_compute_mask(compute_mask, batch, positions, device);
   TORCH_CHECK(mask_token_id == -1 || (mask_token_id >= 0 && mask_token_id < vocab), kOp,
               ": mask_token_id must be -1 (none) or in [0, V) = [0, ", vocab, "), got ", mask_token_id);
+  check_filters(top_k, top_k_val, top_p, top_p_val, min_p, min_p_val, batch, device);
 
   const auto out_opts = logits.options();
   at::Tensor tokens = at::empty({batch, positions}, out_opts.dtype(at::kLong));
@@ -101,6 +144,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> entropy_sample_cpu(
   args.temperature_val = static_cast<float>(temperature_val);
   args.compute_mask = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   args.mask_token_id = mask_token_id;
+  args.top_k = top_k.has_value() ? top_k->data_ptr<int64_t>() : nullptr;
+  args.top_k_stride = top_k.has_value() ? top_k->stride(0) : 0;
+  args.top_k_val = top_k_val;
+  args.top_p = top_p.has_value() ? top_p->data_ptr<float>() : nullptr;
+  args.top_p_stride = top_p.has_value() ? top_p->stride(0) : 0;
+  args.top_p_val = static_cast<float>(top_p_val);
+  args.min_p = min_p.has_value() ? min_p->data_ptr<float>() : nullptr;
+  args.min_p_stride = min_p.has_value() ? min_p->stride(0) : 0;
+  args.min_p_val = static_cast<float>(min_p_val);
+  args.filters = top_k.has_value() || top_p.has_value() || min_p.has_value() || top_k_val > 0 ||
+                 args.top_p_val < 1.f || args.min_p_val > 0.f;
   args.tokens = tokens.data_ptr<int64_t>();
   args.entropy = entropy.data_ptr<float>();
   args.logprob = logprob.data_ptr<float>();

@@ -22,6 +22,17 @@ struct EntropySampleArgs {
   float temperature_val;
   const bool* compute_mask;  // contiguous [B, K], or nullptr: every position
   int64_t mask_token_id;     // -1: none
+  // Filters, per row b like the temperature: ptr[b * stride], or the scalar when ptr is nullptr.
+  const int64_t* top_k;  // 0: off
+  int64_t top_k_stride;
+  int64_t top_k_val;
+  const float* top_p;  // 1: off
+  int64_t top_p_stride;
+  float top_p_val;
+  const float* min_p;  // 0: off
+  int64_t min_p_stride;
+  float min_p_val;
+  bool filters;  // false when every filter is off for every row: the kernel then skips them entirely
   int64_t* tokens;
   float* entropy;
   float* logprob;

@@ -12,8 +12,9 @@ and `accepted_hist` (passes by tokens accepted). Prompts may be left- or right-p
 tokens are real, and position ids are built inside (real tokens at 0, 1, ...).
 
 Generation settings read from HF: `max_new_tokens` (or `max_length`), `eos_token_id` (one or several), `do_sample`
-and `temperature` (greedy unless do_sample), `pad_token_id`. Logits processors and stopping criteria the fused
-kernels do not implement (repetition penalty, bad words, stop strings, ...) are refused by name rather than ignored.
+with `temperature`, `top_k`, `top_p` and `min_p` (greedy unless do_sample), `pad_token_id`. Logits processors and
+stopping criteria the fused kernels do not implement (repetition penalty, bad words, stop strings, ...) are
+refused by name rather than ignored.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from transformers.generation.logits_process import (
+    MinPLogitsWarper,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -87,13 +89,14 @@ def _sequences(input_ids: Tensor, result: DecodeResult, pad_id: int) -> Tensor:
 def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None, *, max_new_tokens: int,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None, method: str = "sbd",
              block_size: int | None = None, gamma: float = 0.1, rule: str = "eb", temperature: float = 0.0,
-             seed: int = 0, batch_size: int | None = None, ops: DecodeOps | None = None,
+             top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, batch_size: int | None = None, ops: DecodeOps | None = None,
              cuda_graph: bool = False) -> SbdGenerateOutput:
     """SBD (`method="sbd"`) or NTP decoding of an HF model prepared by `enable_sbd` (or its `SbdCausalLM`).
 
     input_ids `[B, P]` int64 with optional attention_mask `[B, P]` (left or right padding); eos_token_id: one id or
-    several (default: the model's generation config); block_size: default the one recorded by `enable_sbd`; sequence
-    i samples with seed `seed + i` (temperature > 0); cuda_graph: replay the decode steps from CUDA graphs (model on
+    several (default: the model's generation config); block_size: default the one recorded by `enable_sbd`;
+    temperature > 0 samples, after the top_k / top_p / min_p filters (0 / 1 / 0 = off), sequence i with seed
+    `seed + i`; cuda_graph: replay the decode steps from CUDA graphs (model on
     a CUDA device). Returns `SbdGenerateOutput` (see the module docstring).
     """
     sbd_model = model if isinstance(model, SbdCausalLM) else SbdCausalLM(model)
@@ -107,7 +110,8 @@ def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None
     if not eos_ids:
         eos_ids = (-1,)  # no end token: every sequence runs to max_new_tokens
     cfg = DecodeConfig(method=method, block_size=block_size or sbd_model.block_size, gamma=gamma,
-                       temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, rule=rule)
+                       temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, rule=rule,
+                       top_k=top_k, top_p=top_p, min_p=min_p)
     prompts = prompts_from_batch(input_ids, attention_mask)
     result = decode(sbd_model, prompts, cfg, eos_id=eos_ids, pad_id=pad_token_id, batch_size=batch_size,
                     ops=ops or fused_ops(), cuda_graph=cuda_graph)
@@ -116,7 +120,8 @@ def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None
 
 
 # Processors / criteria HF adds from generation settings that the fused decode implements itself.
-_HANDLED_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, SuppressTokensLogitsProcessor)
+_HANDLED_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
+                       SuppressTokensLogitsProcessor)
 _HANDLED_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
 
 
@@ -131,17 +136,22 @@ def _refuse_unsupported(logits_processor: Any, stopping_criteria: Any, generatio
     for proc in logits_processor or []:
         if isinstance(proc, SuppressTokensLogitsProcessor) and set(proc.suppress_tokens.tolist()) - {mask_token_id}:
             raise ValueError("sbd_generate: suppress_tokens other than the mask token are not supported")
-    if generation_config.do_sample:
-        top_k, top_p = generation_config.top_k, generation_config.top_p
-        if (top_k not in (None, 0)) or (top_p not in (None, 1.0)) or getattr(generation_config, "min_p", None):
-            raise ValueError("sbd_generate: top_k / top_p / min_p filtering is not supported; sample with "
-                             "do_sample=True, top_k=0, top_p=1.0 (temperature only) or decode greedily")
     if getattr(generation_config, "num_beams", 1) != 1:
         raise ValueError("sbd_generate: beam search is not supported (num_beams must be 1)")
     if streamer is not None:
         raise ValueError("sbd_generate: streamers are not supported")
     if synced_gpus:
         raise ValueError("sbd_generate: synced_gpus is not supported")
+
+
+def _sampling_settings(generation_config: Any) -> dict[str, Any]:
+    """temperature / top_k / top_p / min_p of an HF generation config (greedy unless do_sample), as HF applies
+    them: the fused sampler runs the same filters in the same order."""
+    if not generation_config.do_sample:
+        return {"temperature": 0.0}
+    return {"temperature": generation_config.temperature, "top_k": generation_config.top_k or 0,
+            "top_p": 1.0 if generation_config.top_p is None else generation_config.top_p,
+            "min_p": getattr(generation_config, "min_p", None) or 0.0}
 
 
 def sbd_generate(model: Any, input_ids: Tensor, logits_processor: Any = None, stopping_criteria: Any = None,
@@ -160,9 +170,9 @@ def sbd_generate(model: Any, input_ids: Tensor, logits_processor: Any = None, st
                         synced_gpus)
     prompt_len = input_ids.shape[1]
     max_new = generation_config.max_new_tokens or generation_config.max_length - prompt_len
+    sampling = _sampling_settings(generation_config)
     out = generate(sbd_model, input_ids, model_kwargs.get("attention_mask"), max_new_tokens=max_new,
                    eos_token_id=generation_config.eos_token_id, pad_token_id=generation_config.pad_token_id,
-                   method=method, block_size=block_size, gamma=gamma, rule=rule,
-                   temperature=generation_config.temperature if generation_config.do_sample else 0.0, seed=seed,
-                   ops=ops, cuda_graph=cuda_graph)
+                   method=method, block_size=block_size, gamma=gamma, rule=rule, seed=seed, ops=ops,
+                   cuda_graph=cuda_graph, **sampling)
     return out if generation_config.return_dict_in_generate else out.sequences

@@ -1,17 +1,25 @@
-"""Argument checks of `sbd.entropy_sample` shared by the oracle and the Triton launcher.
+"""Argument checks of `sbd.entropy_sample` shared by the oracle, the Triton launcher and the fake kernel.
 
-The wording matches the `TORCH_CHECK`s of csrc/cpu/sampling.cpp, so every backend names the same
+The wording matches the `TORCH_CHECK`s of csrc/cpu/sampling.cpp word for word (dtypes are printed with
+ATen's names, e.g. "Double", and floats like a C++ stream, "%g"), so every backend names the same
 argument in the same words.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
 OP = "sbd.entropy_sample"
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+# ATen's ScalarType names, as `TORCH_CHECK(..., t.scalar_type())` prints them.
+_ATEN_DTYPE_NAMES = {
+    torch.float64: "Double", torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16",
+    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+    torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+}
 
 
 class SampleDims(NamedTuple):
@@ -24,24 +32,42 @@ def _fail(message: str) -> None:
     raise RuntimeError(f"{OP}: {message}")
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _ATEN_DTYPE_NAMES.get(dtype, str(dtype))
+
+
 def _check_per_row_int64(name: str, t: torch.Tensor, batch: int, device: torch.device) -> None:
     """seed / offset: int64, shape [B], or one element ([] or [1]) shared by every row."""
     if t.dtype != torch.int64:
-        _fail(f"{name} must be an int64 tensor, got {t.dtype}")
+        _fail(f"{name} must be an int64 tensor, got {_dtype_name(t.dtype)}")
     if t.device != device:
         _fail(f"{name} must be on the device of logits ({device}), got {t.device}")
     if not (tuple(t.shape) == (batch,) or t.dim() == 0 or tuple(t.shape) == (1,)):
         _fail(f"{name} must have shape [B] = [{batch}], [] or [1], got {list(t.shape)}")
 
 
+def _check_per_row_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, kind: str, batch: int,
+                          device: torch.device) -> None:
+    """temperature / top_k / top_p / min_p: a [B] tensor of `dtype` ("a float32", "an int64")."""
+    if t.dtype != dtype:
+        _fail(f"{name} must be {kind} tensor, got {_dtype_name(t.dtype)}")
+    if t.device != device:
+        _fail(f"{name} must be on the device of logits ({device}), got {t.device}")
+    if tuple(t.shape) != (batch,):
+        _fail(f"{name} must have shape [B] = [{batch}], got {list(t.shape)}")
+
+
 def check_entropy_sample_args(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
                               temperature: torch.Tensor | None, temperature_val: float,
-                              compute_mask: torch.Tensor | None, mask_token_id: int) -> SampleDims:
+                              compute_mask: torch.Tensor | None, mask_token_id: int,
+                              top_k: torch.Tensor | None = None, top_k_val: int = 0,
+                              top_p: torch.Tensor | None = None, top_p_val: float = 1.0,
+                              min_p: torch.Tensor | None = None, min_p_val: float = 0.0) -> SampleDims:
     """Checks dtypes, shapes, devices and host scalars (no device values); returns (B, K, V)."""
     if logits.dim() != 3:
         _fail(f"logits must be a 3-D tensor [B, K, V], got shape {list(logits.shape)}")
     if logits.dtype not in LOGITS_DTYPES:
-        _fail(f"logits must be float32, float16 or bfloat16, got {logits.dtype}")
+        _fail(f"logits must be float32, float16 or bfloat16, got {_dtype_name(logits.dtype)}")
     batch, positions, vocab = logits.shape
     if vocab < 1:
         _fail("logits must have a vocabulary dimension V >= 1")
@@ -49,17 +75,13 @@ def check_entropy_sample_args(logits: torch.Tensor, seed: torch.Tensor, offset: 
     _check_per_row_int64("seed", seed, batch, device)
     _check_per_row_int64("offset", offset, batch, device)
     if temperature is not None:
-        if temperature.dtype != torch.float32:
-            _fail(f"temperature must be a float32 tensor, got {temperature.dtype}")
-        if temperature.device != device:
-            _fail(f"temperature must be on the device of logits ({device}), got {temperature.device}")
-        if tuple(temperature.shape) != (batch,):
-            _fail(f"temperature must have shape [B] = [{batch}], got {list(temperature.shape)}")
-    elif not (math.isfinite(temperature_val) and temperature_val >= 0.0):
-        _fail(f"temperature_val must be finite and >= 0, got {temperature_val}")
+        _check_per_row_tensor("temperature", temperature, torch.float32, "a float32", batch, device)
+    elif not 0.0 <= temperature_val <= FLOAT32_MAX:  # the kernels run at fp32(temperature_val)
+        _fail(f"temperature_val must be finite and >= 0 as a float32 (at most 3.4028235e+38), "
+              f"got {temperature_val:g}")
     if compute_mask is not None:
         if compute_mask.dtype != torch.bool:
-            _fail(f"compute_mask must be a bool tensor, got {compute_mask.dtype}")
+            _fail(f"compute_mask must be a bool tensor, got {_dtype_name(compute_mask.dtype)}")
         if compute_mask.device != device:
             _fail(f"compute_mask must be on the device of logits ({device}), got {compute_mask.device}")
         if tuple(compute_mask.shape) != (batch, positions):
@@ -67,12 +89,53 @@ def check_entropy_sample_args(logits: torch.Tensor, seed: torch.Tensor, offset: 
                   f"got {list(compute_mask.shape)}")
     if not (mask_token_id == -1 or 0 <= mask_token_id < vocab):
         _fail(f"mask_token_id must be -1 (none) or in [0, V) = [0, {vocab}), got {mask_token_id}")
+    _check_filters(top_k, top_k_val, top_p, top_p_val, min_p, min_p_val, batch, device)
     return SampleDims(batch, positions, vocab)
 
 
+def _check_filters(top_k, top_k_val, top_p, top_p_val, min_p, min_p_val, batch, device) -> None:
+    if top_k is not None:
+        _check_per_row_tensor("top_k", top_k, torch.int64, "an int64", batch, device)
+    elif not top_k_val >= 0:
+        _fail(f"top_k_val must be >= 0 (0: off), got {top_k_val}")
+    if top_p is not None:
+        _check_per_row_tensor("top_p", top_p, torch.float32, "a float32", batch, device)
+    elif not 0.0 < top_p_val <= 1.0:
+        _fail(f"top_p_val must be in (0, 1] (1: off), got {top_p_val:g}")
+    if min_p is not None:
+        _check_per_row_tensor("min_p", min_p, torch.float32, "a float32", batch, device)
+    elif not 0.0 <= min_p_val < 1.0:
+        _fail(f"min_p_val must be in [0, 1) (0: off), got {min_p_val:g}")
+
+
+# Value checks of the per-row tensors: the oracle raises them, the Triton launcher asserts them on the
+# device without a host sync (torch._assert_async), the C++ kernel checks them on the host.
 TEMPERATURE_VALUE_MESSAGE = f"{OP}: temperature must be finite and >= 0"
+TOP_K_VALUE_MESSAGE = f"{OP}: top_k must be >= 0 (0: off)"
+TOP_P_VALUE_MESSAGE = f"{OP}: top_p must be in (0, 1] (1: off)"
+MIN_P_VALUE_MESSAGE = f"{OP}: min_p must be in [0, 1) (0: off)"
 
 
 def temperature_is_valid(temperature: torch.Tensor) -> torch.Tensor:
     """0-d bool tensor on temperature's device: every entry finite and >= 0 (no host sync)."""
     return (torch.isfinite(temperature) & (temperature >= 0)).all()
+
+
+def per_row_value_checks(temperature, top_k, top_p, min_p) -> list[tuple[torch.Tensor, str]]:
+    """(0-d bool tensor, message) of every per-row tensor given: its values are in range (NaN is not)."""
+    checks = []
+    if temperature is not None:
+        checks.append((temperature_is_valid(temperature), TEMPERATURE_VALUE_MESSAGE))
+    if top_k is not None:
+        checks.append(((top_k >= 0).all(), TOP_K_VALUE_MESSAGE))
+    if top_p is not None:
+        checks.append((((top_p > 0) & (top_p <= 1)).all(), TOP_P_VALUE_MESSAGE))
+    if min_p is not None:
+        checks.append((((min_p >= 0) & (min_p < 1)).all(), MIN_P_VALUE_MESSAGE))
+    return checks
+
+
+def filters_requested(top_k, top_k_val, top_p, top_p_val, min_p, min_p_val) -> bool:
+    """Whether any filter may be on for some row (a tensor given, or a scalar that is not off)."""
+    return (top_k is not None or top_p is not None or min_p is not None or top_k_val > 0
+            or top_p_val < 1.0 or min_p_val > 0.0)

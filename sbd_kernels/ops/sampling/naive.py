@@ -6,12 +6,30 @@ Math (per computed position (b, j), x = logits[b, j, :] in fp32, the entry `mask
     p       = softmax(x)                       (temperature 1, fp64 here)
     entropy = -sum_v p_v log p_v               (terms with p_v = 0 count 0)
     token   = argmax_v x_v                                   if T == 0 (lowest index on ties)
-              argmax_v (x_v / T + g_v)  (fp32, lowest index on ties)   if T > 0
+              argmax_{v kept} (x_v / T + g_v)  (fp32, lowest index on ties)   if T > 0
     logprob = log p_token
 
-If every x_v / T + g_v is -inf (finite logits so negative that x / T overflows) the token is the T == 0
-one. Invalid positions: token 0, entropy +inf, logprob -inf, valid False. Positions not computed
-(compute_mask False): token -1, entropy +inf, logprob -inf, valid False.
+If every x_v / T + g_v of the kept entries is -inf (finite logits so negative that x / T overflows) the
+token is the T == 0 one. Invalid positions: token 0, entropy +inf, logprob -inf, valid False. Positions
+not computed (compute_mask False): token -1, entropy +inf, logprob -inf, valid False.
+
+Filters (T > 0 only; Hugging Face's order and meaning: temperature, then top-k, then top-p, then min-p),
+on q = softmax(x / T) over the entries not -inf; each keeps the entries whose logit is >= a threshold:
+
+    top-k (k > 0 and k < V):  tau_k = the k-th largest x_v, ties counted (-inf if fewer than k are > -inf)
+    top-p (p < 1):            tau_p = the largest logit t with  sum_{x_v >= t} q'_v >= p,  q' = q restricted
+                              to {x_v >= tau_k} and renormalised: the smallest set of most probable tokens
+                              whose mass reaches p, completed with every token tied with its last one
+    min-p (min_p > 0):        keep q_v >= min_p * max q, i.e. x_v >= max x + T ln(min_p)
+    kept = {v : x_v >= max(tau_k, tau_p, tau_m)}
+
+Ties at a cut-off are all kept ("every token whose logit equals the threshold"): a threshold on the logit
+is what a selection or pivot search finds without sorting, it is the same set on every backend whatever
+their summation or index order, and it is Hugging Face's top-k rule (scores < the k-th value removed);
+Hugging Face's top-p splits a tie group at the cut-off in sort order, this keeps the whole group. Kept
+sets are ranked by logit, the order of x / T. The filters never remove the largest logit. The draw is
+the same Gumbel-max with the same noise, restricted to the kept set: a filter that keeps every token
+gives exactly the unfiltered token. entropy and logprob stay those of softmax(x), unfiltered.
 
 Random generator (a public contract: every backend draws these exact numbers, so tokens can be reproduced
 from (seed, offset) alone, whatever the batch around a row):
@@ -34,9 +52,9 @@ from __future__ import annotations
 import torch
 
 from sbd_kernels.ops.sampling._checks import (
-    TEMPERATURE_VALUE_MESSAGE,
     check_entropy_sample_args,
-    temperature_is_valid,
+    filters_requested,
+    per_row_value_checks,
 )
 
 MASK32 = 0xFFFFFFFF
@@ -94,20 +112,60 @@ def gumbel_noise(seed: torch.Tensor, offset: torch.Tensor, positions: int, vocab
     return -torch.log(-torch.log(u))
 
 
+def kept_by_filters(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor) -> torch.Tensor:
+    """Bool [B, K, V]: the entries the filters keep (module docstring), literally: sort, cumsum, mask.
+
+    x: fp32 [B, K, V] (mask token at -inf); temperature, top_p, min_p: fp32 [B]; top_k: int64 [B].
+    Every entry of a row with T == 0 is kept (greedy ignores the filters).
+    """
+    vocab = x.shape[-1]
+    t = torch.where(temperature > 0, temperature, 1.0).double().view(-1, 1, 1)
+    x64 = x.double()
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)                  # [B, K, V]
+
+    k = top_k.view(-1, 1, 1)
+    kth = sorted_x.gather(-1, (k - 1).clamp(0, vocab - 1).expand(*x.shape[:2], 1))    # k-th largest
+    keep = torch.where((k > 0) & (k < vocab), x >= kth, True)
+
+    q = torch.softmax(torch.where(keep, x64 / t, float("-inf")), dim=-1)            # fp64, renormalised
+    cumulative = q.gather(-1, order).cumsum(-1)                                      # mass of the top i + 1
+    p = top_p.double().view(-1, 1, 1)
+    first = (cumulative >= p * cumulative[..., -1:]).to(torch.int8).argmax(-1, keepdim=True)
+    keep &= torch.where(p < 1, x >= sorted_x.gather(-1, first), True)
+
+    q = torch.softmax(torch.where(keep, x64 / t, float("-inf")), dim=-1)
+    min_p = min_p.double().view(-1, 1, 1)
+    keep &= torch.where(min_p > 0, q >= min_p * q.amax(-1, keepdim=True), True)
+    return keep | (temperature.view(-1, 1, 1) == 0)
+
+
 def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
                    temperature: torch.Tensor | None = None, temperature_val: float = 0.0,
-                   compute_mask: torch.Tensor | None = None, mask_token_id: int = -1
+                   compute_mask: torch.Tensor | None = None, mask_token_id: int = -1,
+                   top_k: torch.Tensor | None = None, top_k_val: int = 0,
+                   top_p: torch.Tensor | None = None, top_p_val: float = 1.0,
+                   min_p: torch.Tensor | None = None, min_p_val: float = 0.0,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Oracle of `sbd.entropy_sample` (same arguments, same returns; see the module docstring)."""
     batch, positions, vocab = check_entropy_sample_args(logits, seed, offset, temperature, temperature_val,
-                                                        compute_mask, mask_token_id)
-    if temperature is not None and not bool(temperature_is_valid(temperature)):
-        raise RuntimeError(TEMPERATURE_VALUE_MESSAGE)
+                                                        compute_mask, mask_token_id, top_k, top_k_val,
+                                                        top_p, top_p_val, min_p, min_p_val)
+    for ok, message in per_row_value_checks(temperature, top_k, top_p, min_p):
+        if not bool(ok):
+            raise RuntimeError(message)
     device = logits.device
     seed = seed.reshape(-1).expand(batch)
     offset = offset.reshape(-1).expand(batch)
-    if temperature is None:
-        temperature = torch.full((batch,), temperature_val, dtype=torch.float32, device=device)
+
+    def per_row(t, value, dtype):
+        return t if t is not None else torch.full((batch,), value, dtype=dtype, device=device)
+
+    temperature = per_row(temperature, temperature_val, torch.float32)
+    filters = filters_requested(top_k, top_k_val, top_p, top_p_val, min_p, min_p_val)
+    top_k = per_row(top_k, top_k_val, torch.int64)
+    top_p = per_row(top_p, top_p_val, torch.float32)
+    min_p = per_row(min_p, min_p_val, torch.float32)
     if compute_mask is None:
         compute_mask = torch.ones(batch, positions, dtype=torch.bool, device=device)
 
@@ -125,6 +183,8 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
     greedy = torch.where(valid.unsqueeze(-1), x, torch.zeros(())).argmax(-1)  # first maximum
     t = temperature.view(-1, 1, 1)
     scores = x / t + gumbel_noise(seed, offset, positions, vocab)        # fp32 [B, K, V]
+    if filters:
+        scores = torch.where(kept_by_filters(x, temperature, top_k, top_p, min_p), scores, float("-inf"))
     sampled = scores.argmax(-1)
     sampled = torch.where(scores.amax(-1) == float("-inf"), greedy, sampled)
     tokens = torch.where(temperature.view(-1, 1) > 0, sampled, greedy)

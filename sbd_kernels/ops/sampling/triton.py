@@ -21,9 +21,9 @@ import triton.language as tl
 
 from sbd_kernels.ops._aot import KernelSpec
 from sbd_kernels.ops.sampling._checks import (
-    TEMPERATURE_VALUE_MESSAGE,
     check_entropy_sample_args,
-    temperature_is_valid,
+    filters_requested,
+    per_row_value_checks,
 )
 
 # Vocabulary entries per tile: 1024 = 16 Philox blocks of 64, with 8 warps: each thread holds 4 logits
@@ -46,6 +46,13 @@ MAX_SPLITS = 64
 # Largest Gumbel noise any u gives, -log(-log(1 - 2^-24)) = 16.6355, rounded up: a tile whose max logit / T
 # plus this is below the best score so far cannot hold the winner and skips its Philox draws.
 GUMBEL_MAX = tl.constexpr(16.64)
+# Filters' threshold search (one program per row): a tile of THRESHOLD_BLOCK entries is compared with
+# THRESHOLD_PIVOTS pivots at once, [256, 16] = 4096 values (32 per thread at 4 warps); each pass narrows
+# the range of 32-bit keys 17-fold, so 8 passes always end it (17^8 > 2^32), most rows far sooner.
+THRESHOLD_BLOCK = 256
+THRESHOLD_PIVOTS = 16
+THRESHOLD_NUM_WARPS = 4
+THRESHOLD_MAX_ROUNDS = 8
 # Entries per row of the workspaces: (m, S, U, greedy value, best score, bad) and (greedy index, best index).
 PARTIAL_FLOATS = 6
 PARTIAL_INTS = 2
@@ -54,6 +61,12 @@ _PARTIAL_INTS = tl.constexpr(PARTIAL_INTS)
 INT32_MAX = 2**31 - 1
 _INT32_MAX = tl.constexpr(INT32_MAX)
 _FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)
+# _sampling_key(-3.4028235e38): the smallest key of a finite float.
+_LOWEST_KEY = tl.constexpr(-2139095040)
+# Lower clamp of the shift between two maxima: below ln(smallest denormal) = -103.3, so exp(shift) = 0 as
+# without the clamp, while sum * shift stays finite (sums over a run of finfo.min logits shift by -3.4e38
+# when ordinary logits follow: 128 * -3.4e38 = -inf, and -inf * 0 = NaN).
+_EXP_FLOOR = tl.constexpr(-128.0)
 
 
 @triton.jit
@@ -72,11 +85,156 @@ def _sampling_gumbel_tile(x, v, start, temperature, seed, c1, c2, c3, ROWS: tl.c
 
 
 @triton.jit
+def _sampling_key(x):
+    """Order-preserving int64 key of fp32 x (not NaN): key(a) < key(b) <=> a < b; -0.0 and 0.0 share one."""
+    bits = (x + 0.0).to(tl.int32, bitcast=True)  # + 0.0 turns -0.0 into 0.0
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+
+
+@triton.jit
+def _sampling_key_value(key):
+    """The fp32 value of a key of `_sampling_key`."""
+    key = key.to(tl.int32)
+    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK: tl.constexpr):
+    """(logits of entries start + [0, BLOCK) in fp32, -inf beyond V and at the mask token; their indices)."""
+    v = start + tl.arange(0, BLOCK)
+    x = tl.load(row_ptr + v, mask=v < vocab, other=-float("inf")).to(tl.float32)
+    return tl.where(v == mask_token_id, -float("inf"), x), v
+
+
+@triton.jit
+def _sampling_top_p_weight(x, m, temperature):
+    """q = exp((x - max) / T), 0 for -inf; the division (not x * (1/T)) keeps a subnormal T exact."""
+    return tl.exp(tl.maximum(tl.div_rn(x - m, temperature), _EXP_FLOOR))
+
+
+@triton.jit
+def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target,
+                         MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
+                         MAX_ROUNDS: tl.constexpr):
+    """The largest key K in [lo, hi) with W(K) >= target, where W(K) = sum of w over the entries whose key
+    is >= K, w = 1 for entries above -inf (MASS False) or the top-p weight (MASS True); needs
+    W(lo) >= target > W(hi). hi <= lo + 1 on entry returns lo at once.
+
+    Each pass over the row evaluates W at PIVOTS keys spread over [lo, hi) and narrows the range to the
+    two pivots around the answer, and ends the search as soon as a single key with weight is left in the
+    range (FlashInfer's pivot search, with keys instead of values so that it always ends: 17^8 > 2^32).
+    """
+    steps = tl.arange(0, PIVOTS).to(tl.int64) + 1
+    rounds = 0
+    while (hi - lo > 1) & (rounds < MAX_ROUNDS):
+        pivots = lo + ((hi - lo) * steps) // (PIVOTS + 1)                  # [PIVOTS], ascending, >= lo
+        if MASS:
+            reach = tl.zeros([PIVOTS], dtype=tl.float32)
+        else:
+            reach = tl.zeros([PIVOTS], dtype=tl.int32)
+        key_min = hi
+        key_max = lo - 1
+        for start in range(0, vocab, BLOCK):
+            x, _ = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
+            key = _sampling_key(x)
+            if MASS:
+                w = _sampling_top_p_weight(x, m, temperature)
+            else:
+                w = (x > -float("inf")).to(tl.int32)
+            reach += tl.sum(tl.where(key[:, None] >= pivots[None, :], w[:, None], 0), axis=0)
+            inside = (key >= lo) & (key < hi) & (w > 0)
+            key_min = tl.minimum(key_min, tl.min(tl.where(inside, key, hi)))
+            key_max = tl.maximum(key_max, tl.max(tl.where(inside, key, lo - 1)))
+        enough = reach >= target
+        single = key_min == key_max  # one key with weight left in [lo, hi): it is the answer
+        new_lo = tl.max(tl.where(enough, pivots, lo))
+        new_hi = tl.min(tl.where(enough, hi, pivots))
+        lo = tl.where(single, key_min, new_lo)
+        hi = tl.where(single, key_min + 1, new_hi)
+        rounds += 1
+    return lo
+
+
+@triton.jit
+def _sampling_threshold_kernel(
+    logits_ptr, stride_b, stride_k, temperature_ptr, temperature_stride, temperature_val, compute_mask_ptr,
+    top_k_ptr, top_k_stride, top_k_val, top_p_ptr, top_p_stride, top_p_val, min_p_ptr, min_p_stride,
+    min_p_val, threshold_ptr, positions, vocab, mask_token_id,
+    HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, FILTER_TENSORS: tl.constexpr,
+    BLOCK: tl.constexpr, PIVOTS: tl.constexpr, MAX_ROUNDS: tl.constexpr,
+):
+    """threshold[row] = max(tau_k, tau_p, tau_m) of a sampled row with a filter on, else -inf."""
+    row = tl.program_id(0)
+    b = row // positions
+    j = row % positions
+    if HAS_TEMPERATURE:
+        temperature = tl.load(temperature_ptr + b * temperature_stride)
+    else:
+        temperature = temperature_val
+    if FILTER_TENSORS:
+        top_k = tl.load(top_k_ptr + b * top_k_stride)
+        top_p = tl.load(top_p_ptr + b * top_p_stride)
+        min_p = tl.load(min_p_ptr + b * min_p_stride)
+    else:
+        top_k = top_k_val
+        top_p = top_p_val
+        min_p = min_p_val
+    computed = True
+    if HAS_COMPUTE_MASK:
+        computed = tl.load(compute_mask_ptr + row) != 0
+    top_k_on = (top_k > 0) & (top_k < vocab)
+    wanted = computed & (temperature > 0) & (top_k_on | (top_p < 1) | (min_p > 0))
+    row_ptr = logits_ptr + b.to(tl.int64) * stride_b + j.to(tl.int64) * stride_k
+
+    # Pass 1: max, validity (NaN / +inf rows are flagged by the partial kernel), entries above -inf.
+    m = -float("inf")
+    bad = 0
+    live = 0
+    for start in range(0, tl.where(wanted, vocab, 0), BLOCK):
+        x, _ = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
+        bad = tl.maximum(bad, tl.max(((x != x) | (x == float("inf"))).to(tl.int32)))  # noqa: PLR0124 (NaN test)
+        m = tl.maximum(m, tl.max(x))
+        live += tl.sum((x > -float("inf")).to(tl.int32))
+    active = wanted & (bad == 0) & (m > -float("inf"))
+    lowest = tl.full((), _LOWEST_KEY, tl.int64)
+    top = _sampling_key(tl.where(active, m, 0.0)) + 1
+
+    # top-k: the k-th largest logit (count weights); off, or fewer than k entries above -inf: -inf.
+    need_k = active & top_k_on & (live >= top_k)
+    key_k = _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lowest,
+                                 tl.where(need_k, top, lowest + 1), top_k, False, BLOCK, PIVOTS,
+                                 MAX_ROUNDS)
+    tau_k = tl.where(need_k, _sampling_key_value(key_k), -float("inf"))
+
+    # top-p over the entries >= tau_k: the largest logit whose upper set holds top_p of their mass.
+    need_p = active & (top_p < 1)
+    total = 0.0
+    for start in range(0, tl.where(need_p, vocab, 0), BLOCK):
+        x, _ = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
+        total += tl.sum(tl.where(x >= tau_k, _sampling_top_p_weight(x, m, temperature), 0.0))
+    lo_p = tl.maximum(key_k, lowest)
+    key_p = _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo_p,
+                                 tl.where(need_p, top, lo_p + 1), top_p * total, True, BLOCK, PIVOTS,
+                                 MAX_ROUNDS)
+    tau_p = tl.where(need_p, _sampling_key_value(key_p), -float("inf"))
+
+    # min-p: p >= min_p * p_max <=> x >= max + T ln(min_p), in fp64, rounded up to the next float.
+    need_m = active & (min_p > 0)
+    cut = m.to(tl.float64) + tl.cast(temperature, tl.float64) * tl.log(tl.where(need_m, min_p, 1.0).to(tl.float64))
+    cut32 = cut.to(tl.float32)
+    cut32 = tl.where(cut32.to(tl.float64) < cut, _sampling_key_value(_sampling_key(cut32) + 1), cut32)
+    tau_m = tl.where(need_m, cut32, -float("inf"))
+
+    tl.store(threshold_ptr + row, tl.maximum(tl.maximum(tau_k, tau_p), tau_m))
+
+
+@triton.jit
 def _sampling_partial_kernel(
     logits_ptr, stride_b, stride_k, seed_ptr, seed_stride, offset_ptr, offset_stride,
-    temperature_ptr, temperature_stride, temperature_val, compute_mask_ptr, partial_f_ptr, partial_i_ptr,
-    positions, vocab, mask_token_id, tiles_per_split, num_splits,
-    HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, BLOCK: tl.constexpr,
+    temperature_ptr, temperature_stride, temperature_val, compute_mask_ptr, threshold_ptr, partial_f_ptr,
+    partial_i_ptr, positions, vocab, mask_token_id, tiles_per_split, num_splits,
+    HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -89,6 +247,8 @@ def _sampling_partial_kernel(
         temperature = tl.load(temperature_ptr + b * temperature_stride)
     else:
         temperature = temperature_val
+    if HAS_THRESHOLD:
+        threshold = tl.load(threshold_ptr + row)  # filters: the race keeps x >= threshold only
     seed = tl.load(seed_ptr + b * seed_stride)
     offset = tl.load(offset_ptr + b * offset_stride)
     c1 = j.to(tl.uint32)
@@ -120,16 +280,22 @@ def _sampling_partial_kernel(
         # Online (m, S, U): -inf entries (and an all -inf prefix) add exactly 0, never NaN.
         m_new = tl.maximum(m, tile_max)
         ref = tl.where(m_new == -float("inf"), 0.0, m_new)
-        shift = tl.where(m == -float("inf"), 0.0, m - ref)
+        shift = tl.where(m == -float("inf"), 0.0, tl.maximum(m - ref, _EXP_FLOOR))
         scale = tl.where(m == -float("inf"), 0.0, tl.exp(shift))
         d = tl.maximum(x - ref, _FLOAT32_LOWEST)  # -inf -> lowest: exp = 0 and exp * d = 0, not NaN
         e = tl.exp(d)
         sum_xexp = (sum_xexp + sum_exp * shift) * scale + tl.sum(e * d)
         sum_exp = sum_exp * scale + tl.sum(e)
         m = m_new
-        if temperature > 0:  # noqa: SIM102 (the division below needs T > 0)
-            if tl.div_rn(tile_max, temperature) + GUMBEL_MAX >= best:
-                score = _sampling_gumbel_tile(x, v, start, temperature, seed, c1, c2, c3, ROWS)
+        if temperature > 0:  # the division below needs T > 0
+            race = x
+            race_max = tile_max
+            if HAS_THRESHOLD:
+                race = tl.where(x >= threshold, x, -float("inf"))
+                race_max = tl.max(race)
+            # A tile with nothing above -inf (padding, masked, filtered out) cannot hold the winner.
+            if (tl.div_rn(race_max, temperature) + GUMBEL_MAX >= best) & (race_max > -float("inf")):
+                score = _sampling_gumbel_tile(race, v, start, temperature, seed, c1, c2, c3, ROWS)
                 score_max = tl.max(score)
                 score_arg = tl.min(tl.where(score == score_max, v, _INT32_MAX))
                 best_idx = tl.where(score_max > best, score_arg, best_idx)
@@ -181,7 +347,7 @@ def _sampling_combine_kernel(
     row_max = tl.max(m)
     valid = computed & (bad == 0) & (row_max > -float("inf"))
     ref = tl.where(row_max == -float("inf"), 0.0, row_max)
-    shift = tl.where(m == -float("inf"), 0.0, m - ref)
+    shift = tl.where(m == -float("inf"), 0.0, tl.maximum(m - ref, _EXP_FLOOR))
     scale = tl.where(m == -float("inf"), 0.0, tl.exp(shift))
     total_exp = tl.sum(sum_exp * scale)
     total_xexp = tl.sum((sum_xexp + sum_exp * shift) * scale)
@@ -222,18 +388,61 @@ def _split_plan(rows: int, vocab: int) -> tuple[int, int]:
     return tiles_per_split, triton.cdiv(num_tiles, tiles_per_split)
 
 
+FLOAT32_MIN_NORMAL = 2.0**-126
+
+
+def _fp32_scalar_argument(value: float, batch: int, device: torch.device) -> tuple[torch.Tensor | None, float]:
+    """(tensor, scalar) kernel arguments for a host scalar, rounded to fp32 as the oracle and the C++ kernel
+    round it. Triton types a Python float as fp64 when it is not 0, inf or a normal fp32 value (e.g. a
+    subnormal 1e-40, or 1e39), which the fp32 math of the kernels rejects and no compiled configuration
+    covers; such a value goes to the kernel as a [B] tensor instead (rare: no speed concern)."""
+    value32 = torch.tensor(value, dtype=torch.float32).item()
+    if value32 != 0.0 and abs(value32) < FLOAT32_MIN_NORMAL:
+        return torch.full((batch,), value32, dtype=torch.float32, device=device), 0.0
+    return None, value32
+
+
 def _per_row_stride(t: torch.Tensor) -> int:
     """Row stride of a [B] / [] / [1] tensor: 0 broadcasts its single element."""
     return t.stride(0) if t.dim() == 1 and t.numel() > 1 else 0
 
 
+def _filter_arguments(top_k, top_k_val, top_p, top_p_val, min_p, min_p_val, batch, device):
+    """(FILTER_TENSORS, (top_k, top_p, min_p) tensors or Nones, (top_k_val, top_p_val, min_p_val)): the
+    threshold kernel reads all three filters from [B] tensors or all three from scalars. When only some
+    come as tensors (or a scalar must go as a tensor, see `_fp32_scalar_argument`) the others are filled
+    into [B] tensors (a fill kernel each, no host sync), which keeps the compiled configurations at two."""
+    if top_p is None:
+        top_p, top_p_val = _fp32_scalar_argument(top_p_val, batch, device)
+    if min_p is None:
+        min_p, min_p_val = _fp32_scalar_argument(min_p_val, batch, device)
+    if top_k is None and top_p is None and min_p is None:
+        return False, (None, None, None), (top_k_val, top_p_val, min_p_val)
+    if top_k is None:
+        top_k = torch.full((batch,), top_k_val, dtype=torch.int64, device=device)
+    if top_p is None:
+        top_p = torch.full((batch,), top_p_val, dtype=torch.float32, device=device)
+    if min_p is None:
+        min_p = torch.full((batch,), min_p_val, dtype=torch.float32, device=device)
+    return True, (top_k, top_p, min_p), (0, 1.0, 0.0)
+
+
 def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
                    temperature: torch.Tensor | None = None, temperature_val: float = 0.0,
-                   compute_mask: torch.Tensor | None = None, mask_token_id: int = -1
+                   compute_mask: torch.Tensor | None = None, mask_token_id: int = -1,
+                   top_k: torch.Tensor | None = None, top_k_val: int = 0,
+                   top_p: torch.Tensor | None = None, top_p_val: float = 1.0,
+                   min_p: torch.Tensor | None = None, min_p_val: float = 0.0,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton launcher of `sbd.entropy_sample` (same contract; CUDA tensors, or CPU under TRITON_INTERPRET)."""
+    """Triton launcher of `sbd.entropy_sample` (same contract; CUDA tensors, or CPU under TRITON_INTERPRET).
+
+    Filters off (no filter tensor, every scalar off): two launches, the partial and the combine kernel.
+    Filters requested: the threshold kernel first (one program per row), then the partial kernel with
+    its race restricted to x >= threshold. No host sync either way: CUDA-graph capturable.
+    """
     batch, positions, vocab = check_entropy_sample_args(logits, seed, offset, temperature, temperature_val,
-                                                        compute_mask, mask_token_id)
+                                                        compute_mask, mask_token_id, top_k, top_k_val,
+                                                        top_p, top_p_val, min_p, min_p_val)
     if vocab > INT32_MAX:
         raise RuntimeError(f"sbd.entropy_sample: logits vocabulary V = {vocab} must be < 2^31 on this backend")
     device = logits.device
@@ -244,8 +453,10 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
     rows = batch * positions
     if rows == 0:
         return tokens, entropy, logprob, valid
-    if temperature is not None:
-        torch._assert_async(temperature_is_valid(temperature), TEMPERATURE_VALUE_MESSAGE)
+    for ok, message in per_row_value_checks(temperature, top_k, top_p, min_p):
+        torch._assert_async(ok, message)
+    if temperature is None:
+        temperature, temperature_val = _fp32_scalar_argument(temperature_val, batch, device)
     if logits.stride(2) != 1:
         logits = logits.contiguous()  # vocabulary-strided rows: one copy, then coalesced tile loads
 
@@ -260,11 +471,29 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
     seed = seed.reshape(-1)
     offset = offset.reshape(-1)
 
+    has_threshold = filters_requested(top_k, top_k_val, top_p, top_p_val, min_p, min_p_val)
+    threshold = partial_f
+    if has_threshold:
+        filter_tensors, (top_k, top_p, min_p), (top_k_val, top_p_val, min_p_val) = _filter_arguments(
+            top_k, top_k_val, top_p, top_p_val, min_p, min_p_val, batch, device)
+        threshold = torch.empty(rows, dtype=torch.float32, device=device)
+        top_k_val = min(top_k_val, vocab)  # k >= V keeps everything: an i32 argument whatever k
+        _sampling_threshold_kernel[(rows,)](
+            logits, logits.stride(0), logits.stride(1), temperature_arg, temperature_stride,
+            float(temperature_val), mask_arg, top_k if filter_tensors else seed,
+            _per_row_stride(top_k) if filter_tensors else 0, int(top_k_val),
+            top_p if filter_tensors else partial_f, _per_row_stride(top_p) if filter_tensors else 0,
+            float(top_p_val), min_p if filter_tensors else partial_f,
+            _per_row_stride(min_p) if filter_tensors else 0, float(min_p_val), threshold, positions, vocab,
+            mask_token_id, FILTER_TENSORS=filter_tensors, BLOCK=THRESHOLD_BLOCK, PIVOTS=THRESHOLD_PIVOTS,
+            MAX_ROUNDS=THRESHOLD_MAX_ROUNDS, num_warps=THRESHOLD_NUM_WARPS, **flags)
+
     _sampling_partial_kernel[(rows, num_splits)](
         logits, logits.stride(0), logits.stride(1), seed, _per_row_stride(seed), offset,
         _per_row_stride(offset), temperature_arg, temperature_stride, float(temperature_val), mask_arg,
-        partial_f, partial_i, positions, vocab, mask_token_id, tiles_per_split, num_splits,
-        BLOCK=_block_size(vocab), num_warps=_num_warps(_block_size(vocab)), **flags)
+        threshold, partial_f, partial_i, positions, vocab, mask_token_id, tiles_per_split, num_splits,
+        HAS_THRESHOLD=has_threshold, BLOCK=_block_size(vocab), num_warps=_num_warps(_block_size(vocab)),
+        **flags)
     _sampling_combine_kernel[(rows,)](
         logits, logits.stride(0), logits.stride(1), temperature_arg, temperature_stride,
         float(temperature_val), mask_arg, partial_f, partial_i, tokens, entropy, logprob, valid.view(torch.int8),
@@ -281,28 +510,28 @@ def _flags_label(name: str, flags: dict) -> str:
             f"mask={flags['HAS_COMPUTE_MASK']}")
 
 
-def _partial_name(label: str, block: int) -> str:
-    return f"entropy_sample/partial {label} BLOCK={block}"
+def _partial_name(label: str, block: int, has_threshold: bool = False) -> str:
+    return f"entropy_sample/partial {label}{' filtered' if has_threshold else ''} BLOCK={block}"
 
 
 def _combine_name(label: str) -> str:
     return f"entropy_sample/combine {label} SPLITS={MAX_SPLITS}"
 
 
-def _partial_spec(name: str, label: str, flags: dict, block: int) -> KernelSpec:
+def _partial_spec(name: str, label: str, flags: dict, block: int, has_threshold: bool) -> KernelSpec:
     return KernelSpec(
-        name=_partial_name(label, block),
+        name=_partial_name(label, block, has_threshold),
         fn=_sampling_partial_kernel,
         signature={
             "logits_ptr": f"*{name}", "stride_b": "i64", "stride_k": "i64", "seed_ptr": "*i64",
             "seed_stride": "i64", "offset_ptr": "*i64", "offset_stride": "i64",
             "temperature_ptr": "*fp32", "temperature_stride": "i64", "temperature_val": "fp32",
-            "compute_mask_ptr": "*u8", "partial_f_ptr": "*fp32", "partial_i_ptr": "*i32",
-            "positions": "i32", "vocab": "i32", "mask_token_id": "i32", "tiles_per_split": "i32",
-            "num_splits": "i32", "HAS_TEMPERATURE": "constexpr", "HAS_COMPUTE_MASK": "constexpr",
-            "BLOCK": "constexpr",
+            "compute_mask_ptr": "*u8", "threshold_ptr": "*fp32", "partial_f_ptr": "*fp32",
+            "partial_i_ptr": "*i32", "positions": "i32", "vocab": "i32", "mask_token_id": "i32",
+            "tiles_per_split": "i32", "num_splits": "i32", "HAS_TEMPERATURE": "constexpr",
+            "HAS_COMPUTE_MASK": "constexpr", "HAS_THRESHOLD": "constexpr", "BLOCK": "constexpr",
         },
-        constexprs={**flags, "BLOCK": block},
+        constexprs={**flags, "HAS_THRESHOLD": has_threshold, "BLOCK": block},
         num_warps=_num_warps(block),
     )
 
@@ -324,17 +553,41 @@ def _combine_spec(name: str, label: str, flags: dict) -> KernelSpec:
     )
 
 
+def _threshold_spec(name: str, label: str, flags: dict, filter_tensors: bool) -> KernelSpec:
+    return KernelSpec(
+        name=f"entropy_sample/threshold {label} filters={'tensor' if filter_tensors else 'scalar'} "
+             f"BLOCK={THRESHOLD_BLOCK} PIVOTS={THRESHOLD_PIVOTS}",
+        fn=_sampling_threshold_kernel,
+        signature={
+            "logits_ptr": f"*{name}", "stride_b": "i64", "stride_k": "i64",
+            "temperature_ptr": "*fp32", "temperature_stride": "i64", "temperature_val": "fp32",
+            "compute_mask_ptr": "*u8", "top_k_ptr": "*i64", "top_k_stride": "i64", "top_k_val": "i32",
+            "top_p_ptr": "*fp32", "top_p_stride": "i64", "top_p_val": "fp32", "min_p_ptr": "*fp32",
+            "min_p_stride": "i64", "min_p_val": "fp32", "threshold_ptr": "*fp32", "positions": "i32",
+            "vocab": "i32", "mask_token_id": "i32", "HAS_TEMPERATURE": "constexpr",
+            "HAS_COMPUTE_MASK": "constexpr", "FILTER_TENSORS": "constexpr", "BLOCK": "constexpr",
+            "PIVOTS": "constexpr", "MAX_ROUNDS": "constexpr",
+        },
+        constexprs={**flags, "FILTER_TENSORS": filter_tensors, "BLOCK": THRESHOLD_BLOCK,
+                    "PIVOTS": THRESHOLD_PIVOTS, "MAX_ROUNDS": THRESHOLD_MAX_ROUNDS},
+        num_warps=THRESHOLD_NUM_WARPS,
+    )
+
+
 def aot_specs() -> list[KernelSpec]:
-    """Every configuration the launcher can pick: logits dtype x temperature tensor or scalar x compute_mask,
-    and for the partial kernel both tile sizes."""
+    """Every configuration the launcher can pick: logits dtype x temperature tensor or scalar x compute_mask;
+    for the partial kernel both tile sizes, unfiltered or filtered; for the threshold kernel (filters
+    only) the filters as tensors or as scalars."""
     specs = []
     for name in _TRITON_DTYPES.values():
         for has_temperature in (False, True):
             for has_mask in (False, True):
                 flags = {"HAS_TEMPERATURE": has_temperature, "HAS_COMPUTE_MASK": has_mask}
                 label = _flags_label(name, flags)
-                specs += [_partial_spec(name, label, flags, block) for block in (SMALL_BLOCK_V, BLOCK_V)]
+                specs += [_partial_spec(name, label, flags, block, has_threshold)
+                          for block in (SMALL_BLOCK_V, BLOCK_V) for has_threshold in (False, True)]
                 specs.append(_combine_spec(name, label, flags))
+                specs += [_threshold_spec(name, label, flags, tensors) for tensors in (False, True)]
     return specs
 
 

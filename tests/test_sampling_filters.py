@@ -1,0 +1,492 @@
+"""sbd.entropy_sample as a complete sampler: top-k, top-p and min-p per request on every backend (C++ CPU,
+Triton under the interpreter, the oracle), against the literal sort-based oracle and Hugging Face's
+warpers, by statistics, on ties, in a batch, and with bad values."""
+import math
+
+import pytest
+import torch
+
+from sbd_kernels.ops.sampling import naive
+from sbd_kernels.testing import FLOAT_DTYPES, assert_close
+
+BACKENDS = ("cpu", "triton")
+ALL_BACKENDS = BACKENDS + ("naive",)
+# Filter settings, as schema keywords; "mixed" gives every row its own (tensors, off rows included).
+FILTERS = {
+    "top_k": {"top_k_val": 5},
+    "top_p": {"top_p_val": 0.8},
+    "min_p": {"min_p_val": 0.1},
+    "top_k_top_p_min_p": {"top_k_val": 40, "top_p_val": 0.9, "min_p_val": 0.02},
+    "mixed": "per_row",
+}
+
+
+def backend_op(backend):
+    if backend == "cpu":
+        return torch.ops.sbd.entropy_sample
+    if backend == "triton":
+        from sbd_kernels.ops.sampling import triton as sampling_triton
+        return sampling_triton.entropy_sample
+    return naive.entropy_sample
+
+
+def make_logits(batch, positions, vocab, dtype=torch.float32, scale=3.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, positions, vocab, generator=gen) * scale).to(dtype)
+
+
+def make_seeds(batch, seed=0):
+    gen = torch.Generator().manual_seed(seed + 1)
+    return (torch.randint(-2**62, 2**62, (batch,), generator=gen),
+            torch.randint(0, 2**40, (batch,), generator=gen))
+
+
+def filter_args(name, batch):
+    """Schema keywords of a FILTERS entry; "per_row" cycles on / off settings over the rows."""
+    if FILTERS[name] != "per_row":
+        return dict(FILTERS[name])
+
+    def cycle(values, dtype):
+        return torch.tensor(values, dtype=dtype).repeat(batch)[:batch].contiguous()
+
+    return {"top_k": cycle([0, 3, 50, 1, 0], torch.int64),
+            "top_p": cycle([0.7, 1.0, 0.95, 1.0, 0.5], torch.float32),
+            "min_p": cycle([0.0, 0.2, 0.0, 0.0, 0.05], torch.float32)}
+
+
+def check_backend(backend, logits, seed, offset, **kwargs):
+    """Runs the backend and the oracle; tokens equal, valid equal, entropy / logprob within tolerance."""
+    ref = naive.entropy_sample(logits, seed, offset, **kwargs)
+    out = backend_op(backend)(logits, seed, offset, **kwargs)
+    assert torch.equal(out[3], ref[3]), "valid differs"
+    mismatch = (out[0] != ref[0]).nonzero().tolist()
+    assert not mismatch, f"tokens differ at {mismatch[:5]}: {out[0][out[0] != ref[0]][:5]} vs " \
+                         f"{ref[0][out[0] != ref[0]][:5]}"
+    assert_close(out[1], ref[1], dtype=torch.float32, name="entropy")
+    assert_close(out[2], ref[2], dtype=torch.float32, name="logprob")
+    return out
+
+
+def kept(logits, temperature, top_k=0, top_p=1.0, min_p=0.0, mask_token_id=-1):
+    """The oracle's kept set [B, K, V] for scalar settings."""
+    x = logits.float().clone()
+    if mask_token_id >= 0:
+        x[..., mask_token_id] = float("-inf")
+    batch = x.shape[0]
+    return naive.kept_by_filters(x, torch.full((batch,), temperature), torch.full((batch,), top_k),
+                                 torch.full((batch,), top_p), torch.full((batch,), min_p))
+
+
+# ------------------------------------------------------------------------------- the oracle's meaning
+def hugging_face_kept(x, temperature, top_k, top_p, min_p):
+    """Bool [V]: what transformers' TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper and
+    MinPLogitsWarper (in that order, min_tokens_to_keep=1) leave above -inf, for one fp64 row."""
+    scores = x / temperature
+    if top_k > 0:
+        kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = torch.sort(scores)
+        remove = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        remove[-1] = False
+        scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    if min_p > 0.0:
+        probs = scores.softmax(-1)
+        scores = scores.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return scores > float("-inf")
+
+
+@pytest.mark.parametrize("case", range(60))
+def test_oracle_keeps_what_hugging_face_keeps(case):
+    """Guards against filters with another meaning or order than Hugging Face's (temperature, top-k,
+    top-p on the renormalised rest, min-p), on rows without ties (where the tie rule cannot matter)."""
+    gen = torch.Generator().manual_seed(case)
+    vocab = int(torch.randint(2, 400, (1,), generator=gen))
+    x = torch.randn(vocab, generator=gen, dtype=torch.float64) * float(torch.rand(1, generator=gen) * 4 + 0.2)
+    x = x.float()
+    assert x.unique().numel() == vocab
+    temperature = float(torch.rand(1, generator=gen) * 1.5 + 0.1)
+    top_k = int(torch.randint(0, vocab + 3, (1,), generator=gen)) if case % 4 != 1 else 0
+    top_p = float(torch.rand(1, generator=gen) * 0.95 + 0.05) if case % 4 != 2 else 1.0
+    min_p = float(torch.rand(1, generator=gen) * 0.3) if case % 4 != 3 else 0.0
+    top_p, min_p = float(torch.tensor(top_p)), float(torch.tensor(min_p))  # the fp32 values the op uses
+    want = hugging_face_kept(x.double(), temperature, top_k, top_p, min_p)
+    got = kept(x.view(1, 1, -1), float(torch.tensor(temperature)), top_k, top_p, min_p)[0, 0]
+    assert torch.equal(got, want), (temperature, top_k, top_p, min_p, (got != want).nonzero().tolist())
+
+
+def test_oracle_tie_rule_keeps_whole_tie_groups():
+    """Guards against a cut-off that splits a group of equal logits (by index or sort order): top-k and
+    top-p keep every token tied with the last one kept, min-p keeps p >= min_p * p_max inclusive."""
+    x = torch.tensor([[[1.0, 5.0, 3.0, 5.0, 3.0, 5.0, 0.0, 3.0]]])
+    assert kept(x, 1.0, top_k=2)[0, 0].tolist() == [False, True, False, True, False, True, False, False]
+    assert kept(x, 1.0, top_k=4)[0, 0].tolist() == [False, True, True, True, True, True, False, True]
+    # The three 5s hold 3 e^5 / (3 e^5 + 3 e^3 + e + 1) = 0.87 of the mass: top-p 0.5 keeps all three,
+    # top-p 0.9 reaches into the 3s and keeps all three of them.
+    assert kept(x, 1.0, top_p=0.5)[0, 0].tolist() == [False, True, False, True, False, True, False, False]
+    assert kept(x, 1.0, top_p=0.9)[0, 0].tolist() == [False, True, True, True, True, True, False, True]
+    # min-p exactly at a ratio: e^(3 - 5) = p(3) / p(5); 0.1353 keeps the 3s, 0.1354 does not.
+    assert kept(x, 1.0, min_p=0.1353)[0, 0].tolist() == [False, True, True, True, True, True, False, True]
+    assert kept(x, 1.0, min_p=0.1354)[0, 0].tolist() == [False, True, False, True, False, True, False, False]
+
+
+# ------------------------------------------------------------------------------- against the oracle
+@pytest.mark.parametrize("filters", sorted(FILTERS))
+@pytest.mark.parametrize("shape", [(1, 1, 7), (2, 3, 100), (3, 2, 700)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_filters_match_oracle(backend, shape, filters):
+    """Guards against a threshold search (C++ selection, Triton pivot search) that keeps another set than
+    the literal sort + cumsum + mask of the oracle, token for token on fixed seeds."""
+    logits = make_logits(*shape)
+    seed, offset = make_seeds(shape[0])
+    temperature = torch.tensor([1.0, 0.6, 1.7])[: shape[0]].contiguous()
+    check_backend(backend, logits, seed, offset, temperature=temperature, **filter_args(filters, shape[0]))
+
+
+@pytest.mark.parametrize("filters", sorted(FILTERS))
+@pytest.mark.parametrize("shape", [(1, 3, 128256), (2, 1, 151936)], ids=lambda s: "x".join(map(str, s)))
+def test_cpu_filters_match_oracle_large_vocabulary(cpu_isa, shape, filters):
+    """Guards against the CPU search going wrong on real vocabularies: top-k candidates over many tiles,
+    the top-p selection over ~10^5 candidates, the restricted race over several vocabulary chunks."""
+    logits = make_logits(*shape, seed=shape[2])
+    seed, offset = make_seeds(shape[0])
+    check_backend("cpu", logits, seed, offset, temperature_val=0.8, **filter_args(filters, shape[0]))
+
+
+@pytest.mark.parametrize("filters", sorted(FILTERS))
+def test_cpu_filters_every_isa(cpu_isa, filters):
+    """Guards against the per-ISA candidate gathering (AVX-512 compress, scalar elsewhere), selections and
+    list draws of the CPU filters, on rows that each fit one work item."""
+    logits = make_logits(3, 4, 3001, scale=2.0)
+    seed, offset = make_seeds(3)
+    temperature = torch.tensor([1.0, 0.5, 1.3])
+    check_backend("cpu", logits, seed, offset, temperature=temperature, mask_token_id=11,
+                  **filter_args(filters, 3))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_filters_dtypes_mask_token_and_compute_mask(backend, dtype):
+    """Guards against the filters reading fp16 / bf16 logits differently, keeping the mask token, or
+    searching rows outside compute_mask."""
+    batch, positions, vocab = 2, 4, 300
+    logits = make_logits(batch, positions, vocab, dtype)
+    logits[..., 7] = 40.0  # the mask token: the largest logit, yet never kept
+    logits[0, 1] = float("nan")  # not computed: never read
+    compute_mask = torch.ones(batch, positions, dtype=torch.bool)
+    compute_mask[0, 1] = False
+    seed, offset = make_seeds(batch)
+    tokens, *_ = check_backend(backend, logits, seed, offset, temperature_val=1.0, compute_mask=compute_mask,
+                               mask_token_id=7, top_k_val=20, top_p_val=0.9, min_p_val=0.01)
+    assert (tokens != 7).all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter on NaN rows
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_filters_on_awkward_rows(backend):
+    """Guards against the threshold search on rows with -inf / finfo.min runs, one live entry, all equal
+    logits, NaN (invalid: flagged, not searched) and fewer live entries than top_k."""
+    logits = make_logits(1, 6, 600)
+    logits[0, 0, 100:500] = float("-inf")
+    logits[0, 1, :300] = torch.finfo(torch.float32).min
+    logits[0, 2, 1:] = float("-inf")
+    logits[0, 3] = 1.5
+    logits[0, 4, 17] = float("nan")
+    logits[0, 5, 10:] = float("-inf")  # 10 live entries, top_k 50
+    seed, offset = make_seeds(1)
+    for kwargs in ({"top_k_val": 50}, {"top_p_val": 0.6}, {"min_p_val": 0.3},
+                   {"top_k_val": 3, "top_p_val": 0.5, "min_p_val": 0.1}):
+        _, _, _, valid = check_backend(backend, logits, seed, offset, temperature_val=1.0, **kwargs)
+        assert valid[0].tolist() == [True, True, True, True, False, True]
+
+
+@pytest.mark.parametrize("backend", ["cpu"])
+def test_cpu_many_ties_and_large_k(backend):
+    """Guards against the CPU top-k candidate buffer losing entries when ties outnumber its capacity, or
+    when k itself is large, and the top-p selection on rows of equal logits."""
+    logits = make_logits(1, 4, 50000, scale=1.0)
+    logits[0, 0, ::2] = 9.0      # 25000 tied maxima, top_k 5: all kept
+    logits[0, 2] = 0.25          # flat row: every top-p keeps everything
+    logits[0, 3, 1000:31000] = 4.0
+    seed, offset = make_seeds(1)
+    for kwargs in ({"top_k_val": 5}, {"top_k_val": 20000}, {"top_p_val": 0.3}, {"top_k_val": 20000, "top_p_val": 0.5}):
+        check_backend(backend, logits, seed, offset, temperature_val=1.0, **kwargs)
+
+
+# ------------------------------------------------------------------------------ sampling behaviour
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """P-value of Pearson's chi-square test of `counts` against `probs` (categories with probs > 0; a
+    count where probs == 0 gives 0)."""
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0
+    live = probs > 0
+    expected = probs[live] * counts.sum()
+    statistic = ((counts[live] - expected) ** 2 / expected).sum()
+    dof = int(live.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
+
+
+def filtered_softmax(row, temperature, **filters):
+    """The distribution the filtered sampler must draw from: softmax(x / T) over the oracle's kept set."""
+    keep = kept(row.view(1, 1, -1), temperature, **filters)[0, 0]
+    return torch.softmax(torch.where(keep, row.double() / temperature, float("-inf")), -1)
+
+
+def draw_many(backend, row, temperature, batch, positions, **filters):
+    """Token counts of batch * positions independent draws from one row (distinct offsets and positions)."""
+    logits = row.expand(batch, positions, -1).contiguous()
+    seed = torch.full((batch,), 4321, dtype=torch.int64)
+    offset = torch.arange(batch, dtype=torch.int64)
+    tokens, *_ = backend_op(backend)(logits, seed, offset, temperature_val=temperature, **filters)
+    return torch.bincount(tokens.flatten(), minlength=row.numel()).double()
+
+
+CHI_SQUARE_P_MIN = 1e-4
+STAT_ROW = torch.linspace(-2.0, 2.0, 12)
+STAT_FILTERS = {"top_k": {"top_k": 6}, "top_p": {"top_p": 0.8}, "min_p": {"min_p": 0.15},
+                "all": {"top_k": 9, "top_p": 0.9, "min_p": 0.1}}
+
+
+def _schema(filters):
+    return {f"{name}_val": value for name, value in filters.items()}
+
+
+@pytest.mark.parametrize("filters", sorted(STAT_FILTERS))
+def test_draws_follow_the_filtered_softmax(filters):
+    """Guards against a biased filtered sampler: draws outside the kept set, a kept set renormalised
+    wrongly, or noise no longer Gumbel once restricted (chi-square over 8192 CPU draws)."""
+    settings = STAT_FILTERS[filters]
+    counts = draw_many("cpu", STAT_ROW, 0.7, 64, 128, **_schema(settings))
+    p_value = chi_square_p_value(counts, filtered_softmax(STAT_ROW, 0.7, **settings))
+    assert p_value > CHI_SQUARE_P_MIN, (p_value, counts.tolist())
+
+
+def test_triton_draws_follow_the_filtered_softmax():
+    """Guards against the same in the Triton kernels. The interpreter runs ~3 programs per row, so this
+    takes 192 draws of a 6-entry row with all three filters on (4 tokens kept)."""
+    row = torch.linspace(-1.0, 1.0, 6)
+    settings = {"top_k": 5, "top_p": 0.9, "min_p": 0.15}
+    counts = draw_many("triton", row, 0.7, 8, 24, **_schema(settings))
+    probs = filtered_softmax(row, 0.7, **settings)
+    assert int((probs > 0).sum()) == 4
+    p_value = chi_square_p_value(counts, probs)
+    assert p_value > CHI_SQUARE_P_MIN, (p_value, counts.tolist())
+
+
+def test_chi_square_rejects_a_wrong_filter():
+    """Guards against a distribution test that cannot fail: the same draws, held against the softmax of a
+    filter off by one token, or at a slightly wrong temperature, are rejected."""
+    counts = draw_many("cpu", STAT_ROW, 0.7, 64, 128, top_k_val=6)
+    assert chi_square_p_value(counts, filtered_softmax(STAT_ROW, 0.7, top_k=6)) > CHI_SQUARE_P_MIN
+    assert chi_square_p_value(counts, filtered_softmax(STAT_ROW, 0.7, top_k=7)) < 1e-12
+    assert chi_square_p_value(counts, filtered_softmax(STAT_ROW, 0.8, top_k=6)) < CHI_SQUARE_P_MIN
+    counts = draw_many("cpu", STAT_ROW, 0.7, 64, 128, top_p_val=0.8)
+    unrenormalised = torch.softmax(STAT_ROW.double() / 0.7, -1) * kept(STAT_ROW.view(1, 1, -1), 0.7, top_p=0.8)[0, 0]
+    unrenormalised[-1] += 1 - unrenormalised.sum()  # the removed mass given to the top token
+    assert chi_square_p_value(counts, unrenormalised) < CHI_SQUARE_P_MIN
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_invariance_with_mixed_settings(backend):
+    """Guards against one row's filters leaking into another's (per-row tensors read with the wrong
+    index), or results that depend on the batch around a row."""
+    batch, positions, vocab = 5, 2, 400
+    logits = make_logits(batch, positions, vocab, scale=2.0)
+    seed, offset = make_seeds(batch)
+    temperature = torch.tensor([1.0, 0.0, 0.7, 1.3, 1.0])
+    args = filter_args("mixed", batch)
+    op = backend_op(backend)
+    together = op(logits, seed, offset, temperature=temperature, **args)
+    for b in range(batch):
+        alone = op(logits[b:b + 1], seed[b:b + 1], offset[b:b + 1], temperature=temperature[b:b + 1],
+                   **{name: t[b:b + 1] for name, t in args.items()})
+        for got, want in zip(alone, together):
+            assert torch.equal(got[0], want[b]), f"row {b} differs alone and inside the batch"
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_filters_keeping_every_token_draw_the_unfiltered_token(backend):
+    """Guards against the filtered path changing tokens when nothing is filtered: top_k >= V, top_p 1 and
+    min_p 0 given as tensors (the threshold search runs) give exactly the unfiltered tokens."""
+    batch, positions, vocab = 3, 4, 500
+    logits = make_logits(batch, positions, vocab, scale=1.0)
+    seed, offset = make_seeds(batch)
+    op = backend_op(backend)
+    plain = op(logits, seed, offset, temperature_val=0.9)
+    for kwargs in ({"top_k": torch.tensor([vocab, 10**9, 0])}, {"top_p": torch.ones(batch)},
+                   {"min_p": torch.zeros(batch)}, {"top_k_val": vocab, "top_p_val": 1.0, "min_p_val": 0.0}):
+        filtered = op(logits, seed, offset, temperature_val=0.9, **kwargs)
+        for got, want in zip(filtered, plain):
+            assert torch.equal(got, want), kwargs
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_filters_keeping_one_token_draw_it(backend):
+    """Guards against a filter that should keep only the largest logit letting another through: top_k 1,
+    a tiny top_p, a min_p close to 1; with tied maxima, top_k 1 keeps them all and draws each."""
+    batch, positions, vocab = 2, 16, 200
+    logits = make_logits(batch, positions, vocab, scale=0.5)  # flat: unfiltered draws are spread
+    seed, offset = make_seeds(batch)
+    op = backend_op(backend)
+    for kwargs in ({"top_k_val": 1}, {"top_p_val": 1e-6}, {"min_p_val": 0.999999}):
+        tokens, *_ = op(logits, seed, offset, temperature_val=1.0, **kwargs)
+        assert torch.equal(tokens, logits.argmax(-1)), kwargs
+    logits[..., [3, 50, 120]] = 10.0
+    tokens, *_ = op(logits, seed, offset, temperature_val=1.0, top_k_val=1)
+    assert set(tokens.flatten().tolist()) == {3, 50, 120}
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_ties_at_the_cut_off_are_all_drawn(backend):
+    """Guards against a backend breaking ties at a cut-off by index (the threshold rule keeps them all):
+    with three equal logits straddling the top-k and top-p cut-offs, each of them is drawn."""
+    batch, positions = 4, 16
+    row = torch.tensor([1.0, 6.0, 2.0, 4.0, 0.5, 4.0, 3.0, 4.0, -1.0, 2.5])
+    logits = row.expand(batch, positions, -1).contiguous()
+    seed = torch.arange(batch, dtype=torch.int64)
+    offset = torch.zeros(batch, dtype=torch.int64)
+    op = backend_op(backend)
+    # At T = 2, p(6) = 0.36; one 4 brings the mass to 0.49 and two to 0.62 >= 0.6, so Hugging Face's
+    # top-p would keep two of the three 4s (in sort order); top-k 2 and top-p 0.6 both keep all three.
+    for kwargs in ({"top_k_val": 2}, {"top_p_val": 0.6}):
+        tokens, *_ = op(logits, seed, offset, temperature_val=2.0, **kwargs)
+        assert set(tokens.flatten().tolist()) == {1, 3, 5, 7}, kwargs
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_greedy_ignores_filters_and_outputs_stay_unfiltered(backend):
+    """Guards against filters applied at T == 0, and against entropy / logprob computed on the filtered
+    distribution (they are the EB rule's input: softmax(logits) at temperature 1, unfiltered)."""
+    batch, positions, vocab = 2, 5, 300
+    logits = make_logits(batch, positions, vocab)
+    seed, offset = make_seeds(batch)
+    op = backend_op(backend)
+    filters = {"top_k_val": 3, "top_p_val": 0.5, "min_p_val": 0.2}
+    greedy = op(logits, seed, offset, temperature_val=0.0, **filters)
+    assert torch.equal(greedy[0], logits.argmax(-1))
+    sampled = op(logits, seed, offset, temperature_val=1.5, **filters)
+    plain = op(logits, seed, offset, temperature_val=1.5)
+    assert torch.equal(sampled[1], plain[1])
+    log_p = torch.log_softmax(logits.double(), -1)
+    assert_close(sampled[2], log_p.gather(-1, sampled[0].unsqueeze(-1))[..., 0], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_subnormal_filter_values(backend):
+    """Guards against a subnormal top_p / min_p scalar (Triton types it fp64) or temperature breaking the
+    search: top_p 1e-40 keeps the largest logit alone, min_p 1e-40 keeps all but the far tail."""
+    logits = make_logits(2, 3, 300)
+    seed, offset = make_seeds(2)
+    tokens, *_ = check_backend(backend, logits, seed, offset, temperature_val=1.0, top_p_val=1e-40)
+    assert torch.equal(tokens, logits.argmax(-1))
+    check_backend(backend, logits, seed, offset, temperature_val=1.0, min_p_val=1e-40)
+    check_backend(backend, logits, seed, offset, temperature=torch.tensor([1e-40, 1.0]), top_k_val=2)
+
+
+# ------------------------------------------------------------------------------------- bad values
+def _bad_filter_cases():
+    logits = torch.randn(2, 3, 10)
+    good = {"logits": logits, "seed": torch.tensor([1, 2]), "offset": torch.tensor([0, 0]), "temperature_val": 1.0}
+    return [
+        ("top_k_dtype", dict(good, top_k=torch.tensor([1, 2], dtype=torch.int32)),
+         "top_k must be an int64 tensor, got Int"),
+        ("top_k_shape", dict(good, top_k=torch.tensor([1, 2, 3])), r"top_k must have shape \[B\] = \[2\], got \[3\]"),
+        ("top_k_negative", dict(good, top_k=torch.tensor([1, -1])), r"top_k must be >= 0 \(0: off\)"),
+        ("top_k_val_negative", dict(good, top_k_val=-3), r"top_k_val must be >= 0 \(0: off\), got -3"),
+        ("top_p_dtype", dict(good, top_p=torch.tensor([0.5, 0.5], dtype=torch.float64)),
+         "top_p must be a float32 tensor, got Double"),
+        ("top_p_shape", dict(good, top_p=torch.ones(2, 1)), r"top_p must have shape \[B\] = \[2\], got \[2, 1\]"),
+        ("top_p_zero", dict(good, top_p=torch.tensor([0.5, 0.0])), r"top_p must be in \(0, 1\] \(1: off\)"),
+        ("top_p_above_one", dict(good, top_p=torch.tensor([1.5, 0.5])), r"top_p must be in \(0, 1\] \(1: off\)"),
+        ("top_p_nan", dict(good, top_p=torch.tensor([float("nan"), 0.5])), r"top_p must be in \(0, 1\]"),
+        ("top_p_val_zero", dict(good, top_p_val=0.0), r"top_p_val must be in \(0, 1\] \(1: off\), got 0$"),
+        ("top_p_val_nan", dict(good, top_p_val=float("nan")), r"top_p_val must be in \(0, 1\] \(1: off\), got nan"),
+        ("min_p_dtype", dict(good, min_p=torch.tensor([0, 0])), "min_p must be a float32 tensor, got Long"),
+        ("min_p_one", dict(good, min_p=torch.tensor([0.1, 1.0])), r"min_p must be in \[0, 1\) \(0: off\)"),
+        ("min_p_negative", dict(good, min_p=torch.tensor([-0.1, 0.1])), r"min_p must be in \[0, 1\)"),
+        ("min_p_nan", dict(good, min_p=torch.tensor([0.1, float("nan")])), r"min_p must be in \[0, 1\)"),
+        ("min_p_val_one", dict(good, min_p_val=1.0), r"min_p_val must be in \[0, 1\) \(0: off\), got 1$"),
+        ("min_p_val_negative", dict(good, min_p_val=-0.5), r"min_p_val must be in \[0, 1\) \(0: off\), got -0.5$"),
+    ]
+
+
+BAD_FILTER_CASES = _bad_filter_cases()
+
+
+@pytest.mark.parametrize("case", BAD_FILTER_CASES, ids=[c[0] for c in BAD_FILTER_CASES])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_bad_filter_values_name_the_argument(backend, case):
+    """Guards against bad filter values silently sampling from garbage (a NaN top_p keeps nothing or
+    everything), or errors that do not name the argument."""
+    _, kwargs, message = case
+    with pytest.raises(RuntimeError, match=message):
+        backend_op(backend)(**kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_filter_device_mismatch_names_the_argument(backend):
+    """Guards against a filter tensor on another device than logits (a meta tensor stands in)."""
+    logits = torch.randn(2, 3, 10)
+    for name, t in (("top_k", torch.ones(2, dtype=torch.int64)), ("top_p", torch.ones(2)), ("min_p", torch.zeros(2))):
+        with pytest.raises(RuntimeError, match=f"{name} must be on the device of logits"):
+            backend_op(backend)(logits, torch.tensor([1, 2]), torch.tensor([0, 0]), **{name: t.to("meta")})
+
+
+def _error_message(op, kwargs) -> str:
+    with pytest.raises(RuntimeError) as info:
+        op(**kwargs)
+    return str(info.value).split("\n")[0]
+
+
+def test_error_messages_are_word_for_word_the_same():
+    """Guards against the C++ checks and the Python checks (oracle, Triton launcher, fake kernel) drifting
+    apart in wording: every bad case of both test files gives the same first line on every backend."""
+    from test_sampling import BAD_CASES
+
+    for name, kwargs, _ in BAD_FILTER_CASES + BAD_CASES:
+        messages = {backend: _error_message(backend_op(backend), kwargs) for backend in ALL_BACKENDS}
+        assert len(set(messages.values())) == 1, (name, messages)
+
+
+# ------------------------------------------------------------------------------- torch integration
+def test_opcheck_with_filters():
+    """Guards against the fake kernel or schema disagreeing with the real kernel on the new arguments."""
+    logits = make_logits(2, 5, 300)
+    seed, offset = make_seeds(2)
+    args = (logits, seed, offset, torch.tensor([0.5, 1.0]), 0.0, torch.rand(2, 5) > 0.3, 4,
+            torch.tensor([3, 0]), 0, torch.tensor([0.9, 1.0]), 1.0, torch.tensor([0.0, 0.1]), 0.0)
+    torch.library.opcheck(torch.ops.sbd.entropy_sample.default, args)
+    torch.library.opcheck(torch.ops.sbd.entropy_sample.default,
+                          (logits.bfloat16(), seed, offset, None, 0.8, None, -1, None, 20, None, 0.9, None, 0.05))
+
+
+def test_wrapper_takes_filters_as_tensors_or_numbers_and_compiles():
+    """Guards against the wrapper mapping top_k / top_p / min_p to the wrong schema pair, and against a
+    graph break of a compiled filtered step."""
+    import sbd_kernels
+
+    logits = make_logits(2, 4, 300)
+    seed, offset = make_seeds(2)
+    want = torch.ops.sbd.entropy_sample(logits, seed, offset, None, 0.8, None, -1, None, 7, None, 0.9, None, 0.05)
+    numbers = sbd_kernels.entropy_sample(logits, seed, offset, 0.8, top_k=7, top_p=0.9, min_p=0.05)
+    tensors = sbd_kernels.entropy_sample(logits, seed, offset, 0.8, top_k=torch.tensor([7, 7]),
+                                         top_p=torch.tensor([0.9, 0.9]), min_p=torch.tensor([0.05, 0.05]))
+    for got in (numbers, tensors):
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+    def step(logits, seed, offset, top_k):
+        return sbd_kernels.entropy_sample(logits, seed, offset, temperature=0.8, top_k=top_k, top_p=0.9)[0]
+
+    top_k = torch.tensor([7, 2])
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(logits, seed, offset, top_k), step(logits, seed, offset, top_k))
+
+
+def test_filter_distribution_is_not_degenerate():
+    """Guards against the statistical fixtures testing nothing: each setting keeps several tokens and
+    removes several (a test over a filter that keeps all or one could not tell the filters apart)."""
+    for settings in STAT_FILTERS.values():
+        kept_tokens = int(kept(STAT_ROW.view(1, 1, -1), 0.7, **settings).sum())
+        assert 2 < kept_tokens < STAT_ROW.numel(), settings
+    assert math.isclose(float(filtered_softmax(STAT_ROW, 0.7, top_k=6).sum()), 1.0)
