@@ -135,12 +135,14 @@ def collect_specs(families=FAMILIES) -> tuple:
 
 def picked_at(family: str, shape: grid.Shape) -> list[str]:
     """Spec names the launcher of `family` compiles for one benchmark record, called as the benchmark calls
-    it (bench/bench_<family>.py), on fresh contiguous tensors: sampling with a scalar temperature and no
-    compute_mask; scatter with a [B] gamma tensor and no valid mask; attention on a contiguous cache."""
+    it (bench/bench_<family>.py), on fresh contiguous tensors: sampling with a scalar temperature, no
+    compute_mask and the record's filters as scalars; scatter with a [B] gamma tensor and no valid mask;
+    attention on a contiguous cache."""
     kernels = importlib.import_module(f"sbd_kernels.ops.{family}.triton")
     if family == "sampling":
-        return kernels.picked_specs(shape.vocab, grid.TORCH_DTYPES[shape.dtype], temperature_tensor=False,
-                                    compute_mask=False)
+        return kernels.picked_specs(shape.batch, shape.positions, shape.vocab, grid.TORCH_DTYPES[shape.dtype],
+                                    temperature_tensor=False, compute_mask=False, top_k_val=shape.top_k,
+                                    top_p_val=shape.top_p)
     if family == "scatter":
         return kernels.picked_specs(shape.batch, shape.block, shape.rule, gamma_tensor=True, valid=False)
     return kernels.picked_specs(shape.batch, shape.length, shape.q_heads, shape.kv_heads, shape.head_dim,

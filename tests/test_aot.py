@@ -25,9 +25,9 @@ from sbd_kernels.ops._aot import (
     unique_specs,
 )
 from sbd_kernels.ops.attention import triton as attention_triton
+from sbd_kernels.ops.sampling import triton as sampling_triton
 from sbd_kernels.ops.scatter import triton as scatter_triton
 
-DERIVED_FAMILIES = ("attention", "scatter")
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -98,10 +98,12 @@ def test_host_integer_helpers_match_triton():
 def _one_launch(family: str) -> KernelLaunch:
     if family == "attention":
         return attention_triton.meta_launches(2, 64, 8, 2, 64, 4, 4, torch.bfloat16)[0]
+    if family == "sampling":
+        return sampling_triton.meta_launches(2, 4, 1000, torch.bfloat16, top_k_val=50)[0]
     return scatter_triton.meta_launches(2, 16)[0]
 
 
-@pytest.mark.parametrize("family", DERIVED_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_spec_of_launch_rejects_launches_that_miss_the_kernel(family):
     """Guards against a launch whose argument names drift from its kernel's (a parameter renamed or added
     on one side), or that passes a constexpr as a runtime argument, turning into a spec silently."""
@@ -212,6 +214,46 @@ def test_scatter_launches_on_a_sweep_are_listed(listed):
         _assert_listed("scatter", _scatter_call(batch, k, rule, gamma_tensor, valid, layout), listed, case)
 
 
+# Filter arguments of entropy_sample: off, each scalar (a subnormal top_p goes to the kernel as a tensor),
+# one tensor (the launcher fills the other two), all three tensors.
+SAMPLING_FILTERS = ("off", "top_k", "top_p", "min_p", "subnormal top_p", "top_k tensor", "tensors")
+
+
+def _sampling_call(batch, positions, vocab, dtype, temperature, compute_mask, filters, layout):
+    """Launches of a META call. temperature: "tensor", or a scalar (1.0, 0.0: greedy, 1e-40: subnormal,
+    which goes to the kernels as a tensor). layout applies to logits ("strided": the launcher copies it);
+    seed and offset are [B] when contiguous, one shared element ([]) otherwise."""
+    meta = {"device": "meta"}
+    per_row = (batch,) if layout == "contiguous" else ()
+    seed, offset = (torch.empty(per_row, dtype=torch.int64, **meta) for _ in range(2))
+    vector = torch.empty(batch, **meta)
+    kwargs = {"off": {}, "top_k": {"top_k_val": 50}, "top_p": {"top_p_val": 0.9}, "min_p": {"min_p_val": 0.05},
+              "subnormal top_p": {"top_p_val": 1e-40},
+              "top_k tensor": {"top_k": torch.empty(batch, dtype=torch.int64, **meta)},
+              "tensors": {"top_k": torch.empty(batch, dtype=torch.int64, **meta), "top_p": vector,
+                          "min_p": vector.clone()}}[filters]
+    tensor = temperature == "tensor"
+    return sampling_triton._sampling_launches(
+        _meta((batch, positions, vocab), dtype, layout), seed, offset, vector.clone() if tensor else None,
+        0.0 if tensor else temperature,
+        torch.empty(batch, positions, dtype=torch.bool, **meta) if compute_mask else None, vocab - 1, **kwargs)[1]
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_sampling_launches_on_a_sweep_are_listed(dtype, listed):
+    """Guards against an entropy_sample launch configuration that `aot_specs()` does not list (never
+    compiled nor checked for spills), or one named like a listed spec but compiled differently: vocabularies
+    from 1 to 151936 (both tiles), every filter form, temperature as tensor / scalar / greedy / subnormal,
+    compute_mask or not, and logits rows contiguous, padded or strided."""
+    cases = itertools.product((1, 100, 4095, 4096, 32000, 151936), SAMPLING_FILTERS,
+                              ((1, 1, "tensor", False), (3, 16, 1.0, True), (2, 4, 0.0, False), (2, 1, 1e-40, True)),
+                              ("contiguous", "padded", "strided"))
+    for vocab, filters, (batch, positions, temperature, mask), layout in cases:
+        case = (dtype, vocab, filters, batch, positions, temperature, mask, layout)
+        _assert_listed("sampling", _sampling_call(batch, positions, vocab, dtype, temperature, mask, filters, layout),
+                       listed, case)
+
+
 def test_sm_count_default_off_cuda(monkeypatch):
     """Guards against the interpreter path (CPU tensors) and the AOT enumeration (META tensors) asking CUDA
     for an SM count: they plan for DEFAULT_SM_COUNT."""
@@ -250,6 +292,21 @@ def test_attention_splits_follow_the_sm_count(monkeypatch):
         return split.args["num_splits"]
 
     assert (splits(132), splits(66)) == (1 + 17, 1 + 9)
+    assert asked == ["meta", "meta"]
+
+
+def test_sampling_splits_follow_the_sm_count(monkeypatch):
+    """Guards against the vocabulary split ignoring the device's SM count: 16 rows and four programs per
+    SM want cdiv(528, 16) = 33 splits per row on 132 SMs and cdiv(264, 16) = 17 on 66; a vocabulary of
+    561 = 33 * 17 tiles of 1024 cuts into exactly that many."""
+    asked = []
+
+    def splits(sms: int) -> int:
+        monkeypatch.setattr(sampling_triton, "sm_count", lambda device: asked.append(device.type) or sms)
+        partial, _ = sampling_triton.meta_launches(1, 16, 561 * 1024, torch.float32)
+        return partial.grid[1]
+
+    assert (splits(132), splits(66)) == (33, 17)
     assert asked == ["meta", "meta"]
 
 

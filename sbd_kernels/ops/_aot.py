@@ -121,12 +121,21 @@ def _function_name(kernel) -> str:
 def kernel_parameters(kernel) -> tuple[tuple[str, bool, bool], ...]:
     """(name, is constexpr, specialised) of every argument of a `@triton.jit` function, in order, read from
     its Python signature as Triton does (a `tl.constexpr` annotation); works for compiled and interpreted
-    functions. specialised: False for the arguments named in `do_not_specialize`."""
+    functions. specialised: False for the arguments named in `do_not_specialize`. Raises ValueError for a
+    runtime argument with a type annotation (Triton then types it by the annotation, which `spec_of_launch`
+    does not follow)."""
     fn = getattr(kernel, "fn", kernel)
     unspecialised = getattr(kernel, "do_not_specialize", None) or getattr(kernel, "kwargs", {}).get(
         "do_not_specialize") or ()
-    return tuple((p.name, "constexpr" in str(p.annotation), p.name not in unspecialised and i not in unspecialised)
-                 for i, p in enumerate(inspect.signature(fn).parameters.values()))
+    params = []
+    for i, p in enumerate(inspect.signature(fn).parameters.values()):
+        annotation = "" if p.annotation is inspect.Parameter.empty else str(p.annotation)
+        is_constexpr = "constexpr" in annotation
+        if annotation and not is_constexpr:
+            raise ValueError(f"{_function_name(kernel)}: argument {p.name} is annotated {annotation}; compile specs "
+                             "are derived for unannotated runtime arguments only")
+        params.append((p.name, is_constexpr, p.name not in unspecialised and i not in unspecialised))
+    return tuple(params)
 
 
 def triton_type(value: Any, specialise: bool = True) -> str:
