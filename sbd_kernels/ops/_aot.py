@@ -23,8 +23,8 @@ import torch
 # count used where no CUDA device is asked (CPU tensors under TRITON_INTERPRET, META tensors of the AOT
 # enumeration). A launch on a CUDA tensor reads its device's count (`sm_count`).
 DEFAULT_SM_COUNT = 132
-# Triton's default software-pipelining depth on CUDA (`CUDAOptions.num_stages`), which a launch that does
-# not choose one compiles with.
+# Software-pipelining depth of a launch that does not choose one: Triton's own default on CUDA
+# (`CUDAOptions.num_stages` in Triton 3.8), passed explicitly so that the AOT compile uses it too.
 TRITON_DEFAULT_NUM_STAGES = 3
 
 
