@@ -3,21 +3,24 @@
     python -m sbd_kernels.aot                 # sm_80 and sm_90, table on stdout
     python -m sbd_kernels.aot --json out.json --arch 90 --jobs 4
 
-Each `sbd_kernels/ops/<family>/triton.py` lists in `aot_specs()` every configuration its launcher can pick.
-Each is compiled to PTX and cubin for the target (what the interpreter cannot catch: tl.dot shape limits,
-shared memory overflow, unsupported ops, register pressure), then `ptxas -v` is run on the PTX with the
-flags Triton uses to read registers and spill bytes, and the theoretical occupancy is derived from
-registers, shared memory and warps.
+Each `sbd_kernels/ops/<family>/triton.py` lists in `aot_specs()` every configuration its launcher can pick,
+derived from the launcher's own launch-building code run on META tensors (`sbd_kernels.ops._aot`): each
+argument is typed as Triton's JIT types it at run time. Each is compiled to PTX and cubin for the target
+(what the interpreter cannot catch: tl.dot shape limits, shared memory overflow, unsupported ops, register
+pressure), then `ptxas -v` is run on the PTX with the flags Triton uses to read registers and spill bytes,
+and the theoretical occupancy is derived from registers, shared memory and warps.
 
 A second table shows, for every shape of the benchmark grid (`sbd_kernels.benchmark_grid`, the shapes
-`bench/` times), the configurations the launchers pick there (each family's `picked_specs()`, computed by
-the launcher's own selection functions) with their registers, spills and occupancy. Exits 1 if any configuration fails to compile or spills registers, or if a picked
-configuration is not among the listed ones.
+`bench/` times), the configurations the launchers pick there (each family's `picked_specs()`: the same
+launch-building code on META tensors of that shape) with their registers, spills and occupancy. Exits 1 if
+any configuration fails to compile or spills registers, or if a picked configuration is not among the
+listed ones.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import io
 import json
@@ -119,26 +122,31 @@ def compile_spec(spec, arch: int) -> CompileResult:
     return result
 
 
-def collect_specs(families=FAMILIES) -> list:
+@functools.cache
+def collect_specs(families=FAMILIES) -> tuple:
+    """Every family's `aot_specs()`, computed once per process (each runs its launcher on a few hundred
+    META calls: about 0.5 s)."""
     specs = []
     for family in families:
         module = importlib.import_module(f"sbd_kernels.ops.{family}.triton")
         specs.extend(module.aot_specs())
-    return specs
+    return tuple(specs)
 
 
 def picked_at(family: str, shape: grid.Shape) -> list[str]:
     """Spec names the launcher of `family` compiles for one benchmark record, called as the benchmark calls
-    it (bench/bench_<family>.py): sampling with a scalar temperature and no compute_mask; scatter with a
-    [B] gamma tensor and no valid mask; attention on a contiguous, 16-byte aligned cache."""
+    it (bench/bench_<family>.py), on fresh contiguous tensors: sampling with a scalar temperature, no
+    compute_mask and the record's filters as scalars; scatter with a [B] gamma tensor and no valid mask;
+    attention on a contiguous cache."""
     kernels = importlib.import_module(f"sbd_kernels.ops.{family}.triton")
     if family == "sampling":
-        return kernels.picked_specs(shape.vocab, grid.TORCH_DTYPES[shape.dtype], temperature_tensor=False,
-                                    compute_mask=False)
+        return kernels.picked_specs(shape.batch, shape.positions, shape.vocab, grid.TORCH_DTYPES[shape.dtype],
+                                    temperature_tensor=False, compute_mask=False, top_k_val=shape.top_k,
+                                    top_p_val=shape.top_p)
     if family == "scatter":
-        return kernels.picked_specs(shape.block, shape.rule, gamma_tensor=True, valid=False)
-    return kernels.picked_specs(shape.q_heads, shape.kv_heads, shape.head_dim, shape.seq,
-                                grid.TORCH_DTYPES[shape.dtype], paged=False, aligned=True)
+        return kernels.picked_specs(shape.batch, shape.block, shape.rule, gamma_tensor=True, valid=False)
+    return kernels.picked_specs(shape.batch, shape.length, shape.q_heads, shape.kv_heads, shape.head_dim,
+                                shape.causal, shape.block, grid.TORCH_DTYPES[shape.dtype], paged=False)
 
 
 OP_NAMES = {"sampling": "entropy_sample", "scatter": "mask_scatter_", "attention": "attention"}

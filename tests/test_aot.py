@@ -1,31 +1,313 @@
-"""Tests of the GPU static report's bookkeeping (`sbd_kernels.aot`), without compiling any kernel."""
+"""Tests of the AOT compile specs and the GPU static report's bookkeeping (`sbd_kernels.ops._aot`,
+`sbd_kernels.aot`), without compiling any kernel.
+
+The specs are derived from the launchers' own launch-building code run on META tensors; the sweeps below
+run that code on many more shapes and layouts than `aot_specs()` enumerates and check that each launch's
+configuration is one `aot_specs()` lists under the same name.
+"""
 from __future__ import annotations
 
 import importlib
+import itertools
+from types import SimpleNamespace
 
 import pytest
+import torch
+import triton
 
 from sbd_kernels.aot import FAMILIES, CompileResult, collect_picks, format_picks, theoretical_occupancy
+from sbd_kernels.ops import _aot
+from sbd_kernels.ops._aot import (
+    DEFAULT_SM_COUNT,
+    KernelLaunch,
+    kernel_parameters,
+    spec_of_launch,
+    unique_specs,
+)
+from sbd_kernels.ops.attention import triton as attention_triton
+from sbd_kernels.ops.sampling import triton as sampling_triton
+from sbd_kernels.ops.scatter import triton as scatter_triton
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _module(family: str):
+    return importlib.import_module(f"sbd_kernels.ops.{family}.triton")
+
+
+@pytest.fixture(scope="module")
+def listed() -> dict[str, dict[str, _aot.KernelSpec]]:
+    """aot_specs() of each family, by name."""
+    return {family: {spec.name: spec for spec in _module(family).aot_specs()} for family in FAMILIES}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_benchmark_picks_name_listed_specs(family):
+def test_benchmark_picks_name_listed_specs(family, listed):
     """Guards against a launcher picking, at a shape of the benchmark grid, a configuration that
     `aot_specs()` does not list (it would never be compiled nor checked for spills), or a spec renamed on
     one side only."""
-    module = importlib.import_module(f"sbd_kernels.ops.{family}.triton")
-    names = {spec.name for spec in module.aot_specs()}
     picks = collect_picks((family,))
     assert picks, f"{family}: no benchmark picks"
-    missing = [(shape, spec) for shape, spec in picks if spec not in names]
+    missing = [(shape, spec) for shape, spec in picks if spec not in listed[family]]
     assert not missing, f"{family}: picks not in aot_specs(): {missing}"
 
 
 def test_spec_names_are_unique():
     """Guards against two configurations sharing a name, which would make a pick ambiguous."""
-    names = [spec.name for family in FAMILIES
-             for spec in importlib.import_module(f"sbd_kernels.ops.{family}.triton").aot_specs()]
+    names = [spec.name for family in FAMILIES for spec in _module(family).aot_specs()]
     assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_specs_type_every_kernel_argument(family, listed):
+    """Guards against a compile spec that does not follow its kernel's parameter list (an argument added,
+    removed or renamed): every argument in order, constexprs with a value, the others with a Triton type."""
+    for spec in listed[family].values():
+        params = kernel_parameters(spec.fn)
+        assert list(spec.signature) == [name for name, _, _ in params], spec.name
+        for name, is_constexpr, _ in params:
+            if is_constexpr:
+                assert spec.signature[name] == "constexpr" and name in spec.constexprs, (spec.name, name)
+            else:
+                assert spec.signature[name] != "constexpr" or spec.constexprs[name] == 1, (spec.name, name)
+
+
+def test_triton_type_is_the_jit_specialisation():
+    """Guards against deriving signatures by rules other than the JIT's: pointer dtypes (bool is *u1, not
+    *i1), ints by range, 1 specialised to a constexpr unless do_not_specialize, floats as fp32."""
+    meta = {"device": "meta"}
+    assert _aot.triton_type(torch.empty(2, dtype=torch.bfloat16, **meta)) == "*bf16"
+    assert _aot.triton_type(torch.empty(2, dtype=torch.bool, **meta)) == "*u1"
+    assert _aot.triton_type(torch.empty(2, dtype=torch.int64, **meta)) == "*i64"
+    assert [_aot.triton_type(v) for v in (0, 1, 2**31 - 1, 2**31, -2**31 - 1)] == [
+        "i32", "constexpr", "i32", "i64", "i64"]
+    assert _aot.triton_type(1, specialise=False) == "i32"
+    assert _aot.triton_type(0.5) == "fp32"
+
+
+def test_host_integer_helpers_match_triton():
+    """Guards against an off-by-one in the host replacements of triton.cdiv and triton.next_power_of_2
+    (tile counts, split lengths, BLOCK_K / BLOCK_D / BLOCK_M)."""
+    for a in range(600):
+        assert _aot.next_power_of_2(a) == max(1, triton.next_power_of_2(a)), a
+        for b in (1, 2, 16, 63, 512):
+            assert _aot.cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    assert _aot.next_power_of_2(2**40 + 1) == 2**41
+
+
+def _one_launch(family: str) -> KernelLaunch:
+    if family == "attention":
+        return attention_triton.meta_launches(2, 64, 8, 2, 64, 4, 4, torch.bfloat16)[0]
+    if family == "sampling":
+        return sampling_triton.meta_launches(2, 4, 1000, torch.bfloat16, top_k_val=50)[0]
+    return scatter_triton.meta_launches(2, 16)[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_spec_of_launch_rejects_launches_that_miss_the_kernel(family):
+    """Guards against a launch whose argument names drift from its kernel's (a parameter renamed or added
+    on one side), or that passes a constexpr as a runtime argument, turning into a spec silently."""
+    kl = _one_launch(family)
+    spec_of_launch("ok", kl)
+    first_arg, first_constexpr = next(iter(kl.args)), next(iter(kl.constexprs))
+    missing = {name: value for name, value in kl.args.items() if name != first_arg}
+    moved = {**kl.args, first_constexpr: kl.constexprs[first_constexpr]}
+    kept = {name: value for name, value in kl.constexprs.items() if name != first_constexpr}
+    for bad in (kl._replace(args=missing), kl._replace(args={**kl.args, "extra": 3}),
+                kl._replace(args=moved, constexprs=kept)):
+        with pytest.raises(ValueError, match="launch arguments do not match"):
+            spec_of_launch("bad", bad)
+
+
+def test_unique_specs_rejects_one_name_for_two_configurations():
+    """Guards against a constexpr choice that the spec name does not show: two configurations would then
+    share a name and only one of them would be compiled."""
+    kl = _one_launch("scatter")
+    spec = spec_of_launch("same", kl)
+    other = spec_of_launch("same", kl._replace(constexprs={**kl.constexprs, "IS_EB": not kl.constexprs["IS_EB"]}))
+    assert unique_specs([spec, spec]) == [spec]
+    with pytest.raises(ValueError, match="two configurations are named 'same'"):
+        unique_specs([spec, other])
+
+
+def _assert_listed(family: str, launches: list[KernelLaunch], listed, case) -> None:
+    for spec in _module(family).specs_of_launches(launches):
+        aot = listed[family].get(spec.name)
+        assert aot is not None, f"{case}: {spec.name} not in aot_specs()"
+        assert spec.configuration == aot.configuration, f"{case}: {spec.name} differs from its aot spec"
+
+
+def _meta(shape, dtype, layout: str = "contiguous") -> torch.Tensor:
+    """A META tensor of `shape`: contiguous, at a data pointer 2 elements past an aligned one ("offset"),
+    with rows padded by one element ("padded") or every other element of the last dim ("strided")."""
+    if layout == "offset":
+        return torch.empty(torch.Size(shape).numel() + 2, dtype=dtype, device="meta")[2:].view(shape)
+    if layout == "padded":
+        return torch.empty(*shape[:-1], shape[-1] + 1, dtype=dtype, device="meta")[..., :shape[-1]]
+    if layout == "strided":
+        return torch.empty(*shape[:-1], 2 * shape[-1], dtype=dtype, device="meta")[..., ::2]
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+HEAD_DIMS = (1, 8, 15, 16, 17, 33, 64, 80, 100, 128, 129, 200, 256)
+# (B, Hq, Hkv, C, K, cache slots): MHA and GQA, one row to 128 rows, caches below and above a split.
+ATTENTION_SHAPES = ((1, 1, 1, 0, 1, 7), (2, 4, 1, 1, 0, 600), (3, 8, 2, 5, 7, 1024), (1, 32, 8, 16, 16, 4096),
+                    (2, 12, 4, 64, 64, 100))
+
+
+def _attention_call(b, hq, hkv, c, k, slots, head_dim, dtype, paged, layout="contiguous"):
+    """Launches of a META call; `layout` applies to q, and to k_cache unless "strided" (caches must have a
+    contiguous last dim)."""
+    seq = c + k
+    cache_shape, block_table = (b, slots, hkv, head_dim), None
+    if paged:
+        pages = -(-slots // 16)
+        cache_shape = (b * pages, 16, hkv, head_dim)
+        block_table = _meta((b, pages), torch.int32)
+    q = _meta((b, seq, hq, head_dim), dtype, layout)
+    kv = [_meta((b, seq, hkv, head_dim), dtype) for _ in range(2)]
+    caches = [_meta(cache_shape, dtype, "contiguous" if layout == "strided" else layout), _meta(cache_shape, dtype)]
+    index = [_meta((b,), torch.int32), torch.empty(1, dtype=torch.int32, device="meta").expand(b)]
+    return attention_triton._attention_launches(q, *kv, *caches, *index, k, block_table)[2]
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_attention_launches_on_a_sweep_are_listed(dtype, listed):
+    """Guards against a launch configuration that the GPU compile check never compiles (it would first
+    fail, or spill, on a user's GPU), or one named like a listed spec but compiled differently: every head
+    dim (each BLOCK_D, aligned or not), rows of a KV group from 1 to 512, contiguous and paged caches."""
+    for head_dim, shape, paged in itertools.product(HEAD_DIMS, ATTENTION_SHAPES, (False, True)):
+        case = (dtype, head_dim, shape, paged)
+        _assert_listed("attention", _attention_call(*shape, head_dim, dtype, paged), listed, case)
+
+
+@pytest.mark.parametrize("layout", ["offset", "padded", "strided"])
+def test_attention_launches_of_unaligned_layouts_are_listed(layout, listed):
+    """Guards against an unaligned layout (a data pointer off 16 bytes, padded rows, a strided last dim)
+    reaching a configuration that `aot_specs()` (which makes rows unaligned by an odd D) never lists."""
+    for dtype, head_dim, paged in itertools.product(FLOATS, (16, 64, 128, 256), (False, True)):
+        launches = _attention_call(2, 8, 2, 4, 4, 600, head_dim, dtype, paged, layout)
+        assert not launches[0].constexprs["ALIGNED"]
+        _assert_listed("attention", launches, listed, (layout, dtype, head_dim, paged))
+
+
+def _scatter_call(batch, k, rule, gamma_tensor, valid, layout):
+    """Launches of a META call; `layout` applies to every [B, K] tensor ("transposed": [K, B].T)."""
+    def make(dtype):
+        if layout == "transposed":
+            return _meta((k, batch), dtype).t()
+        return _meta((batch, k), dtype, layout)
+
+    tokens, masks = make(torch.int64), make(torch.bool)
+    gamma = _meta((batch,), torch.float32, "strided") if gamma_tensor else None
+    return scatter_triton._scatter_launches(tokens, masks, make(torch.int64), make(torch.float32), gamma, 0.2,
+                                            rule, make(torch.bool) if valid else None)[1]
+
+
+def test_scatter_launches_on_a_sweep_are_listed(listed):
+    """Guards against a scatter launch configuration that `aot_specs()` does not list: K from 1 to 256,
+    both rules, gamma tensor or scalar, valid or not, contiguous, transposed and strided layouts."""
+    for k, batch, rule, gamma_tensor, valid, layout in itertools.product(
+            (1, 2, 15, 16, 17, 31, 63, 64, 100, 128, 200, 256), (1, 3), ("eb", "threshold"), (True, False),
+            (True, False), ("contiguous", "transposed", "strided")):
+        case = (k, batch, rule, gamma_tensor, valid, layout)
+        _assert_listed("scatter", _scatter_call(batch, k, rule, gamma_tensor, valid, layout), listed, case)
+
+
+# Filter arguments of entropy_sample: off, each scalar (a subnormal top_p goes to the kernel as a tensor),
+# one tensor (the launcher fills the other two), all three tensors.
+SAMPLING_FILTERS = ("off", "top_k", "top_p", "min_p", "subnormal top_p", "top_k tensor", "tensors")
+
+
+def _sampling_call(batch, positions, vocab, dtype, temperature, compute_mask, filters, layout):
+    """Launches of a META call. temperature: "tensor", or a scalar (1.0, 0.0: greedy, 1e-40: subnormal,
+    which goes to the kernels as a tensor). layout applies to logits ("strided": the launcher copies it);
+    seed and offset are [B] when contiguous, one shared element ([]) otherwise."""
+    meta = {"device": "meta"}
+    per_row = (batch,) if layout == "contiguous" else ()
+    seed, offset = (torch.empty(per_row, dtype=torch.int64, **meta) for _ in range(2))
+    vector = torch.empty(batch, **meta)
+    kwargs = {"off": {}, "top_k": {"top_k_val": 50}, "top_p": {"top_p_val": 0.9}, "min_p": {"min_p_val": 0.05},
+              "subnormal top_p": {"top_p_val": 1e-40},
+              "top_k tensor": {"top_k": torch.empty(batch, dtype=torch.int64, **meta)},
+              "tensors": {"top_k": torch.empty(batch, dtype=torch.int64, **meta), "top_p": vector,
+                          "min_p": vector.clone()}}[filters]
+    tensor = temperature == "tensor"
+    return sampling_triton._sampling_launches(
+        _meta((batch, positions, vocab), dtype, layout), seed, offset, vector.clone() if tensor else None,
+        0.0 if tensor else temperature,
+        torch.empty(batch, positions, dtype=torch.bool, **meta) if compute_mask else None, vocab - 1, **kwargs)[1]
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_sampling_launches_on_a_sweep_are_listed(dtype, listed):
+    """Guards against an entropy_sample launch configuration that `aot_specs()` does not list (never
+    compiled nor checked for spills), or one named like a listed spec but compiled differently: vocabularies
+    from 1 to 151936 (both tiles), every filter form, temperature as tensor / scalar / greedy / subnormal,
+    compute_mask or not, and logits rows contiguous, padded or strided."""
+    cases = itertools.product((1, 100, 4095, 4096, 32000, 151936), SAMPLING_FILTERS,
+                              ((1, 1, "tensor", False), (3, 16, 1.0, True), (2, 4, 0.0, False), (2, 1, 1e-40, True)),
+                              ("contiguous", "padded", "strided"))
+    for vocab, filters, (batch, positions, temperature, mask), layout in cases:
+        case = (dtype, vocab, filters, batch, positions, temperature, mask, layout)
+        _assert_listed("sampling", _sampling_call(batch, positions, vocab, dtype, temperature, mask, filters, layout),
+                       listed, case)
+
+
+def test_sm_count_default_off_cuda(monkeypatch):
+    """Guards against the interpreter path (CPU tensors) and the AOT enumeration (META tensors) asking CUDA
+    for an SM count: they plan for DEFAULT_SM_COUNT."""
+    def no_cuda(*args):
+        raise AssertionError("torch.cuda queried")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_cuda)
+    assert _aot.sm_count(torch.device("cpu")) == _aot.sm_count(torch.device("meta")) == DEFAULT_SM_COUNT == 132
+
+
+def test_sm_count_reads_each_cuda_device_once(monkeypatch):
+    """Guards against a hard-coded SM count on CUDA (a 108-SM A100 or a 78-SM H20 would get the H100's
+    split counts) and against reading the device properties at every launch."""
+    asked = []
+
+    def properties(index):
+        asked.append(index)
+        return SimpleNamespace(multi_processor_count={0: 108, 1: 78}[index])
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(_aot, "_SM_COUNTS", {})
+    counts = [_aot.sm_count(torch.device("cuda", i)) for i in (0, 1, 0, 1)]
+    assert counts == [108, 78, 108, 78]
+    assert asked == [0, 1]
+
+
+def test_attention_splits_follow_the_sm_count(monkeypatch):
+    """Guards against the split plan ignoring the device's SM count: B = 1, Hkv = 8 and two M tiles make
+    16 programs per split, so two waves of 132 SMs want cdiv(264, 16) = 17 cache splits and of 66 SMs 9; a
+    cache of 9792 = 17 * 9 * 64 slots (it allows 20 splits) cuts into 17 or 9 splits of whole 64-key tiles."""
+    asked = []
+
+    def splits(sms: int) -> int:
+        monkeypatch.setattr(attention_triton, "sm_count", lambda device: asked.append(device.type) or sms)
+        split, _ = attention_triton.meta_launches(1, 9792, 32, 8, 128, 16, 16, torch.bfloat16)
+        return split.args["num_splits"]
+
+    assert (splits(132), splits(66)) == (1 + 17, 1 + 9)
+    assert asked == ["meta", "meta"]
+
+
+def test_sampling_splits_follow_the_sm_count(monkeypatch):
+    """Guards against the vocabulary split ignoring the device's SM count: 16 rows and four programs per
+    SM want cdiv(528, 16) = 33 splits per row on 132 SMs and cdiv(264, 16) = 17 on 66; a vocabulary of
+    561 = 33 * 17 tiles of 1024 cuts into exactly that many."""
+    asked = []
+
+    def splits(sms: int) -> int:
+        monkeypatch.setattr(sampling_triton, "sm_count", lambda device: asked.append(device.type) or sms)
+        partial, _ = sampling_triton.meta_launches(1, 16, 561 * 1024, torch.float32)
+        return partial.grid[1]
+
+    assert (splits(132), splits(66)) == (33, 17)
+    assert asked == ["meta", "meta"]
 
 
 def test_theoretical_occupancy_hand_computed():

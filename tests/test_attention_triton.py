@@ -40,7 +40,6 @@ from test_attention import (
 
 from sbd_kernels.ops.attention import naive
 from sbd_kernels.ops.attention import triton as attention_triton
-from sbd_kernels.ops.attention._checks import check_block_attention_args
 from sbd_kernels.testing import assert_close, poison_
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -72,12 +71,10 @@ def case(**shape):
     return make_case(**shape, device=DEVICE)
 
 
-def split_plan(c):
-    """How the launcher cuts the cache of case `c` into splits."""
-    dims = check_block_attention_args(*c.args()[:9])
-    rows = dims.seq * dims.q_heads // dims.kv_heads
-    config = attention_triton._pick_config(dims.head_dim, rows, c.q.dtype, dims.paged, True, ON_GPU)
-    return attention_triton._plan_splits(dims, config)
+def num_splits(c):
+    """Into how many splits (1 + cache splits) the launcher cuts the cache of case `c`."""
+    _, _, (split, _) = attention_triton._attention_launches(*c.args())
+    return split.args["num_splits"]
 
 
 AXIS_CASES = [(case_id, kw) for case_id, kw in axis_params() if kw["L"] < 1000]
@@ -97,7 +94,7 @@ def test_long_cache_is_split_and_combined(dtype, paged, hq):
     """Guards against errors in the split-KV path and its log-sum-exp combine: 4099 cached keys cut into
     several splits (checked), with the last split partial."""
     c = case(**LONG, Hq=hq, dtype=dtype, paged=paged, page_size=32)
-    assert split_plan(c).num_splits > 3
+    assert num_splits(c) > 3
     assert_matches_oracle(c, triton_op)
 
 
@@ -109,7 +106,7 @@ def test_splits_past_the_length_exit_unread(L):
     wide = torch.full((2, 2048, 1, 64), float("nan"), dtype=c.k_cache.dtype, device=DEVICE)
     c.k_cache = wide.clone().index_copy_(1, torch.arange(c.k_cache.shape[1], device=DEVICE), c.k_cache)
     c.v_cache = wide.clone().index_copy_(1, torch.arange(c.v_cache.shape[1], device=DEVICE), c.v_cache)
-    assert split_plan(c).num_splits > 2
+    assert num_splits(c) > 2
     assert_matches_oracle(c, triton_op)
 
 
@@ -273,39 +270,6 @@ def test_bad_page_id():
     c.block_table[0, 1] = c.k_cache.shape[0]
     with pytest.raises(RuntimeError, match="block_table holds a page id outside"):
         LAUNCH(*c.args())
-
-
-def _spec_key(constexprs: dict, num_warps: int, num_stages: int) -> tuple:
-    names = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "PAGED", "ALIGNED", "HALF_DOT", "INPUT_PRECISION")
-    return tuple(constexprs[n] for n in names) + (num_warps, num_stages)
-
-
-def test_aot_specs_cover_every_launch_config():
-    """Guards against a launch configuration that the GPU compile check never compiles (it would first
-    fail, or spill, on a user's GPU): every (dtype, D, rows, paged, aligned) maps to a listed spec."""
-    listed = {}
-    for spec in attention_triton.aot_specs():
-        if spec.fn is attention_triton._attention_split_kernel:
-            dtype = spec.signature["q_ptr"]
-            listed.setdefault(dtype, set()).add(_spec_key(spec.constexprs, spec.num_warps, spec.num_stages))
-    names = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
-    for dtype, name in names.items():
-        for head_dim in (1, 16, 17, 33, 64, 80, 128, 129, 256):
-            for rows in (1, 16, 17, 33, 64, 65, 1000):
-                for paged in (False, True):
-                    for aligned in (False, True):
-                        cfg = attention_triton._pick_config(head_dim, rows, dtype, paged, aligned, on_gpu=True)
-                        constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_D": cfg.block_d,
-                                          "PAGED": paged, "ALIGNED": aligned, "HALF_DOT": cfg.half_dot,
-                                          "INPUT_PRECISION": cfg.input_precision}
-                        assert _spec_key(constexprs, cfg.num_warps, cfg.num_stages) in listed[name], cfg
-
-
-def test_aot_spec_signatures_follow_the_kernels():
-    """Guards against a kernel signature change (e.g. new stride arguments) that the AOT compile specs do
-    not follow: every spec must name each argument of its kernel, in order."""
-    for spec in attention_triton.aot_specs():
-        assert list(spec.signature) == spec.fn.arg_names, spec.name
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the CUDA registration runs on CUDA tensors (no GPU here)")

@@ -1,13 +1,85 @@
-"""Description of one Triton kernel configuration to compile ahead of time for real GPUs.
+"""Kernel launches as data: what a Triton launcher runs, and what `python -m sbd_kernels.aot` compiles.
 
-Each `sbd_kernels/ops/<family>/triton.py` lists, in `aot_specs()`, every configuration its launcher can
-pick (block sizes, dtypes, constexpr flags, warps, stages). `python -m sbd_kernels.aot` compiles them all
-for sm_80 and sm_90 with no GPU present, which catches what the interpreter lets through.
+Each launcher in `sbd_kernels/ops/<family>/triton.py` builds its launches as `KernelLaunch` records (kernel,
+grid, every argument by name, the constexprs it picked, warps, stages) and runs them with `launch`. Its
+`aot_specs()` runs the same building code on META tensors (no memory, no data) of representative calls that
+reach every configuration the launcher can pick, and turns each launch into a `KernelSpec` with
+`spec_of_launch`: the signature is what Triton's JIT derives from the argument values at run time, so a
+change of a launcher's arguments or constexprs changes the compiled configurations with it.
+
+`python -m sbd_kernels.aot` compiles every spec for sm_80 and sm_90 with no GPU present, which catches what
+the interpreter lets through.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
+
+import torch
+
+# Streaming multiprocessors of an H100 SXM, the GPU the launchers' occupancy targets were measured on: the
+# count used where no CUDA device is asked (CPU tensors under TRITON_INTERPRET, META tensors of the AOT
+# enumeration). A launch on a CUDA tensor reads its device's count (`sm_count`).
+DEFAULT_SM_COUNT = 132
+# Software-pipelining depth of a launch that does not choose one: Triton's own default on CUDA
+# (`CUDAOptions.num_stages` in Triton 3.8), passed explicitly so that the AOT compile uses it too.
+TRITON_DEFAULT_NUM_STAGES = 3
+
+
+class KernelLaunch(NamedTuple):
+    """One launch `kernel[grid](**args, **constexprs, num_warps=..., num_stages=...)`.
+
+    args: every runtime argument of `kernel` by name (tensors, ints, floats).
+    constexprs: every `tl.constexpr` argument by name: the compile-time choices of the launch.
+    """
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: dict[str, Any]
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int = TRITON_DEFAULT_NUM_STAGES
+
+
+def launch(launches: list[KernelLaunch]) -> None:
+    """Run the launches in order (one stream, no host sync)."""
+    for kl in launches:
+        kl.kernel[kl.grid](**kl.args, **kl.constexprs, num_warps=kl.num_warps, num_stages=kl.num_stages)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, b > 0. On the host instead of `triton.cdiv`, a constexpr_function whose call
+    costs 1.4 us against 0.01 us (Triton 3.8); a launch computes about ten of these."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1). On the host instead of `triton.next_power_of_2` (1.4 us
+    a call, as `cdiv`)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA `device` (read once per device: a driver attribute, no host
+    sync), DEFAULT_SM_COUNT for any other device."""
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SM_COUNTS.get(index)
+    if count is None:
+        count = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
+def compiles_for_gpu(device: torch.device) -> bool:
+    """Whether a launch on `device` runs compiled GPU code: CUDA tensors, and the META tensors that stand for
+    them in the AOT enumeration; CPU tensors run under the interpreter."""
+    return device.type in ("cuda", "meta")
 
 
 @dataclass(frozen=True)
@@ -26,4 +98,87 @@ class KernelSpec:
     signature: dict[str, str]
     constexprs: dict[str, Any] = field(default_factory=dict)
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = TRITON_DEFAULT_NUM_STAGES
+
+    @property
+    def configuration(self) -> tuple:
+        """What the launcher chose, without the specialisations Triton adds for runtime values equal to 1:
+        (kernel, argument types with such a constexpr 1 read as i32, the kernel's constexprs, warps, stages).
+        A launch whose strides or sizes happen to be 1 compiles another variant of the same configuration."""
+        constexpr_params = {name for name, is_constexpr, _ in kernel_parameters(self.fn) if is_constexpr}
+        types = tuple((name, "i32" if ty == "constexpr" and name not in constexpr_params else ty)
+                      for name, ty in self.signature.items())
+        constexprs = tuple((name, self.constexprs[name]) for name in self.signature if name in constexpr_params)
+        return (_function_name(self.fn), types, constexprs, self.num_warps, self.num_stages)
+
+
+def _function_name(kernel) -> str:
+    fn = getattr(kernel, "fn", kernel)
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+@functools.cache
+def kernel_parameters(kernel) -> tuple[tuple[str, bool, bool], ...]:
+    """(name, is constexpr, specialised) of every argument of a `@triton.jit` function, in order, read from
+    its Python signature as Triton does (a `tl.constexpr` annotation); works for compiled and interpreted
+    functions. specialised: False for the arguments named in `do_not_specialize`. Raises ValueError for a
+    runtime argument with a type annotation (Triton then types it by the annotation, which `spec_of_launch`
+    does not follow)."""
+    fn = getattr(kernel, "fn", kernel)
+    unspecialised = getattr(kernel, "do_not_specialize", None) or getattr(kernel, "kwargs", {}).get(
+        "do_not_specialize") or ()
+    params = []
+    for i, p in enumerate(inspect.signature(fn).parameters.values()):
+        annotation = "" if p.annotation is inspect.Parameter.empty else str(p.annotation)
+        is_constexpr = "constexpr" in annotation
+        if annotation and not is_constexpr:
+            raise ValueError(f"{_function_name(kernel)}: argument {p.name} is annotated {annotation}; compile specs "
+                             "are derived for unannotated runtime arguments only")
+        params.append((p.name, is_constexpr, p.name not in unspecialised and i not in unspecialised))
+    return tuple(params)
+
+
+def triton_type(value: Any, specialise: bool = True) -> str:
+    """The signature type Triton's JIT gives a runtime argument value: "*<dtype>" for a tensor, "i32" /
+    "i64" / "u64" for an int by its range, "u1" for a bool, "fp32" for a float, and "constexpr" for an int
+    equal to 1 (unless not `specialise`d) or None. Triton's own rule (`triton.runtime.jit.mangle_type`)."""
+    from triton.runtime.jit import mangle_type
+
+    return mangle_type(value, specialise)
+
+
+def spec_of_launch(name: str, kl: KernelLaunch) -> KernelSpec:
+    """The compile job a GPU run of `kl` starts: each runtime argument typed by `triton_type` of its value,
+    each constexpr as given. Raises ValueError when the launch does not name every argument of its kernel
+    exactly once, or passes a constexpr as a runtime argument (or the reverse)."""
+    params = kernel_parameters(kl.kernel)
+    runtime = [p for p, is_constexpr, _ in params if not is_constexpr]
+    constant = [p for p, is_constexpr, _ in params if is_constexpr]
+    if set(kl.args) != set(runtime) or set(kl.constexprs) != set(constant):
+        raise ValueError(
+            f"{name}: launch arguments do not match {_function_name(kl.kernel)}: runtime arguments missing "
+            f"{sorted(set(runtime) - set(kl.args))}, unknown {sorted(set(kl.args) - set(runtime))}; "
+            f"constexprs missing {sorted(set(constant) - set(kl.constexprs))}, unknown "
+            f"{sorted(set(kl.constexprs) - set(constant))}")
+    signature, constexprs = {}, {}
+    for param, is_constexpr, specialised in params:
+        if is_constexpr:
+            signature[param] = "constexpr"
+            constexprs[param] = kl.constexprs[param]
+            continue
+        value = kl.args[param]
+        signature[param] = triton_type(value, specialised)
+        if signature[param] == "constexpr":
+            constexprs[param] = value
+    return KernelSpec(name, kl.kernel, signature, constexprs, kl.num_warps, kl.num_stages)
+
+
+def unique_specs(specs: list[KernelSpec]) -> list[KernelSpec]:
+    """The specs with one per name, in first-seen order. Raises ValueError when two specs share a name but
+    not a configuration (the name would not identify what is compiled)."""
+    by_name: dict[str, KernelSpec] = {}
+    for spec in specs:
+        seen = by_name.setdefault(spec.name, spec)
+        if seen.configuration != spec.configuration:
+            raise ValueError(f"two configurations are named {spec.name!r}:\n{seen}\n{spec}")
+    return list(by_name.values())

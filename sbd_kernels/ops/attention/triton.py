@@ -45,7 +45,17 @@ import torch
 import triton
 import triton.language as tl
 
-from sbd_kernels.ops._aot import KernelSpec
+from sbd_kernels.ops._aot import (
+    KernelLaunch,
+    KernelSpec,
+    cdiv,
+    compiles_for_gpu,
+    launch,
+    next_power_of_2,
+    sm_count,
+    spec_of_launch,
+    unique_specs,
+)
 from sbd_kernels.ops.attention._checks import (
     AttentionDims,
     assert_block_attention_values,
@@ -96,8 +106,9 @@ def _tiles(half: bool, aligned: bool, block_d: int) -> _Tiles:
 # 512 slots a bf16 split reads 512 * D * 2 * 2 bytes of K/V against 64 * D * 4 bytes of partial output
 # (one eighth), so the split overhead stays small while L = 4096 still gives 8 splits per (b, head, tile).
 MIN_SPLIT_LEN = 512
-# Programs to aim for: two waves on a 132-SM H100. The split count is a function of shapes only (no sync).
-TARGET_PROGRAMS = 2 * 132
+# Programs to aim for per SM of the input's GPU: two waves (264 programs on a 132-SM H100). The split count
+# is a function of shapes and the SM count only (no sync).
+PROGRAMS_PER_SM = 2
 # Query rows per combine program: a [16, 256] fp32 tile plus the running state stays in registers.
 COMBINE_BLOCK_M = 16
 # Warps of the combine by ALIGNED: unaligned at D = 64, 4 warps spill 4 bytes on sm_90, 8 warps none.
@@ -328,25 +339,25 @@ def _pick_config(head_dim: int, rows: int, dtype: torch.dtype, paged: bool, alig
     operands: fp16/bf16 on GPU tensor cores, 3xTF32 for fp32 (plain fp32 at D > 128), fp32 when
     interpreted."""
     half = dtype != torch.float32
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     tiles = _tiles(half, aligned, block_d)
-    block_m = min(tiles.max_block_m, max(16, triton.next_power_of_2(rows)))
+    block_m = min(tiles.max_block_m, max(16, next_power_of_2(rows)))
     input_precision = "tf32x3" if on_gpu and not half and block_d <= 128 else "ieee"
     return _Config(block_m, tiles.block_n, block_d, tiles.num_warps, tiles.num_stages, on_gpu and half,
                    input_precision, paged, aligned)
 
 
-def _plan_splits(dims: AttentionDims, config: _Config) -> _SplitPlan:
-    """Cache splits from the capacity (an upper bound of every L_b): enough programs for two GPU waves,
-    but no split shorter than MIN_SPLIT_LEN slots."""
+def _plan_splits(dims: AttentionDims, config: _Config, target_programs: int) -> _SplitPlan:
+    """Cache splits from the capacity (an upper bound of every L_b): about `target_programs` programs
+    (PROGRAMS_PER_SM per SM), but no split shorter than MIN_SPLIT_LEN slots."""
     rows = dims.seq * (dims.q_heads // dims.kv_heads)
-    m_tiles = triton.cdiv(rows, config.block_m)
-    by_occupancy = triton.cdiv(TARGET_PROGRAMS, dims.batch * dims.kv_heads * m_tiles)
-    by_length = triton.cdiv(dims.capacity, MIN_SPLIT_LEN)
+    m_tiles = cdiv(rows, config.block_m)
+    by_occupancy = cdiv(target_programs, dims.batch * dims.kv_heads * m_tiles)
+    by_length = cdiv(dims.capacity, MIN_SPLIT_LEN)
     cache_splits = max(1, min(by_occupancy, by_length))
-    split_len = max(config.block_n, triton.cdiv(triton.cdiv(dims.capacity, cache_splits), config.block_n)
+    split_len = max(config.block_n, cdiv(cdiv(dims.capacity, cache_splits), config.block_n)
                     * config.block_n)
-    cache_splits = max(1, triton.cdiv(dims.capacity, split_len))
+    cache_splits = max(1, cdiv(dims.capacity, split_len))
     return _SplitPlan(m_tiles, split_len, 1 + cache_splits)
 
 
@@ -361,6 +372,68 @@ def _rows_aligned(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _attention_launches(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor, num_causal: torch.Tensor, block_size: int,
+    block_table: torch.Tensor | None = None, softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[KernelLaunch]]:
+    """Everything the launcher does but run the kernels: the checks, out and lse, and the split and combine
+    launches (none when out is empty). On META tensors, the configuration a CUDA call would compile."""
+    dims = check_block_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size,
+                                      block_table, softmax_scale)
+    assert_block_attention_values(cache_seqlens, num_causal, dims, block_table)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((dims.batch, dims.q_heads, dims.seq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse, []
+    scale = dims.head_dim ** -0.5 if softmax_scale is None else softmax_scale
+    group = dims.q_heads // dims.kv_heads
+    rows = dims.seq * group
+    bh = dims.batch * dims.kv_heads
+    # The fp32 partial accumulator (a fresh allocation) has rows of D * 4 bytes: aligned when D % 4 == 0.
+    aligned = _rows_aligned(q, k, v, k_cache, v_cache, out) and dims.head_dim % 4 == 0
+    config = _pick_config(dims.head_dim, rows, q.dtype, dims.paged, aligned, compiles_for_gpu(q.device))
+    plan = _plan_splits(dims, config, PROGRAMS_PER_SM * sm_count(q.device))
+    part_m = torch.empty((bh, plan.num_splits, rows), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((bh, plan.num_splits, rows, dims.head_dim), dtype=torch.float32, device=q.device)
+    table = block_table if dims.paged else cache_seqlens  # unread when not paged
+    stride_btb, stride_btp = block_table.stride() if dims.paged else (0, 0)
+    stride_qb, stride_qs, stride_qh, stride_qd = q.stride()
+    stride_kb, stride_ks, stride_kh, stride_kd = k.stride()
+    stride_vb, stride_vs, stride_vh, stride_vd = v.stride()
+    stride_kcp, stride_kcs, stride_kch, _ = k_cache.stride()
+    stride_vcp, stride_vcs, stride_vch, _ = v_cache.stride()
+    split = KernelLaunch(_attention_split_kernel, (bh, plan.m_tiles, plan.num_splits), {
+        "q_ptr": q, "k_ptr": k, "v_ptr": v, "k_cache_ptr": k_cache, "v_cache_ptr": v_cache,
+        "cache_seqlens_ptr": cache_seqlens, "num_causal_ptr": num_causal, "block_table_ptr": table,
+        "part_acc_ptr": part_acc, "part_m_ptr": part_m, "part_l_ptr": part_l,
+        "stride_qb": stride_qb, "stride_qs": stride_qs, "stride_qh": stride_qh, "stride_qd": stride_qd,
+        "stride_kb": stride_kb, "stride_ks": stride_ks, "stride_kh": stride_kh, "stride_kd": stride_kd,
+        "stride_vb": stride_vb, "stride_vs": stride_vs, "stride_vh": stride_vh, "stride_vd": stride_vd,
+        "stride_kcp": stride_kcp, "stride_kcs": stride_kcs, "stride_kch": stride_kch,
+        "stride_vcp": stride_vcp, "stride_vcs": stride_vcs, "stride_vch": stride_vch,
+        "stride_len": cache_seqlens.stride(0), "stride_nc": num_causal.stride(0),
+        "stride_btb": stride_btb, "stride_btp": stride_btp,
+        "S": dims.seq, "C": dims.num_causal_slots, "Hkv": dims.kv_heads, "G": group, "D": dims.head_dim,
+        "M": rows, "capacity": dims.capacity, "page_size": dims.page_size, "num_pages": dims.num_pages,
+        "split_len": plan.split_len, "num_splits": plan.num_splits, "qk_scale": scale * _LOG2E,
+    }, {
+        "PAGED": config.paged, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": config.block_d,
+        "HALF_DOT": config.half_dot, "INPUT_PRECISION": config.input_precision, "ALIGNED": config.aligned,
+    }, config.num_warps, config.num_stages)
+    combine = KernelLaunch(_attention_combine_kernel, (bh, cdiv(rows, COMBINE_BLOCK_M)), {
+        "part_acc_ptr": part_acc, "part_m_ptr": part_m, "part_l_ptr": part_l, "cache_seqlens_ptr": cache_seqlens,
+        "out_ptr": out, "lse_ptr": lse, "stride_len": cache_seqlens.stride(0),
+        "stride_ob": out.stride(0), "stride_os": out.stride(1), "stride_oh": out.stride(2),
+        "stride_lb": lse.stride(0), "stride_lh": lse.stride(1),
+        "Hkv": dims.kv_heads, "G": group, "D": dims.head_dim, "M": rows, "capacity": dims.capacity,
+        "split_len": plan.split_len, "num_splits": plan.num_splits,
+    }, {"BLOCK_M": COMBINE_BLOCK_M, "BLOCK_D": config.block_d, "ALIGNED": config.aligned},
+        COMBINE_WARPS[config.aligned])
+    return out, lse, [split, combine]
+
+
 def block_attention_with_kvcache(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor, num_causal: torch.Tensor, block_size: int,
@@ -368,122 +441,67 @@ def block_attention_with_kvcache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher of the op (same signature and side effect); CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1. Returns out [B, S, Hq, D] (dtype of q) and lse [B, Hq, S] fp32. No host sync."""
-    dims = check_block_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size,
-                                      block_table, softmax_scale)
-    assert_block_attention_values(cache_seqlens, num_causal, dims, block_table)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((dims.batch, dims.q_heads, dims.seq), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
-    scale = dims.head_dim ** -0.5 if softmax_scale is None else softmax_scale
-    group = dims.q_heads // dims.kv_heads
-    rows = dims.seq * group
-    bh = dims.batch * dims.kv_heads
-    # The fp32 partial accumulator (a fresh allocation) has rows of D * 4 bytes: aligned when D % 4 == 0.
-    aligned = _rows_aligned(q, k, v, k_cache, v_cache, out) and dims.head_dim % 4 == 0
-    config = _pick_config(dims.head_dim, rows, q.dtype, dims.paged, aligned, q.device.type == "cuda")
-    plan = _plan_splits(dims, config)
-    part_m = torch.empty((bh, plan.num_splits, rows), dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
-    part_acc = torch.empty((bh, plan.num_splits, rows, dims.head_dim), dtype=torch.float32, device=q.device)
-    table = block_table if dims.paged else cache_seqlens  # unread when not paged
-    table_strides = block_table.stride() if dims.paged else (0, 0)
-    _attention_split_kernel[(bh, plan.m_tiles, plan.num_splits)](
-        q, k, v, k_cache, v_cache, cache_seqlens, num_causal, table,
-        part_acc, part_m, part_l,
-        *q.stride(), *k.stride(), *v.stride(),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        cache_seqlens.stride(0), num_causal.stride(0), *table_strides,
-        dims.seq, dims.num_causal_slots, dims.kv_heads, group, dims.head_dim, rows,
-        dims.capacity, dims.page_size, dims.num_pages, plan.split_len, plan.num_splits,
-        scale * _LOG2E,
-        PAGED=config.paged, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d,
-        HALF_DOT=config.half_dot, INPUT_PRECISION=config.input_precision, ALIGNED=config.aligned,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    _attention_combine_kernel[(bh, triton.cdiv(rows, COMBINE_BLOCK_M))](
-        part_acc, part_m, part_l, cache_seqlens, out, lse,
-        cache_seqlens.stride(0), out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        dims.kv_heads, group, dims.head_dim, rows, dims.capacity, plan.split_len, plan.num_splits,
-        BLOCK_M=COMBINE_BLOCK_M, BLOCK_D=config.block_d, ALIGNED=config.aligned,
-        num_warps=COMBINE_WARPS[config.aligned],
-    )
+    out, lse, launches = _attention_launches(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size,
+                                             block_table, softmax_scale)
+    launch(launches)
     return out, lse
 
 
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _BLOCK_D_CHOICES = (16, 32, 64, 128, 256)  # next power of two >= D (>= 16), D <= 256
-_STRIDE_AXES = {"q": "bshd", "k": "bshd", "v": "bshd", "kc": "psh", "vc": "psh"}
 
 
-def _block_m_choices(tiles: _Tiles) -> list[int]:
-    """BLOCK_M = min(max_block_m, next power of two >= M) with M >= 1: the powers of two from 16."""
-    return [m for m in (16, 32, 64) if m <= tiles.max_block_m]
+def _spec_name(kl: KernelLaunch) -> str:
+    """Readable id of the configuration a launch compiles: its dtype and constexprs."""
+    c = kl.constexprs
+    alignment = "aligned" if c["ALIGNED"] else "unaligned"
+    if kl.kernel is _attention_combine_kernel:
+        return f"attention/combine {_TRITON_DTYPES[kl.args['out_ptr'].dtype]} D{c['BLOCK_D']} {alignment}"
+    return (f"attention/split {_TRITON_DTYPES[kl.args['q_ptr'].dtype]} M{c['BLOCK_M']} N{c['BLOCK_N']} "
+            f"D{c['BLOCK_D']} {'paged' if c['PAGED'] else 'contig'} {alignment}")
 
 
-def _split_name(dtype: torch.dtype, config: _Config) -> str:
-    """Readable id of the stage-1 configuration a launch with `config` compiles."""
-    return (f"attention/split {_TRITON_DTYPES[dtype]} M{config.block_m} N{config.block_n} D{config.block_d} "
-            f"{'paged' if config.paged else 'contig'} {'aligned' if config.aligned else 'unaligned'}")
+def specs_of_launches(launches: list[KernelLaunch]) -> list[KernelSpec]:
+    """The compile job of each launch, named by its configuration."""
+    return [spec_of_launch(_spec_name(kl), kl) for kl in launches]
 
 
-def _combine_name(dtype: torch.dtype, block_d: int, aligned: bool) -> str:
-    return f"attention/combine {_TRITON_DTYPES[dtype]} D{block_d} {'aligned' if aligned else 'unaligned'}"
-
-
-def _split_spec(dtype: torch.dtype, block_m: int, block_d: int, paged: bool, aligned: bool) -> KernelSpec:
-    """The stage-1 kernel as a GPU launch compiles it: q/k/v last-dim strides of 1 are specialised."""
-    config = _pick_config(block_d, block_m, dtype, paged, aligned, on_gpu=True)
-    ty = "*" + _TRITON_DTYPES[dtype]
-    signature = {"q_ptr": ty, "k_ptr": ty, "v_ptr": ty, "k_cache_ptr": ty, "v_cache_ptr": ty, "cache_seqlens_ptr": "*i32",
-                     "num_causal_ptr": "*i32", "block_table_ptr": "*i32", "part_acc_ptr": "*fp32",
-                     "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
-    signature |= {f"stride_{t}{a}": "constexpr" if a == "d" else "i32"
-                  for t, axes in _STRIDE_AXES.items() for a in axes}
-    signature |= {name: "i32" for name in ("stride_len", "stride_nc", "stride_btb", "stride_btp", "S", "C", "Hkv",
-                                           "G", "D", "M", "capacity", "page_size", "num_pages", "split_len",
-                                           "num_splits")}
-    signature["qk_scale"] = "fp32"
-    constexprs = {"stride_qd": 1, "stride_kd": 1, "stride_vd": 1, "PAGED": paged, "BLOCK_M": block_m,
-                      "BLOCK_N": config.block_n, "BLOCK_D": block_d, "HALF_DOT": config.half_dot,
-                      "INPUT_PRECISION": config.input_precision, "ALIGNED": aligned}
-    signature |= {name: "constexpr" for name in constexprs if name not in signature}
-    return KernelSpec(_split_name(dtype, config), _attention_split_kernel, signature, constexprs, num_warps=config.num_warps,
-                      num_stages=config.num_stages)
-
-
-def _combine_spec(dtype: torch.dtype, block_d: int, aligned: bool) -> KernelSpec:
-    ty = "*" + _TRITON_DTYPES[dtype]
-    signature = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "cache_seqlens_ptr": "*i32",
-                     "out_ptr": ty, "lse_ptr": "*fp32"}
-    signature |= {name: "i32" for name in ("stride_len", "stride_ob", "stride_os", "stride_oh", "stride_lb",
-                                           "stride_lh", "Hkv", "G", "D", "M", "capacity", "split_len",
-                                           "num_splits")}
-    signature |= {"BLOCK_M": "constexpr", "BLOCK_D": "constexpr", "ALIGNED": "constexpr"}
-    return KernelSpec(_combine_name(dtype, block_d, aligned), _attention_combine_kernel, signature,
-                      {"BLOCK_M": COMBINE_BLOCK_M, "BLOCK_D": block_d, "ALIGNED": aligned},
-                      num_warps=COMBINE_WARPS[aligned])
+def meta_launches(batch: int, length: int, q_heads: int, kv_heads: int, head_dim: int, causal: int, block: int,
+                  dtype: torch.dtype, paged: bool = False, page_size: int = 16) -> list[KernelLaunch]:
+    """The launches of a call on fresh contiguous META tensors (no memory): q/k/v [B, C + K, H, D], a cache
+    of `length` slots per sequence (paged: pages of `page_size`), [B] int32 index tensors. What a CUDA
+    call with these shapes compiles; its rows are 16-byte aligned when D % 4 == 0."""
+    meta = {"dtype": dtype, "device": "meta"}
+    seq = causal + block
+    q = torch.empty(batch, seq, q_heads, head_dim, **meta)
+    k = torch.empty(batch, seq, kv_heads, head_dim, **meta)
+    v = torch.empty_like(k)
+    block_table = None
+    cache_shape = (batch, length, kv_heads, head_dim)
+    if paged:
+        pages = cdiv(length, page_size)
+        block_table = torch.empty(batch, pages, dtype=torch.int32, device="meta")
+        cache_shape = (batch * pages, page_size, kv_heads, head_dim)
+    k_cache, v_cache = torch.empty(cache_shape, **meta), torch.empty(cache_shape, **meta)
+    cache_seqlens = torch.empty(batch, dtype=torch.int32, device="meta")
+    num_causal = torch.empty_like(cache_seqlens)
+    return _attention_launches(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block, block_table)[2]
 
 
 def aot_specs() -> list[KernelSpec]:
-    """Every configuration the launcher can pick on a GPU: stage 1 by dtype x alignment x BLOCK_D x BLOCK_M
-    x paged, the combine by dtype x alignment x BLOCK_D."""
-    specs = []
-    for dtype in _TRITON_DTYPES:
-        for aligned in (True, False):
-            for block_d in _BLOCK_D_CHOICES:
-                tiles = _tiles(dtype != torch.float32, aligned, block_d)
-                specs += [_split_spec(dtype, block_m, block_d, paged, aligned)
-                          for block_m in _block_m_choices(tiles) for paged in (False, True)]
-                specs.append(_combine_spec(dtype, block_d, aligned))
-    return specs
+    """Every configuration the launcher can pick on a GPU, from the launches of representative calls:
+    dtype x head dim (D = BLOCK_D: aligned rows; D = BLOCK_D - 1: unaligned) x M = S * G rows of a KV
+    group (G = 4, S = 4, 8, 16: each BLOCK_M) x contiguous / paged cache. A stage-1 configuration is
+    dtype x alignment x BLOCK_D x BLOCK_M x paged, a combine one dtype x alignment x BLOCK_D."""
+    launches = [kl for dtype in _TRITON_DTYPES for block_d in _BLOCK_D_CHOICES for head_dim in (block_d, block_d - 1)
+                for seq in (4, 8, 16) for paged in (False, True)
+                for kl in meta_launches(2, 1024, 8, 2, head_dim, seq // 2, seq // 2, dtype, paged)]
+    return unique_specs(specs_of_launches(launches))
 
 
-def picked_specs(q_heads: int, kv_heads: int, head_dim: int, seq: int, dtype: torch.dtype, paged: bool = False,
-                 aligned: bool = True) -> list[str]:
-    """Names (as in `aot_specs()`) of the split and combine configurations a GPU launch with these shapes
-    compiles, chosen by the launcher's `_pick_config` on the M = S * G rows of a KV group; batch and cache
-    length only set the runtime split plan. aligned: what `_rows_aligned` finds for fresh torch allocations
-    with D % 4 == 0 (16-byte aligned rows)."""
-    config = _pick_config(head_dim, seq * (q_heads // kv_heads), dtype, paged, aligned, on_gpu=True)
-    return [_split_name(dtype, config), _combine_name(dtype, config.block_d, config.aligned)]
+def picked_specs(batch: int, length: int, q_heads: int, kv_heads: int, head_dim: int, causal: int, block: int,
+                 dtype: torch.dtype, paged: bool = False) -> list[str]:
+    """Names (as in `aot_specs()`) of the split and combine configurations a CUDA call on fresh contiguous
+    tensors of these shapes compiles (`meta_launches`)."""
+    return [spec.name for spec in specs_of_launches(meta_launches(batch, length, q_heads, kv_heads, head_dim,
+                                                                   causal, block, dtype, paged))]

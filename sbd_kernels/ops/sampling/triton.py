@@ -19,7 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from sbd_kernels.ops._aot import KernelSpec
+from sbd_kernels.ops._aot import (
+    KernelLaunch,
+    KernelSpec,
+    cdiv,
+    launch,
+    sm_count,
+    spec_of_launch,
+    unique_specs,
+)
 from sbd_kernels.ops.sampling._checks import (
     check_entropy_sample_args,
     filters_requested,
@@ -36,8 +44,9 @@ NUM_WARPS = 8
 SMALL_BLOCK_V = 128
 SMALL_NUM_WARPS = 4
 SMALL_VOCAB = 4096
-# Programs aimed at per launch: 4 per SM of a 132-SM H100, so that B * K = 16 rows still fill the GPU.
-TARGET_PROGRAMS = 528
+# Programs aimed at per launch: 4 per SM of the input's GPU (528 on a 132-SM H100), so that B * K = 16
+# rows still fill the GPU.
+PROGRAMS_PER_SM = 4
 # Smallest run of tiles per program (4096 entries): below that the partials' round trip costs more than
 # the extra parallelism gains.
 MIN_TILES_PER_SPLIT = 4
@@ -380,12 +389,13 @@ def _num_warps(block: int) -> int:
     return NUM_WARPS if block == BLOCK_V else SMALL_NUM_WARPS
 
 
-def _split_plan(rows: int, vocab: int) -> tuple[int, int]:
-    """(tiles per split, number of splits) for rows x vocab: enough programs, not too little work each."""
-    num_tiles = triton.cdiv(vocab, _block_size(vocab))
-    wanted = max(1, min(MAX_SPLITS, triton.cdiv(TARGET_PROGRAMS, rows), num_tiles // MIN_TILES_PER_SPLIT))
-    tiles_per_split = triton.cdiv(num_tiles, wanted)
-    return tiles_per_split, triton.cdiv(num_tiles, tiles_per_split)
+def _split_plan(rows: int, vocab: int, target_programs: int) -> tuple[int, int]:
+    """(tiles per split, number of splits) for rows x vocab: about `target_programs` programs
+    (PROGRAMS_PER_SM per SM), not too little work each."""
+    num_tiles = cdiv(vocab, _block_size(vocab))
+    wanted = max(1, min(MAX_SPLITS, cdiv(target_programs, rows), num_tiles // MIN_TILES_PER_SPLIT))
+    tiles_per_split = cdiv(num_tiles, wanted)
+    return tiles_per_split, cdiv(num_tiles, tiles_per_split)
 
 
 FLOAT32_MIN_NORMAL = 2.0**-126
@@ -427,6 +437,86 @@ def _filter_arguments(top_k, top_k_val, top_p, top_p_val, min_p, min_p_val, batc
     return True, (top_k, top_p, min_p), (0, 1.0, 0.0)
 
 
+def _sampling_launches(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
+                       temperature: torch.Tensor | None = None, temperature_val: float = 0.0,
+                       compute_mask: torch.Tensor | None = None, mask_token_id: int = -1,
+                       top_k: torch.Tensor | None = None, top_k_val: int = 0,
+                       top_p: torch.Tensor | None = None, top_p_val: float = 1.0,
+                       min_p: torch.Tensor | None = None, min_p_val: float = 0.0,
+                       ) -> tuple[tuple[torch.Tensor, ...], list[KernelLaunch]]:
+    """Everything the launcher does but run the kernels: the checks, the four outputs and the launches
+    (none when there is no row). On META tensors, the configurations a CUDA call would compile."""
+    batch, positions, vocab = check_entropy_sample_args(logits, seed, offset, temperature, temperature_val,
+                                                        compute_mask, mask_token_id, top_k, top_k_val,
+                                                        top_p, top_p_val, min_p, min_p_val)
+    if vocab > INT32_MAX:
+        raise RuntimeError(f"sbd.entropy_sample: logits vocabulary V = {vocab} must be < 2^31 on this backend")
+    device = logits.device
+    tokens = torch.empty(batch, positions, dtype=torch.int64, device=device)
+    entropy = torch.empty(batch, positions, dtype=torch.float32, device=device)
+    logprob = torch.empty(batch, positions, dtype=torch.float32, device=device)
+    valid = torch.empty(batch, positions, dtype=torch.bool, device=device)
+    outputs = (tokens, entropy, logprob, valid)
+    rows = batch * positions
+    if rows == 0:
+        return outputs, []
+    for ok, message in per_row_value_checks(temperature, top_k, top_p, min_p):
+        torch._assert_async(ok, message)
+    if temperature is None:
+        temperature, temperature_val = _fp32_scalar_argument(temperature_val, batch, device)
+    if logits.stride(2) != 1:
+        logits = logits.contiguous()  # vocabulary-strided rows: one copy, then coalesced tile loads
+
+    tiles_per_split, num_splits = _split_plan(rows, vocab, PROGRAMS_PER_SM * sm_count(device))
+    partial_f = torch.empty(rows, num_splits, PARTIAL_FLOATS, dtype=torch.float32, device=device)
+    partial_i = torch.empty(rows, num_splits, PARTIAL_INTS, dtype=torch.int32, device=device)
+    # Unused pointer arguments (constexpr flags off) get a workspace of the right element type.
+    temperature_arg = temperature if temperature is not None else partial_f
+    mask_arg = (compute_mask.contiguous() if compute_mask is not None else valid).view(torch.uint8)
+    flags = {"HAS_TEMPERATURE": temperature is not None, "HAS_COMPUTE_MASK": compute_mask is not None}
+    # The arguments every kernel takes first: logits rows, temperature, compute_mask.
+    row_args = {"logits_ptr": logits, "stride_b": logits.stride(0), "stride_k": logits.stride(1),
+                "temperature_ptr": temperature_arg,
+                "temperature_stride": temperature.stride(0) if temperature is not None else 0,
+                "temperature_val": float(temperature_val), "compute_mask_ptr": mask_arg}
+    seed = seed.reshape(-1)
+    offset = offset.reshape(-1)
+
+    launches = []
+    has_threshold = filters_requested(top_k, top_k_val, top_p, top_p_val, min_p, min_p_val)
+    threshold = partial_f
+    if has_threshold:
+        filter_tensors, (top_k, top_p, min_p), (top_k_val, top_p_val, min_p_val) = _filter_arguments(
+            top_k, top_k_val, top_p, top_p_val, min_p, min_p_val, batch, device)
+        threshold = torch.empty(rows, dtype=torch.float32, device=device)
+        launches.append(KernelLaunch(_sampling_threshold_kernel, (rows,), {
+            **row_args,
+            "top_k_ptr": top_k if filter_tensors else seed,
+            "top_k_stride": _per_row_stride(top_k) if filter_tensors else 0,
+            "top_k_val": int(min(top_k_val, vocab)),  # k >= V keeps everything: an i32 argument whatever k
+            "top_p_ptr": top_p if filter_tensors else partial_f,
+            "top_p_stride": _per_row_stride(top_p) if filter_tensors else 0, "top_p_val": float(top_p_val),
+            "min_p_ptr": min_p if filter_tensors else partial_f,
+            "min_p_stride": _per_row_stride(min_p) if filter_tensors else 0, "min_p_val": float(min_p_val),
+            "threshold_ptr": threshold, "positions": positions, "vocab": vocab, "mask_token_id": mask_token_id,
+        }, {**flags, "FILTER_TENSORS": filter_tensors, "BLOCK": THRESHOLD_BLOCK, "PIVOTS": THRESHOLD_PIVOTS,
+            "MAX_ROUNDS": THRESHOLD_MAX_ROUNDS}, THRESHOLD_NUM_WARPS))
+
+    block = _block_size(vocab)
+    launches.append(KernelLaunch(_sampling_partial_kernel, (rows, num_splits), {
+        **row_args, "seed_ptr": seed, "seed_stride": _per_row_stride(seed), "offset_ptr": offset,
+        "offset_stride": _per_row_stride(offset), "threshold_ptr": threshold, "partial_f_ptr": partial_f,
+        "partial_i_ptr": partial_i, "positions": positions, "vocab": vocab, "mask_token_id": mask_token_id,
+        "tiles_per_split": tiles_per_split, "num_splits": num_splits,
+    }, {**flags, "HAS_THRESHOLD": has_threshold, "BLOCK": block}, _num_warps(block)))
+    launches.append(KernelLaunch(_sampling_combine_kernel, (rows,), {
+        **row_args, "partial_f_ptr": partial_f, "partial_i_ptr": partial_i, "tokens_ptr": tokens,
+        "entropy_ptr": entropy, "logprob_ptr": logprob, "valid_ptr": valid.view(torch.int8),
+        "positions": positions, "num_splits": num_splits,
+    }, {**flags, "SPLITS": MAX_SPLITS}, 1))
+    return outputs, launches
+
+
 def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
                    temperature: torch.Tensor | None = None, temperature_val: float = 0.0,
                    compute_mask: torch.Tensor | None = None, mask_token_id: int = -1,
@@ -440,162 +530,68 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
     Filters requested: the threshold kernel first (one program per row), then the partial kernel with
     its race restricted to x >= threshold. No host sync either way: CUDA-graph capturable.
     """
-    batch, positions, vocab = check_entropy_sample_args(logits, seed, offset, temperature, temperature_val,
-                                                        compute_mask, mask_token_id, top_k, top_k_val,
-                                                        top_p, top_p_val, min_p, min_p_val)
-    if vocab > INT32_MAX:
-        raise RuntimeError(f"sbd.entropy_sample: logits vocabulary V = {vocab} must be < 2^31 on this backend")
-    device = logits.device
-    tokens = torch.empty(batch, positions, dtype=torch.int64, device=device)
-    entropy = torch.empty(batch, positions, dtype=torch.float32, device=device)
-    logprob = torch.empty(batch, positions, dtype=torch.float32, device=device)
-    valid = torch.empty(batch, positions, dtype=torch.bool, device=device)
-    rows = batch * positions
-    if rows == 0:
-        return tokens, entropy, logprob, valid
-    for ok, message in per_row_value_checks(temperature, top_k, top_p, min_p):
-        torch._assert_async(ok, message)
-    if temperature is None:
-        temperature, temperature_val = _fp32_scalar_argument(temperature_val, batch, device)
-    if logits.stride(2) != 1:
-        logits = logits.contiguous()  # vocabulary-strided rows: one copy, then coalesced tile loads
-
-    tiles_per_split, num_splits = _split_plan(rows, vocab)
-    partial_f = torch.empty(rows, num_splits, PARTIAL_FLOATS, dtype=torch.float32, device=device)
-    partial_i = torch.empty(rows, num_splits, PARTIAL_INTS, dtype=torch.int32, device=device)
-    # Unused pointer arguments (constexpr flags off) get a workspace of the right element type.
-    temperature_arg = temperature if temperature is not None else partial_f
-    mask_arg = (compute_mask.contiguous() if compute_mask is not None else valid).view(torch.uint8)
-    flags = {"HAS_TEMPERATURE": temperature is not None, "HAS_COMPUTE_MASK": compute_mask is not None}
-    temperature_stride = temperature.stride(0) if temperature is not None else 0
-    seed = seed.reshape(-1)
-    offset = offset.reshape(-1)
-
-    has_threshold = filters_requested(top_k, top_k_val, top_p, top_p_val, min_p, min_p_val)
-    threshold = partial_f
-    if has_threshold:
-        filter_tensors, (top_k, top_p, min_p), (top_k_val, top_p_val, min_p_val) = _filter_arguments(
-            top_k, top_k_val, top_p, top_p_val, min_p, min_p_val, batch, device)
-        threshold = torch.empty(rows, dtype=torch.float32, device=device)
-        top_k_val = min(top_k_val, vocab)  # k >= V keeps everything: an i32 argument whatever k
-        _sampling_threshold_kernel[(rows,)](
-            logits, logits.stride(0), logits.stride(1), temperature_arg, temperature_stride,
-            float(temperature_val), mask_arg, top_k if filter_tensors else seed,
-            _per_row_stride(top_k) if filter_tensors else 0, int(top_k_val),
-            top_p if filter_tensors else partial_f, _per_row_stride(top_p) if filter_tensors else 0,
-            float(top_p_val), min_p if filter_tensors else partial_f,
-            _per_row_stride(min_p) if filter_tensors else 0, float(min_p_val), threshold, positions, vocab,
-            mask_token_id, FILTER_TENSORS=filter_tensors, BLOCK=THRESHOLD_BLOCK, PIVOTS=THRESHOLD_PIVOTS,
-            MAX_ROUNDS=THRESHOLD_MAX_ROUNDS, num_warps=THRESHOLD_NUM_WARPS, **flags)
-
-    _sampling_partial_kernel[(rows, num_splits)](
-        logits, logits.stride(0), logits.stride(1), seed, _per_row_stride(seed), offset,
-        _per_row_stride(offset), temperature_arg, temperature_stride, float(temperature_val), mask_arg,
-        threshold, partial_f, partial_i, positions, vocab, mask_token_id, tiles_per_split, num_splits,
-        HAS_THRESHOLD=has_threshold, BLOCK=_block_size(vocab), num_warps=_num_warps(_block_size(vocab)),
-        **flags)
-    _sampling_combine_kernel[(rows,)](
-        logits, logits.stride(0), logits.stride(1), temperature_arg, temperature_stride,
-        float(temperature_val), mask_arg, partial_f, partial_i, tokens, entropy, logprob, valid.view(torch.int8),
-        positions, num_splits, SPLITS=MAX_SPLITS, num_warps=1, **flags)
-    return tokens, entropy, logprob, valid
+    outputs, launches = _sampling_launches(logits, seed, offset, temperature, temperature_val, compute_mask,
+                                           mask_token_id, top_k, top_k_val, top_p, top_p_val, min_p, min_p_val)
+    launch(launches)
+    return outputs
 
 
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def _flags_label(name: str, flags: dict) -> str:
-    """Readable id of a logits dtype name ("fp32", ...) and the two constexpr flags of both kernels."""
-    return (f"{name} temperature={'tensor' if flags['HAS_TEMPERATURE'] else 'scalar'} "
-            f"mask={flags['HAS_COMPUTE_MASK']}")
+def _spec_name(kl: KernelLaunch) -> str:
+    """Readable id of the configuration a launch compiles: the logits dtype and its constexprs."""
+    c = kl.constexprs
+    label = (f"{_TRITON_DTYPES[kl.args['logits_ptr'].dtype]} "
+             f"temperature={'tensor' if c['HAS_TEMPERATURE'] else 'scalar'} mask={c['HAS_COMPUTE_MASK']}")
+    if kl.kernel is _sampling_threshold_kernel:
+        return (f"entropy_sample/threshold {label} filters={'tensor' if c['FILTER_TENSORS'] else 'scalar'} "
+                f"BLOCK={c['BLOCK']} PIVOTS={c['PIVOTS']}")
+    if kl.kernel is _sampling_combine_kernel:
+        return f"entropy_sample/combine {label} SPLITS={c['SPLITS']}"
+    return f"entropy_sample/partial {label}{' filtered' if c['HAS_THRESHOLD'] else ''} BLOCK={c['BLOCK']}"
 
 
-def _partial_name(label: str, block: int, has_threshold: bool = False) -> str:
-    return f"entropy_sample/partial {label}{' filtered' if has_threshold else ''} BLOCK={block}"
+def specs_of_launches(launches: list[KernelLaunch]) -> list[KernelSpec]:
+    """The compile job of each launch, named by its configuration."""
+    return [spec_of_launch(_spec_name(kl), kl) for kl in launches]
 
 
-def _combine_name(label: str) -> str:
-    return f"entropy_sample/combine {label} SPLITS={MAX_SPLITS}"
-
-
-def _partial_spec(name: str, label: str, flags: dict, block: int, has_threshold: bool) -> KernelSpec:
-    return KernelSpec(
-        name=_partial_name(label, block, has_threshold),
-        fn=_sampling_partial_kernel,
-        signature={
-            "logits_ptr": f"*{name}", "stride_b": "i64", "stride_k": "i64", "seed_ptr": "*i64",
-            "seed_stride": "i64", "offset_ptr": "*i64", "offset_stride": "i64",
-            "temperature_ptr": "*fp32", "temperature_stride": "i64", "temperature_val": "fp32",
-            "compute_mask_ptr": "*u8", "threshold_ptr": "*fp32", "partial_f_ptr": "*fp32",
-            "partial_i_ptr": "*i32", "positions": "i32", "vocab": "i32", "mask_token_id": "i32",
-            "tiles_per_split": "i32", "num_splits": "i32", "HAS_TEMPERATURE": "constexpr",
-            "HAS_COMPUTE_MASK": "constexpr", "HAS_THRESHOLD": "constexpr", "BLOCK": "constexpr",
-        },
-        constexprs={**flags, "HAS_THRESHOLD": has_threshold, "BLOCK": block},
-        num_warps=_num_warps(block),
-    )
-
-
-def _combine_spec(name: str, label: str, flags: dict) -> KernelSpec:
-    return KernelSpec(
-        name=_combine_name(label),
-        fn=_sampling_combine_kernel,
-        signature={
-            "logits_ptr": f"*{name}", "stride_b": "i64", "stride_k": "i64",
-            "temperature_ptr": "*fp32", "temperature_stride": "i64", "temperature_val": "fp32",
-            "compute_mask_ptr": "*u8", "partial_f_ptr": "*fp32", "partial_i_ptr": "*i32",
-            "tokens_ptr": "*i64", "entropy_ptr": "*fp32", "logprob_ptr": "*fp32",
-            "valid_ptr": "*i8", "positions": "i32", "num_splits": "i32",
-            "HAS_TEMPERATURE": "constexpr", "HAS_COMPUTE_MASK": "constexpr", "SPLITS": "constexpr",
-        },
-        constexprs={**flags, "SPLITS": MAX_SPLITS},
-        num_warps=1,
-    )
-
-
-def _threshold_spec(name: str, label: str, flags: dict, filter_tensors: bool) -> KernelSpec:
-    return KernelSpec(
-        name=f"entropy_sample/threshold {label} filters={'tensor' if filter_tensors else 'scalar'} "
-             f"BLOCK={THRESHOLD_BLOCK} PIVOTS={THRESHOLD_PIVOTS}",
-        fn=_sampling_threshold_kernel,
-        signature={
-            "logits_ptr": f"*{name}", "stride_b": "i64", "stride_k": "i64",
-            "temperature_ptr": "*fp32", "temperature_stride": "i64", "temperature_val": "fp32",
-            "compute_mask_ptr": "*u8", "top_k_ptr": "*i64", "top_k_stride": "i64", "top_k_val": "i32",
-            "top_p_ptr": "*fp32", "top_p_stride": "i64", "top_p_val": "fp32", "min_p_ptr": "*fp32",
-            "min_p_stride": "i64", "min_p_val": "fp32", "threshold_ptr": "*fp32", "positions": "i32",
-            "vocab": "i32", "mask_token_id": "i32", "HAS_TEMPERATURE": "constexpr",
-            "HAS_COMPUTE_MASK": "constexpr", "FILTER_TENSORS": "constexpr", "BLOCK": "constexpr",
-            "PIVOTS": "constexpr", "MAX_ROUNDS": "constexpr",
-        },
-        constexprs={**flags, "FILTER_TENSORS": filter_tensors, "BLOCK": THRESHOLD_BLOCK,
-                    "PIVOTS": THRESHOLD_PIVOTS, "MAX_ROUNDS": THRESHOLD_MAX_ROUNDS},
-        num_warps=THRESHOLD_NUM_WARPS,
-    )
+def meta_launches(batch: int, positions: int, vocab: int, dtype: torch.dtype, temperature_tensor: bool = False,
+                  compute_mask: bool = False, top_k_val: int = 0, top_p_val: float = 1.0, min_p_val: float = 0.0,
+                  filter_tensors: bool = False) -> list[KernelLaunch]:
+    """The launches of a call on fresh contiguous META tensors (no memory): logits [B, K, V] of `dtype`, [B]
+    int64 seed and offset, temperature a [B] fp32 tensor or the scalar 1.0, compute_mask [B, K] or none,
+    the filters as scalars or (filter_tensors) as [B] tensors. What a CUDA call compiles."""
+    meta = {"device": "meta"}
+    seed = torch.empty(batch, dtype=torch.int64, **meta)
+    filters = {"top_k_val": top_k_val, "top_p_val": top_p_val, "min_p_val": min_p_val}
+    if filter_tensors:
+        filters |= {"top_k": torch.empty_like(seed), "top_p": torch.empty(batch, **meta),
+                    "min_p": torch.empty(batch, **meta)}
+    return _sampling_launches(torch.empty(batch, positions, vocab, dtype=dtype, **meta), seed, torch.empty_like(seed),
+                              torch.empty(batch, **meta) if temperature_tensor else None, 1.0,
+                              torch.empty(batch, positions, dtype=torch.bool, **meta) if compute_mask else None,
+                              **filters)[1]
 
 
 def aot_specs() -> list[KernelSpec]:
-    """Every configuration the launcher can pick: logits dtype x temperature tensor or scalar x compute_mask;
-    for the partial kernel both tile sizes, unfiltered or filtered; for the threshold kernel (filters
-    only) the filters as tensors or as scalars."""
-    specs = []
-    for name in _TRITON_DTYPES.values():
-        for has_temperature in (False, True):
-            for has_mask in (False, True):
-                flags = {"HAS_TEMPERATURE": has_temperature, "HAS_COMPUTE_MASK": has_mask}
-                label = _flags_label(name, flags)
-                specs += [_partial_spec(name, label, flags, block, has_threshold)
-                          for block in (SMALL_BLOCK_V, BLOCK_V) for has_threshold in (False, True)]
-                specs.append(_combine_spec(name, label, flags))
-                specs += [_threshold_spec(name, label, flags, tensors) for tensors in (False, True)]
-    return specs
+    """Every configuration the launcher can pick, from the launches of representative calls (B = 2, K = 4):
+    logits dtype x temperature tensor or scalar x compute_mask x vocabulary below SMALL_VOCAB or 32000 (the
+    partial kernel's two tiles, each with several splits) x filters off, as scalars (top-k 50, top-p 0.9) or as tensors. A partial
+    configuration is dtype x flags x tile x filtered, a combine one dtype x flags, a threshold one (filters
+    only) dtype x flags x filters as tensors or scalars."""
+    filter_cases = ({}, {"top_k_val": 50, "top_p_val": 0.9}, {"filter_tensors": True})
+    launches = [kl for dtype in _TRITON_DTYPES for temperature_tensor in (False, True)
+                for compute_mask in (False, True) for vocab in (SMALL_VOCAB - 1, 32000)
+                for filters in filter_cases
+                for kl in meta_launches(2, 4, vocab, dtype, temperature_tensor, compute_mask, **filters)]
+    return unique_specs(specs_of_launches(launches))
 
 
-def picked_specs(vocab: int, dtype: torch.dtype, temperature_tensor: bool = False,
-                 compute_mask: bool = False) -> list[str]:
-    """Names (as in `aot_specs()`) of the partial and combine configurations a launch over a vocabulary of
-    `vocab` logits of `dtype` compiles: the tile is the launcher's `_block_size` (the only shape-dependent
-    compile-time choice; the split plan is a runtime argument)."""
-    flags = {"HAS_TEMPERATURE": temperature_tensor, "HAS_COMPUTE_MASK": compute_mask}
-    label = _flags_label(_TRITON_DTYPES[dtype], flags)
-    return [_partial_name(label, _block_size(vocab)), _combine_name(label)]
+def picked_specs(batch: int, positions: int, vocab: int, dtype: torch.dtype, temperature_tensor: bool = False,
+                 compute_mask: bool = False, top_k_val: int = 0, top_p_val: float = 1.0) -> list[str]:
+    """Names (as in `aot_specs()`) of the configurations a CUDA call on fresh contiguous tensors of these
+    shapes compiles (`meta_launches`): threshold (filters on), partial and combine."""
+    return [spec.name for spec in specs_of_launches(meta_launches(batch, positions, vocab, dtype, temperature_tensor,
+                                                                  compute_mask, top_k_val, top_p_val))]

@@ -17,6 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
+from sbd_kernels.ops._aot import (
+    KernelLaunch,
+    KernelSpec,
+    launch,
+    next_power_of_2,
+    spec_of_launch,
+    unique_specs,
+)
 from sbd_kernels.ops.scatter._checks import assert_gamma_values, check_mask_scatter_args, gamma_fp32
 
 # Largest block the launcher accepts. The row lives in registers of one warp: K = 256 is 8 entries per
@@ -85,14 +93,15 @@ def _scatter_accept_kernel(
 
 
 def _block_k(k: int) -> int:
-    return max(MIN_BLOCK_K, triton.next_power_of_2(k))
+    return max(MIN_BLOCK_K, next_power_of_2(k))
 
 
-def mask_scatter_(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampled: torch.Tensor,
-                  entropy: torch.Tensor, gamma: torch.Tensor | None = None, gamma_val: float = 0.1,
-                  rule: str = "eb", valid: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton launcher of `sbd.mask_scatter_` (same signature and contract); K <= 256."""
+def _scatter_launches(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampled: torch.Tensor,
+                      entropy: torch.Tensor, gamma: torch.Tensor | None = None, gamma_val: float = 0.1,
+                      rule: str = "eb", valid: torch.Tensor | None = None
+                      ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[KernelLaunch]]:
+    """Everything the launcher does but run the kernel: the checks, the three outputs and the launch (none
+    when the batch is empty). On META tensors, the configuration a CUDA call would compile."""
     batch, k = check_mask_scatter_args(block_tokens, is_masked, sampled, entropy, gamma, gamma_val, rule, valid)
     assert_gamma_values(gamma)
     if k > MAX_BLOCK_K:
@@ -102,59 +111,79 @@ def mask_scatter_(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampled: 
     accepted = torch.empty(batch, k, dtype=torch.bool, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int32, device=device)
     block_done = torch.empty(batch, dtype=torch.bool, device=device)
+    outputs = (accepted, num_accepted, block_done)
     if batch == 0:
-        return accepted, num_accepted, block_done
+        return outputs, []
     valid_arg = is_masked if valid is None else valid  # never read when HAS_VALID is False
     gamma_arg = entropy if gamma is None else gamma  # never read when HAS_GAMMA is False
-    _scatter_accept_kernel[(batch,)](
-        block_tokens, is_masked, sampled, entropy, valid_arg, gamma_arg,
-        accepted, num_accepted, block_done,
-        k, gamma_fp32(gamma_val),  # rounded on the host as every backend does, so it compares the same
-        block_tokens.stride(0), block_tokens.stride(1), is_masked.stride(0), is_masked.stride(1),
-        sampled.stride(0), sampled.stride(1), entropy.stride(0), entropy.stride(1),
-        valid_arg.stride(0), valid_arg.stride(1), gamma_arg.stride(0),
-        BLOCK_K=_block_k(k), IS_EB=rule == "eb", HAS_GAMMA=gamma is not None, HAS_VALID=valid is not None,
-        num_warps=NUM_WARPS,
-    )
-    return accepted, num_accepted, block_done
+    stride_tokens_b, stride_tokens_k = block_tokens.stride()
+    stride_masked_b, stride_masked_k = is_masked.stride()
+    stride_sampled_b, stride_sampled_k = sampled.stride()
+    stride_entropy_b, stride_entropy_k = entropy.stride()
+    stride_valid_b, stride_valid_k = valid_arg.stride()
+    accept = KernelLaunch(_scatter_accept_kernel, (batch,), {
+        "tokens_ptr": block_tokens, "masked_ptr": is_masked, "sampled_ptr": sampled, "entropy_ptr": entropy,
+        "valid_ptr": valid_arg, "gamma_ptr": gamma_arg,
+        "accepted_ptr": accepted, "num_accepted_ptr": num_accepted, "done_ptr": block_done,
+        # gamma_val is rounded on the host as every backend does, so it compares the same.
+        "K": k, "gamma_val": gamma_fp32(gamma_val),
+        "stride_tokens_b": stride_tokens_b, "stride_tokens_k": stride_tokens_k,
+        "stride_masked_b": stride_masked_b, "stride_masked_k": stride_masked_k,
+        "stride_sampled_b": stride_sampled_b, "stride_sampled_k": stride_sampled_k,
+        "stride_entropy_b": stride_entropy_b, "stride_entropy_k": stride_entropy_k,
+        "stride_valid_b": stride_valid_b, "stride_valid_k": stride_valid_k, "stride_gamma": gamma_arg.stride(0),
+    }, {"BLOCK_K": _block_k(k), "IS_EB": rule == "eb", "HAS_GAMMA": gamma is not None,
+        "HAS_VALID": valid is not None}, NUM_WARPS)
+    return outputs, [accept]
 
 
-def _accept_name(block: int, is_eb: bool, has_gamma: bool, has_valid: bool) -> str:
-    """Readable id of one configuration of `_scatter_accept_kernel` (its constexprs)."""
-    return (f"mask_scatter_/accept BLOCK_K={block} rule={'eb' if is_eb else 'threshold'} "
-            f"gamma={'tensor' if has_gamma else 'scalar'} valid={'yes' if has_valid else 'no'}")
+def mask_scatter_(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampled: torch.Tensor,
+                  entropy: torch.Tensor, gamma: torch.Tensor | None = None, gamma_val: float = 0.1,
+                  rule: str = "eb", valid: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton launcher of `sbd.mask_scatter_` (same signature and contract); K <= 256."""
+    outputs, launches = _scatter_launches(block_tokens, is_masked, sampled, entropy, gamma, gamma_val, rule, valid)
+    launch(launches)
+    return outputs
 
 
-def aot_specs():
-    """Every configuration the launcher can pick: BLOCK_K x rule x gamma tensor/scalar x valid given."""
-    from sbd_kernels.ops._aot import KernelSpec
+def _spec_name(kl: KernelLaunch) -> str:
+    """Readable id of the configuration a launch compiles: its constexprs."""
+    c = kl.constexprs
+    return (f"mask_scatter_/accept BLOCK_K={c['BLOCK_K']} rule={'eb' if c['IS_EB'] else 'threshold'} "
+            f"gamma={'tensor' if c['HAS_GAMMA'] else 'scalar'} valid={'yes' if c['HAS_VALID'] else 'no'}")
 
-    signature = {
-        "tokens_ptr": "*i64", "masked_ptr": "*i1", "sampled_ptr": "*i64", "entropy_ptr": "*fp32",
-        "valid_ptr": "*i1", "gamma_ptr": "*fp32",
-        "accepted_ptr": "*i1", "num_accepted_ptr": "*i32", "done_ptr": "*i1",
-        "K": "i32", "gamma_val": "fp32",
-        **{f"stride_{name}_{axis}": "i32" for name in ("tokens", "masked", "sampled", "entropy", "valid")
-           for axis in ("b", "k")},
-        "stride_gamma": "i32",
-        "BLOCK_K": "constexpr", "IS_EB": "constexpr", "HAS_GAMMA": "constexpr", "HAS_VALID": "constexpr",
-    }
-    specs = []
+
+def specs_of_launches(launches: list[KernelLaunch]) -> list[KernelSpec]:
+    """The compile job of each launch, named by its configuration."""
+    return [spec_of_launch(_spec_name(kl), kl) for kl in launches]
+
+
+def meta_launches(batch: int, k: int, rule: str = "eb", gamma_tensor: bool = True,
+                  valid: bool = False) -> list[KernelLaunch]:
+    """The launches of a call on fresh contiguous META tensors (no memory) of [batch, k] positions: int64
+    tokens, bool masks, fp32 entropy, gamma a [batch] fp32 tensor or a scalar. What a CUDA call compiles."""
+    meta = {"device": "meta"}
+    tokens = torch.empty(batch, k, dtype=torch.int64, **meta)
+    masks = torch.empty(batch, k, dtype=torch.bool, **meta)
+    return _scatter_launches(tokens, masks, torch.empty_like(tokens), torch.empty(batch, k, **meta),
+                             torch.empty(batch, **meta) if gamma_tensor else None, 0.1, rule,
+                             torch.empty_like(masks) if valid else None)[1]
+
+
+def aot_specs() -> list[KernelSpec]:
+    """Every configuration the launcher can pick, from the launches of representative calls (batch 2):
+    BLOCK_K (K = 16, 32, ..., 256) x rule x gamma tensor / scalar x valid given or not."""
+    launches = []
     block = MIN_BLOCK_K
     while block <= MAX_BLOCK_K:
-        for is_eb in (True, False):
-            for has_gamma in (True, False):
-                for has_valid in (True, False):
-                    name = _accept_name(block, is_eb, has_gamma, has_valid)
-                    constexprs = {"BLOCK_K": block, "IS_EB": is_eb, "HAS_GAMMA": has_gamma,
-                                  "HAS_VALID": has_valid}
-                    specs.append(KernelSpec(name, _scatter_accept_kernel, signature, constexprs,
-                                            num_warps=NUM_WARPS))
+        launches += [kl for rule in ("eb", "threshold") for gamma_tensor in (True, False)
+                     for valid in (True, False) for kl in meta_launches(2, block, rule, gamma_tensor, valid)]
         block *= 2
-    return specs
+    return unique_specs(specs_of_launches(launches))
 
 
-def picked_specs(k: int, rule: str = "eb", gamma_tensor: bool = True, valid: bool = False) -> list[str]:
-    """Name (as in `aot_specs()`) of the configuration a launch over blocks of `k` positions compiles,
-    BLOCK_K chosen by the launcher's `_block_k`."""
-    return [_accept_name(_block_k(k), rule == "eb", gamma_tensor, valid)]
+def picked_specs(batch: int, k: int, rule: str = "eb", gamma_tensor: bool = True, valid: bool = False) -> list[str]:
+    """Name (as in `aot_specs()`) of the configuration a CUDA call on fresh contiguous tensors of [batch, k]
+    positions compiles (`meta_launches`)."""
+    return [spec.name for spec in specs_of_launches(meta_launches(batch, k, rule, gamma_tensor, valid))]
