@@ -187,6 +187,22 @@ def configure_triton_environment(environ: MutableMapping[str, str]) -> str:
     return device
 
 
+SHARD_VARIABLE = "SBD_TEST_SHARD"
+
+
+def select_shard(items: list, spec: str) -> tuple[list, list]:
+    """(kept, dropped) for SBD_TEST_SHARD=`spec` "i/n": every n-th item from the i-th on is kept, so n runs
+    with i = 0..n-1 run each item once between them, heavy parametrisations spread over all of them. Raises
+    ValueError unless 0 <= i < n."""
+    try:
+        index, count = (int(part) for part in spec.split("/"))
+    except ValueError:
+        raise ValueError(f"{SHARD_VARIABLE} must be i/n, e.g. 0/4, got {spec!r}") from None
+    if not 0 <= index < count:
+        raise ValueError(f"{SHARD_VARIABLE}={spec}: needs 0 <= i < n")
+    return items[index::count], [item for i, item in enumerate(items) if i % count != index]
+
+
 def on_device(fn: Callable, device: str) -> Callable:
     """`fn` called on `device` copies of its CPU tensor arguments, with its tensor results copied back to the
     CPU; `fn` itself when `device` is "cpu" (nothing copied, nothing changed).

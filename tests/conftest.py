@@ -11,7 +11,7 @@ side by side run the suite once between them (`sbd gpu-check` does, to compile T
 """
 import os
 
-from sbd_kernels.testing import configure_triton_environment
+from sbd_kernels.testing import SHARD_VARIABLE, configure_triton_environment, select_shard
 
 TRITON_DEVICE = configure_triton_environment(os.environ)
 
@@ -19,8 +19,6 @@ import pytest
 import torch
 
 import sbd_kernels  # noqa: F401
-
-SHARD_VARIABLE = "SBD_TEST_SHARD"
 
 
 def supported_cpu_isas() -> list[str]:
@@ -40,24 +38,12 @@ CPU_ISAS = supported_cpu_isas()
 torch.ops.sbd._set_cpu_isa(_BEST_ISA)
 
 
-def parse_shard(text: str) -> tuple[int, int]:
-    """(i, n) of an SBD_TEST_SHARD value "i/n"; ValueError unless 0 <= i < n."""
-    try:
-        index, count = (int(part) for part in text.split("/"))
-    except ValueError:
-        raise ValueError(f"{SHARD_VARIABLE} must be i/n, e.g. 0/4, got {text!r}") from None
-    if not 0 <= index < count:
-        raise ValueError(f"{SHARD_VARIABLE}={text}: needs 0 <= i < n")
-    return index, count
-
-
 def pytest_collection_modifyitems(config, items):
-    shard = os.environ.get(SHARD_VARIABLE)
-    if not shard:
-        return
-    index, count = parse_shard(shard)
-    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % count != index])
-    items[:] = items[index::count]
+    spec = os.environ.get(SHARD_VARIABLE)
+    if spec:
+        kept, dropped = select_shard(items, spec)
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.fixture(scope="session", autouse=True)
