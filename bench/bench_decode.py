@@ -47,6 +47,9 @@ THREADS = int(os.environ.get("SBD_BENCH_DECODE_THREADS", "1"))
 # Timed rounds (plus the harness's 3 warm-up rounds): 10 for the small model (its forwards took 20 ms-1.6 s
 # here), 3 for the 1B model, which keeps its case under a minute; SBD_BENCH_ROUNDS overrides both.
 ROUNDS = {"small": 10, "1b": 3}
+# On CUDA: rounds of 10 forwards each (a forward takes milliseconds there, eagerly), so that the quick grid's
+# 15 cases stay within the 45 s `sbd gpu-check` gives this file.
+CUDA_ROUNDS = 10
 
 
 def model_config(name: str) -> ModelConfig:
@@ -85,8 +88,7 @@ def random_model(name: str) -> Transformer:
         _CACHE.clear()
         with torch.device("meta"):
             model = Transformer(model_config(name))
-        model = random_weights_(model.to_empty(device="cpu").to(TORCH_DTYPES[DECODE_MODELS[name][1]]))
-        _MODEL[name] = model.to(DEVICE)
+        _MODEL[name] = random_weights_(model.to_empty(device=DEVICE).to(TORCH_DTYPES[DECODE_MODELS[name][1]]))
     return _MODEL[name]
 
 
@@ -96,9 +98,9 @@ def filled_cache(shape: DecodeShape, model: Transformer) -> KVCache:
     if key not in _CACHE:
         _CACHE.clear()
         cache = KVCache.for_model(model, shape.batch, shape.kv_len + 2 * shape.k)
-        gen = torch.Generator().manual_seed(1)
+        gen = torch.Generator(device=DEVICE).manual_seed(1)
         for t in (*cache.k, *cache.v):
-            t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype))
+            t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype, device=DEVICE))
         _CACHE[key] = cache
     return _CACHE[key]
 
@@ -153,4 +155,5 @@ def test_decode_pass(benchmark, shape):
                                       "batch": shape.batch, "kv_len": shape.kv_len, "k": shape.k,
                                       "tokens": shape.tokens, "ceilings": ceilings()}
     measure(benchmark, call, family=FAMILY, shape=shape, provider=shape.provider, baseline="sbd t=1",
-            device=DEVICE, bytes_moved=int(nbytes), flops=int(flops), correct=correct, rounds=ROUNDS[shape.model])
+            device=DEVICE, bytes_moved=int(nbytes), flops=int(flops), correct=correct, rounds=ROUNDS[shape.model],
+            cuda_rounds=CUDA_ROUNDS)

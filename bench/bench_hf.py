@@ -67,10 +67,9 @@ def random_model(name: str) -> torch.nn.Module:
                                           attn_implementation="sdpa", pad_token_id=1, tie_word_embeddings=False)
         with torch.device("meta"):
             model = transformers.LlamaForCausalLM(config)
-        model = random_weights_(model.to_empty(device="cpu").to(torch.bfloat16))
+        model = random_weights_(model.to_empty(device=DEVICE).to(torch.bfloat16))
         # RoPE's inv_freq is a buffer computed at construction, which the meta device left empty.
-        model.model.rotary_emb = LlamaRotaryEmbedding(config=config)
-        model = model.to(DEVICE)
+        model.model.rotary_emb = LlamaRotaryEmbedding(config=config).to(DEVICE)
         hf.enable_sbd(model, mask_token_id=MASK_TOKEN, block_size=16)
         _MODELS[name] = model
     return _MODELS[name]

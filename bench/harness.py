@@ -180,12 +180,14 @@ def cuda_graph_ms(call: Callable[[], Any]) -> float | None:
 def random_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Fills a model built on the meta device and moved with `to_empty`: norm weights 1, every other parameter
     uniform +-0.02 (the spread of the usual std-0.02 init), drawn in the parameter's dtype (no fp32 copy:
-    10x faster than a normal init for 1.5B parameters). Returns the model in eval mode."""
-    gen = torch.Generator().manual_seed(seed)
+    10x faster than a normal init for 1.5B parameters), by a generator on the model's device (a GPU fills 3 GB
+    in milliseconds). Returns the model in eval mode."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
-                param.copy_(torch.rand(param.shape, generator=gen, dtype=param.dtype) * 0.04 - 0.02)
+                param.copy_(torch.rand(param.shape, generator=gen, dtype=param.dtype, device=device) * 0.04 - 0.02)
     return model.eval()
