@@ -63,7 +63,6 @@ BUDGETS_S = {"build": 90, "tests": 190, "bench-attention": 65, "bench-sampling":
 GRACE_S = 10  # from SIGINT to SIGKILL of a stage past its budget
 REPORT_BUDGET_S = 15  # NVML, this machine's header (CPU ceilings measured: a few seconds), the report
 TOTAL_BUDGET_S = 600  # sum(BUDGETS_S) + GRACE_S per stage + REPORT_BUDGET_S stays within it
-STATUSES = ("passed", "failed", "overran", "skipped", "not run")
 # Test files that run Triton kernels or `device=...` code: first in the run (and so in every shard), so
 # that a suite stopped at its budget has checked the GPU kernels.
 GPU_TEST_FILES = ("test_attention_triton.py", "test_fuzz_attention.py", "test_sampling.py",
@@ -134,7 +133,7 @@ class Stage:
 @dataclass
 class StageResult:
     name: str
-    status: str  # one of STATUSES
+    status: str  # "passed", "failed", "overran" (stopped at its budget), "skipped" (cannot run), "not run"
     seconds: float
     budget_s: int
     detail: str
@@ -289,27 +288,34 @@ def run_stage(stage: Stage, checkout: Checkout) -> StageResult:
 
 def wait_or_stop(processes: list[subprocess.Popen], deadline: float) -> bool:
     """Wait for every process until `deadline` (time.monotonic()); then SIGINT the process groups still
-    running, and SIGKILL them GRACE_S later. Returns whether any was still running at the deadline."""
+    running, and GRACE_S later SIGKILL what is left of them (leaders and their children: compile workers,
+    torchrun ranks). Returns whether any was still running at the deadline."""
     for p in processes:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             break
     late = [p for p in processes if p.poll() is None]
-    running = late
-    for sig, wait_s in ((signal.SIGINT, GRACE_S), (signal.SIGKILL, GRACE_S)):
-        for p in running:
-            try:
-                os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                pass
-        for p in running:
-            try:
-                p.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                pass
-        running = [p for p in running if p.poll() is None]
+    _signal_groups(late, signal.SIGINT)
+    grace_end = time.monotonic() + GRACE_S
+    for p in late:
+        try:
+            p.wait(timeout=max(0.0, grace_end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_groups(late, signal.SIGKILL)
+    for p in late:
+        p.wait()
     return bool(late)
+
+
+def _signal_groups(processes: list[subprocess.Popen], sig: int) -> None:
+    """Send `sig` to the process group of each process (each started its own session: group id = pid)."""
+    for p in processes:
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:  # the whole group has exited
+            pass
 
 
 # pytest's outcome words in its summary line ("12 passed, 1 skipped, 2 deselected in 3.21s").
