@@ -11,7 +11,7 @@ BUILD_INPUTS := $(shell find csrc -name '*.cpp' -o -name '*.h') csrc/sources.txt
 CCACHE := $(shell command -v ccache 2>/dev/null)
 BUILD_ENV := $(if $(CCACHE),CC="ccache gcc" CXX="ccache g++",)
 
-.PHONY: demo test bench aot lint build clean
+.PHONY: demo test bench aot lint build clean gpu-check
 
 demo: $(BUILT)
 	$(BIN)/python -m sbd_kernels.cli demo
@@ -27,6 +27,14 @@ bench: $(BUILT)
 
 aot: $(BUILT)
 	$(BIN)/python -m sbd_kernels.aot
+
+# On a machine with an NVIDIA GPU and a CUDA build of torch and triton already installed: no .venv, nothing
+# downloaded. Builds the extension in place with $(PYTHON), then runs the tests on CUDA, the benchmarks on the
+# GPU and writes bench/reference/<gpu>/ within 10 minutes on an H100 (`sbd gpu-check --dry-run`: the plan).
+gpu-check:
+	@$(PYTHON) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make gpu-check: no NVIDIA GPU visible to torch ' + torch.__version__ + '; nothing was built or run')"
+	env $(BUILD_ENV) $(PYTHON) setup.py -q build_ext --inplace
+	$(PYTHON) -m sbd_kernels.cli gpu-check
 
 lint: $(DEPS)
 	$(BIN)/ruff check sbd_kernels tests bench

@@ -1,20 +1,21 @@
-"""Benchmark of sbd.block_attention_with_kvcache: the C++ op against SDPA, FlexAttention and the oracle.
+"""Benchmark of sbd.block_attention_with_kvcache: the op against SDPA, FlexAttention and the oracle.
 
     python -m pytest bench/bench_attention.py -q         # or: sbd bench --only attention
     SBD_BENCH_QUICK=1 python -m pytest bench/bench_attention.py -q  # fp32 and bf16 at B = 1 only
 
 One SBD decode pass of a Llama-3-8B-like layer (Hq = 32, Hkv = 8, D = 128) with C = 16 causal rows (the
 previous block, appended to the cache) and a K = 16 block, over a cache of L tokens. Providers on the same
-inputs: `sbd` (torch.ops.sbd.block_attention_with_kvcache on CPU), `sdpa` (what a user writes today: copy
-the causal K/V into the cache, concatenate cache and block K/V, scaled_dot_product_attention with
-enable_gqa and a boolean SBD mask built once outside the timing), `flex` (FlexAttention compiled, same
-concatenation, the mask as a mask_mod with a block mask built outside the timing), `naive` (the oracle)
-and, where CUDA is present, `triton`. Ratios are against `sdpa`.
+inputs, all on `bench_device()` (the CPU, or the GPU where there is one): `sbd`
+(torch.ops.sbd.block_attention_with_kvcache: the C++ kernel on CPU tensors, the Triton kernel on CUDA ones),
+`sdpa` (what a user writes today: copy the causal K/V into the cache, concatenate cache and block K/V,
+scaled_dot_product_attention with enable_gqa and a boolean SBD mask built once outside the timing), `flex`
+(FlexAttention compiled, same concatenation, the mask as a mask_mod with a block mask built outside the
+timing) and `naive` (the oracle). Ratios are against `sdpa`.
 
 GFLOP/s = flops / time, flops = 4 Hq D x (number of (row, key) pairs the mask allows): 2 for q.k and 2 for
 p.v per pair, useful work only. The report sets it against this machine's measured matmul peak (fp32;
-bf16; fp16 against fp32). bytes_moved = cache K/V read once + q, k, v read + out written + the appended
-rows written.
+bf16; fp16 against fp32), on CUDA against the GPU's datasheet. bytes_moved = cache K/V read once + q, k, v
+read + out written + the appended rows written.
 """
 from __future__ import annotations
 
@@ -24,16 +25,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.harness import build_provider, compiled, measure, parametrize_shapes
+from bench.harness import bench_device, build_provider, compiled, measure, parametrize_shapes
 from sbd_kernels.benchmark_grid import TORCH_DTYPES, AttentionShape
 from sbd_kernels.ops.attention import naive
 from sbd_kernels.testing import TOLERANCES
 
 FAMILY = "attention"
-PROVIDERS = ["sbd", "sdpa", "flex", "naive", "triton"]
-# Timed rounds by cache length (after 3 warm-up calls), so that the whole file stays near 2 minutes on
-# this loaded 2-core machine: one SDPA call takes ~70 ms at L = 512 and ~1.2 s at L = 16384 here.
-# SBD_BENCH_ROUNDS, when set, overrides them.
+PROVIDERS = ["sbd", "sdpa", "flex", "naive"]
+DEVICE = bench_device()
+# Timed rounds on the CPU by cache length (after 3 warm-up calls), so that the whole file stays near 2
+# minutes on this loaded 2-core machine: one SDPA call takes ~70 ms at L = 512 and ~1.2 s at L = 16384
+# here. SBD_BENCH_ROUNDS, when set, overrides them (on CUDA the harness's CUDA_ROUNDS apply).
 ROUNDS_BY_LENGTH = {512: 10, 4096: 5, 16384: 3}
 # The oracle expands K/V to every query head and builds the dense mask (0.6 s per call at L = 512, 4 s at
 # L = 16384 here): timed at the shortest length only, and run once per case for the correctness gate.
@@ -110,31 +112,29 @@ def op_args(x: dict, shape: AttentionShape) -> tuple:
     return (x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], x["cache_seqlens"], x["num_causal"], shape.block)
 
 
-def provider_fn(provider: str, shape: AttentionShape):
-    """(function of the input dict returning out [B, S, Hq, D], device) of one provider."""
+def provider_fn(provider: str, shape: AttentionShape, device: str):
+    """The function of the input dict returning out [B, S, Hq, D] of one provider, on `device`."""
     if provider == "sbd":
-        return lambda x: torch.ops.sbd.block_attention_with_kvcache(*op_args(x, shape))[0], "cpu"
+        return lambda x: torch.ops.sbd.block_attention_with_kvcache(*op_args(x, shape))[0]
     if provider == "naive":
-        return lambda x: naive.block_attention_with_kvcache(*op_args(x, shape))[0], "cpu"
+        return lambda x: naive.block_attention_with_kvcache(*op_args(x, shape))[0]
     if provider == "sdpa":
-        return sdpa_provider(shape, "cpu"), "cpu"
-    if provider == "flex":
-        return flex_provider(shape, "cpu"), "cpu"
-    from sbd_kernels.ops.attention import triton as attention_triton
-    return lambda x: attention_triton.block_attention_with_kvcache(*op_args(x, shape))[0], "cuda"
+        return sdpa_provider(shape, device)
+    return flex_provider(shape, device)
 
 
 @cache
-def oracle_output(shape: AttentionShape) -> torch.Tensor:
-    """The oracle's out on the inputs of this case (make_inputs is deterministic), computed once."""
-    expected, _ = naive.block_attention_with_kvcache(*op_args(make_inputs(shape), shape))
-    return expected
+def oracle_output(shape: AttentionShape, device: str) -> torch.Tensor:
+    """The oracle's out on the inputs of this case (make_inputs is deterministic), computed once on `device`
+    (seconds per case on the CPU, milliseconds on a GPU) and kept on the CPU."""
+    expected, _ = naive.block_attention_with_kvcache(*op_args(make_inputs(shape, device), shape))
+    return expected.cpu()
 
 
-def matches_oracle(out: torch.Tensor, shape: AttentionShape) -> bool:
+def matches_oracle(out: torch.Tensor, shape: AttentionShape, device: str) -> bool:
     """Whether `out` equals the oracle's output on the same inputs under the tolerance table (no padding
     rows here: every row is compared)."""
-    expected = oracle_output(shape)
+    expected = oracle_output(shape, device)
     atol, rtol = TOLERANCES[out.dtype]
     return bool(torch.allclose(out.float().cpu(), expected.float(), atol=atol, rtol=rtol))
 
@@ -156,10 +156,10 @@ def bytes_moved(shape: AttentionShape) -> int:
 
 
 def set_up(provider: str, shape: AttentionShape):
-    """(function, device, inputs, oracle check) of one provider."""
-    fn, device = provider_fn(provider, shape)
-    x = make_inputs(shape, device)
-    return fn, device, x, matches_oracle(fn(x), shape) if provider != "naive" else None
+    """(function, inputs, oracle check) of one provider on DEVICE."""
+    fn = provider_fn(provider, shape, DEVICE)
+    x = make_inputs(shape, DEVICE)
+    return fn, x, matches_oracle(fn(x), shape, DEVICE) if provider != "naive" else None
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -167,8 +167,8 @@ def set_up(provider: str, shape: AttentionShape):
 def test_block_attention(benchmark, shape, provider):
     if provider == "naive" and shape.length not in NAIVE_LENGTHS:
         pytest.skip(f"naive provider: timed only at L in {NAIVE_LENGTHS} (seconds per call)")
-    fn, device, x, correct = build_provider(provider, lambda: set_up(provider, shape), optional=("flex",))
+    fn, x, correct = build_provider(provider, lambda: set_up(provider, shape), optional=("flex",))
     measure(benchmark, lambda: fn(x), family=FAMILY, shape=shape, provider=provider, baseline="sdpa",
-            device=device, bytes_moved=bytes_moved(shape),
+            device=DEVICE, bytes_moved=bytes_moved(shape),
             flops=4 * shape.q_heads * shape.head_dim * visible_pairs(shape), correct=correct,
-            rounds=ROUNDS_BY_LENGTH[shape.length])
+            rounds=ROUNDS_BY_LENGTH[shape.length], graph=provider != "naive")

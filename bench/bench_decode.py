@@ -8,13 +8,14 @@ The three widths are the three pass kinds of decoding (docs/algorithm.md §3): t
 appended to the cache), t = k a later pass of an SBD block (k block rows, nothing cached), t = 2k the first
 pass of a block (k causal rows appended + k block rows). Random-weight models with the shapes of the `small`
 preset (fp32, the bundled checkpoints' model) and of a 1B-class config (Llama-3.2-1B shapes, bf16), the
-`sbd` ops in every layer, the cache filled to L tokens before every call.
+`sbd` ops in every layer, the cache filled to L tokens before every call; on `bench_device()`, the CPU or
+the GPU (then the ops' Triton kernels, and the forward also replayed from a CUDA graph).
 
 Each case (config, dtype, batch, cache length, k) has three providers "sbd t=1", "sbd t=k", "sbd t=2k";
 the baseline is "sbd t=1", so the report's speedup column reads time(1) / time(t), the inverse of the SBD
 slowdown time(t) / time(1) that the roofline model predicts (paper Sec. 4). The shape and this machine's
-ceilings (measured at the bench's thread count, 1 by default, see THREADS) are stored in extra_info["decode"]
-for `sbd roofline --measured`. bytes_moved and flops are the
+ceilings (measured at the bench's thread count, 1 by default, see THREADS; on CUDA the GPU's datasheet, None
+without a datasheet entry) are stored in extra_info["decode"] for `sbd roofline --measured`. bytes_moved and flops are the
 roofline model's counts for the forward (`sbd_kernels.roofline.forward_work`). correct: the logits match a
 forward through the pure-PyTorch attention oracle on the same inputs and cache.
 """
@@ -26,8 +27,9 @@ import os
 import pytest
 import torch
 
-from bench.harness import measure, parametrize_shapes, random_weights_
+from bench.harness import bench_device, measure, parametrize_shapes, random_weights_
 from sbd_kernels import roofline
+from sbd_kernels.bench_report import datasheet_ceilings
 from sbd_kernels.benchmark_grid import DECODE_BLOCK, DECODE_MODELS, TORCH_DTYPES, DecodeShape, decode_grid
 from sbd_kernels.machine import machine_ceilings
 from sbd_kernels.model import KVCache, ModelConfig, Transformer
@@ -35,6 +37,7 @@ from sbd_kernels.ops.attention.naive import block_attention_with_kvcache as naiv
 from sbd_kernels.testing import tolerance
 
 FAMILY = "decode"
+DEVICE = bench_device()
 # Every model is built for the longest cache of the full grid plus one first block pass (2k rows).
 MAX_CACHE = max(shape.kv_len for shape in decode_grid())
 # torch threads while timing. 1 by default: on this 2-core machine shared with other jobs, 2 OpenMP threads
@@ -44,6 +47,9 @@ THREADS = int(os.environ.get("SBD_BENCH_DECODE_THREADS", "1"))
 # Timed rounds (plus the harness's 3 warm-up rounds): 10 for the small model (its forwards took 20 ms-1.6 s
 # here), 3 for the 1B model, which keeps its case under a minute; SBD_BENCH_ROUNDS overrides both.
 ROUNDS = {"small": 10, "1b": 3}
+# On CUDA: rounds of 10 forwards each (a forward takes milliseconds there, eagerly), so that the quick grid's
+# 15 cases stay within the 45 s `sbd gpu-check` gives this file.
+CUDA_ROUNDS = 10
 
 
 def model_config(name: str) -> ModelConfig:
@@ -82,7 +88,7 @@ def random_model(name: str) -> Transformer:
         _CACHE.clear()
         with torch.device("meta"):
             model = Transformer(model_config(name))
-        _MODEL[name] = random_weights_(model.to_empty(device="cpu").to(TORCH_DTYPES[DECODE_MODELS[name][1]]))
+        _MODEL[name] = random_weights_(model.to_empty(device=DEVICE).to(TORCH_DTYPES[DECODE_MODELS[name][1]]))
     return _MODEL[name]
 
 
@@ -92,9 +98,9 @@ def filled_cache(shape: DecodeShape, model: Transformer) -> KVCache:
     if key not in _CACHE:
         _CACHE.clear()
         cache = KVCache.for_model(model, shape.batch, shape.kv_len + 2 * shape.k)
-        gen = torch.Generator().manual_seed(1)
+        gen = torch.Generator(device=DEVICE).manual_seed(1)
         for t in (*cache.k, *cache.v):
-            t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype))
+            t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype, device=DEVICE))
         _CACHE[key] = cache
     return _CACHE[key]
 
@@ -104,7 +110,15 @@ def pass_inputs(cfg: ModelConfig, shape: DecodeShape) -> tuple[torch.Tensor, tor
     batch, tokens, k = shape.batch, shape.tokens, shape.k
     ids = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(tokens))
     num_causal, block_size = {1: (1, 0), k: (0, k), 2 * k: (k, k)}[tokens]
-    return ids, torch.full((batch,), num_causal, dtype=torch.int32), block_size
+    return ids.to(DEVICE), torch.full((batch,), num_causal, dtype=torch.int32, device=DEVICE), block_size
+
+
+def ceilings() -> dict | None:
+    """What the roofline comparison sets the timings against: this CPU's measured ceilings at the bench's
+    thread count, or on CUDA the GPU's datasheet (None for a GPU without a datasheet entry)."""
+    if DEVICE == "cuda":
+        return datasheet_ceilings(torch.cuda.get_device_name())
+    return {**machine_ceilings(), "threads": THREADS}
 
 
 def matches_oracle(model: Transformer, cache: KVCache, kv_len: int, inputs, logits: torch.Tensor) -> bool:
@@ -139,6 +153,7 @@ def test_decode_pass(benchmark, shape):
     # The roofline of `sbd roofline --measured` must use the ceilings at the threads of the timings.
     benchmark.extra_info["decode"] = {"config": dataclasses.asdict(cfg), "dtype": shape.dtype,
                                       "batch": shape.batch, "kv_len": shape.kv_len, "k": shape.k,
-                                      "tokens": shape.tokens, "ceilings": {**machine_ceilings(), "threads": THREADS}}
+                                      "tokens": shape.tokens, "ceilings": ceilings()}
     measure(benchmark, call, family=FAMILY, shape=shape, provider=shape.provider, baseline="sbd t=1",
-            bytes_moved=int(nbytes), flops=int(flops), correct=correct, rounds=ROUNDS[shape.model])
+            device=DEVICE, bytes_moved=int(nbytes), flops=int(flops), correct=correct, rounds=ROUNDS[shape.model],
+            cuda_rounds=CUDA_ROUNDS)

@@ -9,7 +9,8 @@ Providers of one case (a `HfDecodeShape`: model, batch, prompt length P, N new t
 - "ntp ops": our NTP decode of the same model through the ops (`sbd_kernels.hf.generate(method="ntp")`);
 - "sbd ops": our SBD decode through the ops, EB rule with GAMMA_IN_ENTROPIES x log(V).
 
-Every decode runs to N tokens (no EOS). The report's speedup column is tokens/s against HF greedy (time ratio
+Every decode runs on `bench_device()` (the CPU, or the GPU where there is one: the ops' Triton kernels, HF's
+sdpa on CUDA) to N tokens (no EOS). The report's speedup column is tokens/s against HF greedy (time ratio
 of whole decodes of equal length). Random weights give near-uniform predictions, entropy about log V per
 position; the EB rule then reveals 1 + floor(gamma / log V) positions per pass, so gamma fixes how many passes
 SBD saves: the NFE speedup of the run is stored in extra_info["nfe_speedup"] beside the wall-clock figures, which
@@ -24,7 +25,7 @@ import os
 import pytest
 import torch
 
-from bench.harness import build_provider, measure, parametrize_shapes, random_weights_
+from bench.harness import bench_device, build_provider, measure, parametrize_shapes, random_weights_
 from sbd_kernels.benchmark_grid import HF_MODELS, HfDecodeShape
 
 transformers = pytest.importorskip("transformers", reason="the HF benchmark needs transformers (sbd_kernels[hf])")
@@ -34,12 +35,14 @@ from sbd_kernels import hf
 
 FAMILY = "hf"
 PROVIDERS = ["hf greedy", "ntp ops", "sbd ops"]
+DEVICE = bench_device()
 # gamma = 2.2 log V: each pass reveals 3 positions (the entropies of random weights sit just below log V),
 # a pass saving of 3x, the low end of the paper's Table 1.
 GAMMA_IN_ENTROPIES = 2.2
 # torch threads while timing (as bench_decode: 1 by default on this shared 2-core machine).
 THREADS = int(os.environ.get("SBD_BENCH_HF_THREADS", "1"))
-# Timed rounds: whole decodes take 0.3-3 s on the small model and 10-30 s on the 1B one here.
+# Timed rounds, on the CPU and on CUDA alike: whole decodes take 0.3-3 s on the small model and 10-30 s on the
+# 1B one here.
 ROUNDS = {"small": 3, "1b": 1}
 MASK_TOKEN = 0
 
@@ -64,9 +67,9 @@ def random_model(name: str) -> torch.nn.Module:
                                           attn_implementation="sdpa", pad_token_id=1, tie_word_embeddings=False)
         with torch.device("meta"):
             model = transformers.LlamaForCausalLM(config)
-        model = random_weights_(model.to_empty(device="cpu").to(torch.bfloat16))
+        model = random_weights_(model.to_empty(device=DEVICE).to(torch.bfloat16))
         # RoPE's inv_freq is a buffer computed at construction, which the meta device left empty.
-        model.model.rotary_emb = LlamaRotaryEmbedding(config=config)
+        model.model.rotary_emb = LlamaRotaryEmbedding(config=config).to(DEVICE)
         hf.enable_sbd(model, mask_token_id=MASK_TOKEN, block_size=16)
         _MODELS[name] = model
     return _MODELS[name]
@@ -74,7 +77,7 @@ def random_model(name: str) -> torch.nn.Module:
 
 def prompts(shape: HfDecodeShape, vocab: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(shape.batch)
-    return torch.randint(2, vocab, (shape.batch, shape.prompt), generator=gen)
+    return torch.randint(2, vocab, (shape.batch, shape.prompt), generator=gen).to(DEVICE)
 
 
 def same_greedy_decode(model: torch.nn.Module, expected: torch.Tensor, got: torch.Tensor, prompt: int) -> bool:
@@ -123,7 +126,8 @@ def test_hf_decode(benchmark, shape, provider):
 
     call, correct = build_provider(provider, build)
     out = measure(benchmark, call, family=FAMILY, shape=shape, provider=provider, baseline="hf greedy",
-                  correct=correct, rounds=ROUNDS[shape.model])
+                  device=DEVICE, correct=correct, rounds=ROUNDS[shape.model], cuda_rounds=ROUNDS[shape.model],
+                  calls_per_round=1, graph=False)
     if provider == "sbd ops":
         benchmark.extra_info["nfe_speedup"] = shape.batch * shape.new_tokens / int(out.nfe.sum())
         benchmark.extra_info["tokens_per_pass"] = [round(n / p, 3) for n, p in

@@ -1,32 +1,35 @@
-"""Benchmark of sbd.entropy_sample: the C++ op against the oracle, eager torch and torch.compile.
+"""Benchmark of sbd.entropy_sample: the op against the oracle, eager torch and torch.compile.
 
     python -m pytest bench/bench_sampling.py -q         # or: sbd bench --only sampling
     SBD_BENCH_QUICK=1 python -m pytest bench/bench_sampling.py -q  # B = 1, V in {32000, 128256} only
 
-Providers on the same inputs: `sbd` (torch.ops.sbd.entropy_sample on CPU), `naive` (the oracle: int64
-Philox over every entry, seconds per call, so only on the small cases), `eager` (what a user would write:
-log_softmax, entropy, and the exponential race argmax(p / E), E ~ Exp(1), which is Gumbel-max with one log
-instead of two), `compile` (torch.compile of eager) and, where CUDA is present, `triton`. All sample at
-temperature 1, the case that needs the random numbers.
+Providers on the same inputs, all on `bench_device()` (the CPU, or the GPU where there is one): `sbd`
+(torch.ops.sbd.entropy_sample: the C++ kernel on CPU tensors, the Triton kernels on CUDA ones), `naive`
+(the oracle: int64 Philox over every entry, seconds per call on the CPU, so only on the small cases),
+`eager` (what a user would write: log_softmax, entropy, and the exponential race argmax(p / E),
+E ~ Exp(1), which is Gumbel-max with one log instead of two) and `compile` (torch.compile of eager). All
+sample at temperature 1, the case that needs the random numbers.
 
 Filtered cases (top-k 50, top-p 0.9): `sbd` runs the filter, `sbd plain` the same call without it (what the
 filter costs), and `eager` filters as Hugging Face's warpers do (top-k: torch.topk; top-p: sort, softmax,
 cumsum, mask) before the draw.
 
 GB/s = bytes_moved / time with bytes_moved = logits bytes read once (B K V x dtype size) + outputs
-(B K x (8 + 4 + 4 + 1)); the report sets it against this machine's measured copy bandwidth.
+(B K x (8 + 4 + 4 + 1)); the report sets it against this machine's measured copy bandwidth, on CUDA against
+the GPU's datasheet bandwidth.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench.harness import build_provider, compiled, measure, parametrize_shapes
+from bench.harness import bench_device, build_provider, compiled, measure, parametrize_shapes
 from sbd_kernels.benchmark_grid import TORCH_DTYPES, SamplingShape
 from sbd_kernels.ops.sampling import naive
 
 FAMILY = "sampling"
-PROVIDERS = ["sbd", "sbd plain", "naive", "eager", "compile", "triton"]
+PROVIDERS = ["sbd", "sbd plain", "naive", "eager", "compile"]
+DEVICE = bench_device()
 # The oracle draws int64 Philox words for every entry: ~1 s per 32000-entry row on this loaded machine, so
 # it is timed only up to 32768 entries per call, with 3 rounds, and the correctness gate runs it on the
 # first CHECKED_POSITIONS positions of batch row 0 (rows are independent; the tests check batch invariance).
@@ -76,29 +79,28 @@ def make_inputs(shape: SamplingShape, device: str = "cpu"):
 
 
 def provider_fn(provider: str, shape: SamplingShape):
-    """(function of (logits, seed, offset), device) of one provider."""
+    """The function of (logits, seed, offset) of one provider (it runs where its inputs are)."""
     t = shape.temperature
     filters = {"top_k_val": shape.top_k, "top_p_val": shape.top_p}
     if provider == "sbd":
-        return lambda x, s, o: torch.ops.sbd.entropy_sample(x, s, o, None, t, **filters), "cpu"
+        return lambda x, s, o: torch.ops.sbd.entropy_sample(x, s, o, None, t, **filters)
     if provider == "sbd plain":
-        return lambda x, s, o: torch.ops.sbd.entropy_sample(x, s, o, None, t), "cpu"
+        return lambda x, s, o: torch.ops.sbd.entropy_sample(x, s, o, None, t)
     if provider == "naive":
-        return lambda x, s, o: naive.entropy_sample(x, s, o, temperature_val=t, **filters), "cpu"
+        return lambda x, s, o: naive.entropy_sample(x, s, o, temperature_val=t, **filters)
     if provider == "eager":
-        return lambda x, s, o: eager_entropy_sample(x, t, shape.top_k, shape.top_p), "cpu"
-    if provider == "compile":
-        fn = compiled(eager_entropy_sample)
-        return lambda x, s, o: fn(x, t, shape.top_k, shape.top_p), "cpu"
-    from sbd_kernels.ops.sampling import triton as sampling_triton
-    return lambda x, s, o: sampling_triton.entropy_sample(x, s, o, temperature_val=t, **filters), "cuda"
+        return lambda x, s, o: eager_entropy_sample(x, t, shape.top_k, shape.top_p)
+    fn = compiled(eager_entropy_sample)
+    return lambda x, s, o: fn(x, t, shape.top_k, shape.top_p)
 
 
 def matches_oracle(fn, logits, seed, offset, shape: SamplingShape) -> bool:
-    """Whether `fn` gives the oracle's outputs at the first CHECKED_POSITIONS positions of batch row 0."""
+    """Whether `fn` gives the oracle's outputs at the first CHECKED_POSITIONS positions of batch row 0 (the
+    oracle runs where the inputs are)."""
     got = fn(logits, seed, offset)
-    ref = naive.entropy_sample(logits[:1, :CHECKED_POSITIONS].cpu(), seed[:1].cpu(), offset[:1].cpu(),
+    ref = naive.entropy_sample(logits[:1, :CHECKED_POSITIONS], seed[:1], offset[:1],
                                temperature_val=shape.temperature, top_k_val=shape.top_k, top_p_val=shape.top_p)
+    ref = [t.cpu() for t in ref]
     tokens, entropy, logprob, valid = (t[:1, :CHECKED_POSITIONS].cpu() for t in got)
     atol = rtol = 1e-4  # fp32 sums over up to 151936 entries; tokens and valid must match exactly
     return (torch.equal(tokens, ref[0]) and torch.equal(valid, ref[3])
@@ -113,12 +115,12 @@ def bytes_moved(logits: torch.Tensor) -> int:
 
 
 def set_up(provider: str, shape: SamplingShape):
-    """(function, device, inputs, oracle check) of one provider."""
-    fn, device = provider_fn(provider, shape)
-    inputs = make_inputs(shape, device)
+    """(function, inputs, oracle check) of one provider on DEVICE."""
+    fn = provider_fn(provider, shape)
+    inputs = make_inputs(shape, DEVICE)
     # eager / compile draw from torch's generator: same distribution, other tokens; not checked.
-    correct = matches_oracle(fn, *inputs, shape) if provider in ("sbd", "triton") else None
-    return fn, device, inputs, correct
+    correct = matches_oracle(fn, *inputs, shape) if provider == "sbd" else None
+    return fn, inputs, correct
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -128,7 +130,7 @@ def test_entropy_sample(benchmark, shape, provider):
         pytest.skip(f"naive provider: timed only up to {NAIVE_MAX_ENTRIES} entries (seconds per call)")
     if provider == "sbd plain" and not (shape.top_k or shape.top_p < 1.0):
         pytest.skip("sbd plain: the unfiltered reference of the filtered cases (here `sbd` is the plain call)")
-    fn, device, inputs, correct = build_provider(provider, lambda: set_up(provider, shape), optional=("compile",))
+    fn, inputs, correct = build_provider(provider, lambda: set_up(provider, shape), optional=("compile",))
     measure(benchmark, lambda: fn(*inputs), family=FAMILY, shape=shape, provider=provider, baseline="eager",
-            device=device, bytes_moved=bytes_moved(inputs[0]), correct=correct,
-            rounds=NAIVE_ROUNDS if provider == "naive" else None)
+            device=DEVICE, bytes_moved=bytes_moved(inputs[0]), correct=correct,
+            rounds=NAIVE_ROUNDS if provider == "naive" else None, graph=provider != "naive")

@@ -1,10 +1,11 @@
-"""Benchmark of sbd.mask_scatter_ (EB rule): the C++ op against the oracle, eager torch and torch.compile.
+"""Benchmark of sbd.mask_scatter_ (EB rule): the op against the oracle, eager torch and torch.compile.
 
     python -m pytest bench/bench_scatter.py -q          # or: sbd bench --only scatter
 
-Providers on the same inputs: `sbd` (torch.ops.sbd.mask_scatter_ on CPU), `naive` (the oracle, a Python
-loop per row), `eager` (what a user would write in torch: stable sort + cumsum + scatter), `compile`
-(torch.compile of eager) and, where CUDA is present, `triton` (the Triton launcher on the GPU).
+Providers on the same inputs, all on `bench_device()` (the CPU, or the GPU where there is one): `sbd`
+(torch.ops.sbd.mask_scatter_: the C++ kernel on CPU tensors, the Triton kernel on CUDA ones), `naive` (the
+oracle, a Python loop per row over host copies), `eager` (what a user would write in torch: stable sort +
+cumsum + scatter) and `compile` (torch.compile of eager).
 The op updates its inputs in place, so every timed call first restores block_tokens and is_masked from a
 saved copy (two copies of B x K elements, the same cost for every provider); otherwise the second call
 would find fewer masked positions and the last ones none at all.
@@ -14,12 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.harness import build_provider, compiled, measure, parametrize_shapes
+from bench.harness import bench_device, build_provider, compiled, measure, parametrize_shapes
 from sbd_kernels.benchmark_grid import ScatterShape
 from sbd_kernels.ops.scatter import naive
 
 FAMILY = "scatter"
-PROVIDERS = ["sbd", "naive", "eager", "compile", "triton"]
+PROVIDERS = ["sbd", "naive", "eager", "compile"]
+DEVICE = bench_device()
 
 
 def eager_mask_scatter_(block_tokens, is_masked, sampled, entropy, gamma):
@@ -54,17 +56,14 @@ def make_inputs(shape: ScatterShape, device: str = "cpu"):
 
 
 def provider_fn(provider: str):
-    """(function with the op's first five arguments, device) of one provider."""
+    """The function with the op's first five arguments of one provider (it runs where its inputs are)."""
     if provider == "sbd":
-        return torch.ops.sbd.mask_scatter_, "cpu"
+        return torch.ops.sbd.mask_scatter_
     if provider == "naive":
-        return naive.mask_scatter_, "cpu"
+        return naive.mask_scatter_
     if provider == "eager":
-        return eager_mask_scatter_, "cpu"
-    if provider == "compile":
-        return compiled(eager_mask_scatter_), "cpu"
-    from sbd_kernels.ops.scatter import triton as triton_kernels
-    return triton_kernels.mask_scatter_, "cuda"
+        return eager_mask_scatter_
+    return compiled(eager_mask_scatter_)
 
 
 def matches_oracle(fn, inputs) -> bool:
@@ -85,16 +84,16 @@ def bytes_moved(shape: ScatterShape) -> int:
 
 
 def set_up(provider: str, shape: ScatterShape):
-    """(function, device, inputs, oracle check) of one provider."""
-    fn, device = provider_fn(provider)
-    inputs = make_inputs(shape, device)
-    return fn, device, inputs, None if provider == "naive" else matches_oracle(fn, inputs)
+    """(function, inputs, oracle check) of one provider on DEVICE."""
+    fn = provider_fn(provider)
+    inputs = make_inputs(shape, DEVICE)
+    return fn, inputs, None if provider == "naive" else matches_oracle(fn, inputs)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @parametrize_shapes(FAMILY)
 def test_mask_scatter(benchmark, shape, provider):
-    fn, device, inputs, correct = build_provider(provider, lambda: set_up(provider, shape), optional=("compile",))
+    fn, inputs, correct = build_provider(provider, lambda: set_up(provider, shape), optional=("compile",))
     tokens, is_masked, sampled, entropy, gamma = inputs
     saved_tokens, saved_masked = tokens.clone(), is_masked.clone()
 
@@ -103,5 +102,5 @@ def test_mask_scatter(benchmark, shape, provider):
         is_masked.copy_(saved_masked)
         return fn(tokens, is_masked, sampled, entropy, gamma)
 
-    measure(benchmark, call, family=FAMILY, shape=shape, provider=provider, baseline="eager", device=device,
-            bytes_moved=bytes_moved(shape), correct=correct)
+    measure(benchmark, call, family=FAMILY, shape=shape, provider=provider, baseline="eager", device=DEVICE,
+            bytes_moved=bytes_moved(shape), correct=correct, graph=provider != "naive")

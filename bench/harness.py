@@ -5,20 +5,26 @@ Each bench file is a pytest-benchmark module. One test, parametrised over the fa
 benchmark grid (`sbd_kernels.benchmark_grid`) and over providers, times every provider of a comparison (our
 op, the oracle, the torch baseline a user would otherwise write, torch.compile of it) on the same inputs:
 
-    fn, device, x, correct = build_provider(provider, lambda: ..., optional=("compile",))
+    fn, x, correct = build_provider(provider, lambda: ..., optional=("compile",))
     measure(benchmark, lambda: fn(*x), family="sampling", shape=shape, provider=provider, baseline="eager",
-            device=device, bytes_moved=logits.nbytes, correct=correct)
+            bytes_moved=logits.nbytes, correct=correct)
 
-`measure` tags the timing with the record and what the report needs, then times single calls (synchronised
-on CUDA) after warm-up calls. The report (`sbd bench`, `sbd_kernels.bench_report`) turns the JSON that
-pytest-benchmark writes into one table per family, with ratios taken against the `baseline` provider of the
-same case in the same run, and achieved GB/s or GFLOP/s against this machine's measured ceilings
-(`sbd_kernels.machine`). A provider whose outputs failed the oracle check on the benchmark inputs
+Every provider runs on `bench_device()`: the CPU, or with an NVIDIA GPU the GPU, where `sbd` is the op
+through `torch.ops.sbd` (its Triton kernel) and the baselines (SDPA, FlexAttention, eager torch,
+torch.compile) run on CUDA tensors. `measure` tags the timing with the record and what the report needs,
+then times calls after warm-up calls: single calls on the CPU; on CUDA, rounds of CUDA_CALLS_PER_ROUND calls
+ended by one synchronisation (the eager cost per call, launch overhead included), and in addition the call
+replayed from a CUDA graph (`graph_ms`: GPU time alone, the basis of achieved TB/s and TFLOP/s). The report
+(`sbd bench`, `sbd_kernels.bench_report`) turns the JSON that pytest-benchmark writes into one table per
+family, with ratios taken against the `baseline` provider of the same case in the same run, and achieved
+bandwidth and FLOP/s against this machine's ceilings (`sbd_kernels.machine`: measured on the CPU; on CUDA
+the GPU's datasheet). A provider whose outputs failed the oracle check on the benchmark inputs
 (`correct=False`) gets no ratio.
 """
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +38,14 @@ from sbd_kernels.benchmark_grid import GRIDS, Shape, shape_to_dict
 # SBD_BENCH_ROUNDS overrides both (e.g. 3 for a smoke run).
 DEFAULT_ROUNDS = 20
 WARMUP_ROUNDS = 3
+# On CUDA the per-file round counts (tuned for the CPU's milliseconds) give way to CUDA_ROUNDS rounds of
+# CUDA_CALLS_PER_ROUND back-to-back calls and one synchronisation: a 20 us kernel timed alone would measure
+# the ~10 us synchronisation with it. The CUDA-graph time is the median of CUDA_GRAPH_ROUNDS rounds of
+# CUDA_CALLS_PER_ROUND replays between two events.
+CUDA_ROUNDS = 30
+CUDA_CALLS_PER_ROUND = 10
+CUDA_GRAPH_ROUNDS = 20
+DEVICE_VARIABLE = "SBD_BENCH_DEVICE"
 
 
 def quick_grid() -> bool:
@@ -50,17 +64,25 @@ def parametrize_shapes(family: str):
     return pytest.mark.parametrize("shape", grid(family), ids=lambda shape: shape.test_id)
 
 
+def bench_device() -> str:
+    """Where every provider runs: "cuda" when torch sees a GPU, else "cpu"; SBD_BENCH_DEVICE=cpu (or cuda)
+    chooses, e.g. the CPU set on a GPU machine. Raises ValueError for another value, or cuda without a GPU."""
+    wanted = os.environ.get(DEVICE_VARIABLE, "")
+    if wanted not in ("", "cpu", "cuda"):
+        raise ValueError(f"{DEVICE_VARIABLE} must be cpu or cuda, got {wanted!r}")
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{DEVICE_VARIABLE}=cuda, but torch {torch.__version__} sees no CUDA device")
+    return wanted or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def bench_rounds(default: int | None = None) -> int:
     """SBD_BENCH_ROUNDS when set, else the bench file's `default` for this case, else DEFAULT_ROUNDS."""
     return int(os.environ.get("SBD_BENCH_ROUNDS", default or DEFAULT_ROUNDS))
 
 
 def build_provider(provider: str, build: Callable[[], Any], *, optional: tuple[str, ...] = ()) -> Any:
-    """`build()` (a provider's function, inputs and oracle check), or a skip: the `triton` provider without
-    CUDA, or an exception of an `optional` provider (torch.compile or FlexAttention failing on this
-    machine is a result, not a crash)."""
-    if provider == "triton" and not torch.cuda.is_available():
-        pytest.skip("triton provider: no CUDA device on this machine (the CPU set runs instead)")
+    """`build()` (a provider's function, inputs and oracle check), or a skip for an exception of an `optional`
+    provider (torch.compile or FlexAttention failing on this machine is a result, not a crash)."""
     try:
         return build()
     except Exception as err:
@@ -79,13 +101,13 @@ def compiled(fn: Callable) -> Callable:
     return _COMPILED[fn]
 
 
-def record(benchmark, *, family: str, shape: Shape, provider: str, baseline: str,
+def record(benchmark, *, family: str, shape: Shape, provider: str, baseline: str, device: str = "cpu",
            bytes_moved: int | None = None, flops: int | None = None, correct: bool | None = None) -> None:
     """Tag one timing with what the report needs.
 
     family: op family ("sampling", "scatter", "attention", "decode"); shape: the grid record, whose label is
     the case (identical for every provider of one comparison); provider: who is timed ("sbd", "naive",
-    "eager", "compile", "sdpa", "triton", ...); baseline: the provider ratios are taken against;
+    "eager", "compile", "sdpa", ...); baseline: the provider ratios are taken against; device: where it ran;
     bytes_moved / flops: the physical work of one call (formula in the bench file), for GB/s and GFLOP/s;
     correct: whether this provider's outputs matched the oracle on these exact inputs (None for providers
     that are not checked).
@@ -93,38 +115,79 @@ def record(benchmark, *, family: str, shape: Shape, provider: str, baseline: str
     benchmark.group = f"{family} | {shape.label}"
     benchmark.extra_info.update(
         family=family, case=shape.label, shape=shape_to_dict(shape), provider=provider, baseline=baseline,
-        bytes_moved=bytes_moved, flops=flops, correct=correct,
+        device=device, bytes_moved=bytes_moved, flops=flops, correct=correct,
     )
 
 
 def measure(benchmark, call: Callable[[], Any], *, family: str, shape: Shape, provider: str, baseline: str,
             device: str = "cpu", bytes_moved: int | None = None, flops: int | None = None,
-            correct: bool | None = None, rounds: int | None = None) -> Any:
-    """`record` the case, then time `call()` with pytest-benchmark: WARMUP_ROUNDS calls, then
-    `bench_rounds(rounds)` timed single calls, each ending with a device synchronisation on CUDA. Returns the
-    last result."""
-    record(benchmark, family=family, shape=shape, provider=provider, baseline=baseline,
+            correct: bool | None = None, rounds: int | None = None, cuda_rounds: int = CUDA_ROUNDS,
+            calls_per_round: int = CUDA_CALLS_PER_ROUND, graph: bool = True) -> Any:
+    """`record` the case, then time `call()` with pytest-benchmark after WARMUP_ROUNDS warm-up rounds:
+    `bench_rounds(rounds)` rounds of single calls on the CPU; on CUDA `bench_rounds(cuda_rounds)` rounds of
+    `calls_per_round` calls ended by one synchronisation, pytest-benchmark dividing each round by its calls.
+    On CUDA with `graph` (a call that never syncs with the host), also the call replayed from a CUDA graph:
+    extra_info["graph_ms"], None when the capture is refused. Returns the last result."""
+    record(benchmark, family=family, shape=shape, provider=provider, baseline=baseline, device=device,
            bytes_moved=bytes_moved, flops=flops, correct=correct)
-    sync = torch.cuda.synchronize if device == "cuda" else None
+    if device != "cuda":
+        return benchmark.pedantic(call, rounds=bench_rounds(rounds), warmup_rounds=WARMUP_ROUNDS, iterations=1)
+    calls = 0
 
     def timed():
+        nonlocal calls
+        calls += 1
         out = call()
-        if sync is not None:
-            sync()
+        if calls % calls_per_round == 0:
+            torch.cuda.synchronize()
         return out
 
-    return benchmark.pedantic(timed, rounds=bench_rounds(rounds), warmup_rounds=WARMUP_ROUNDS, iterations=1)
+    out = benchmark.pedantic(timed, rounds=bench_rounds(cuda_rounds), warmup_rounds=WARMUP_ROUNDS,
+                             iterations=calls_per_round)
+    benchmark.extra_info["graph_ms"] = cuda_graph_ms(call) if graph else None
+    return out
+
+
+def cuda_graph_ms(call: Callable[[], Any]) -> float | None:
+    """Milliseconds of one `call()` replayed from a CUDA graph (GPU time without Python, dispatch and launch
+    costs): the median over CUDA_GRAPH_ROUNDS rounds of CUDA_CALLS_PER_ROUND replays, timed with CUDA events.
+    None when the capture fails (a call that syncs with the host, or an op that cannot be captured)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            call()
+    except RuntimeError:  # capture refused (a host sync, an op CUDA graphs cannot hold): no graph time
+        torch.cuda.synchronize()
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    times = []
+    for _ in range(CUDA_GRAPH_ROUNDS):
+        start.record()
+        for _ in range(CUDA_CALLS_PER_ROUND):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / CUDA_CALLS_PER_ROUND)
+    return statistics.median(times)
 
 
 def random_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Fills a model built on the meta device and moved with `to_empty`: norm weights 1, every other parameter
     uniform +-0.02 (the spread of the usual std-0.02 init), drawn in the parameter's dtype (no fp32 copy:
-    10x faster than a normal init for 1.5B parameters). Returns the model in eval mode."""
-    gen = torch.Generator().manual_seed(seed)
+    10x faster than a normal init for 1.5B parameters), by a generator on the model's device (a GPU fills 3 GB
+    in milliseconds). Returns the model in eval mode."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
-                param.copy_(torch.rand(param.shape, generator=gen, dtype=param.dtype) * 0.04 - 0.02)
+                param.copy_(torch.rand(param.shape, generator=gen, dtype=param.dtype, device=device) * 0.04 - 0.02)
     return model.eval()

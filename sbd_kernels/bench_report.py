@@ -16,7 +16,9 @@ run time is in the package: the grid records (`sbd_kernels.benchmark_grid`), the
 For each case the table lists every provider with its median time and p20-p80 spread, achieved GB/s and
 its fraction of the measured copy bandwidth (ops that stream memory), achieved GFLOP/s and its fraction of
 the measured matmul peak (ops with flops), and the speedup against the case's baseline provider measured in
-the same run. A provider that failed its oracle check on the benchmark inputs gets no speedup: the cell
+the same run. On a GPU (the bench files run on CUDA wherever torch sees one) the tables also give each
+call's time replayed from a CUDA graph, and achieved TB/s and TFLOP/s are taken from that time and set
+against the GPU's datasheet (`datasheet_ceilings`; `sbd_kernels.roofline.HARDWARE`). A provider that failed its oracle check on the benchmark inputs gets no speedup: the cell
 says so instead. After the tables: the roofline model's prediction against the measured decode forwards
 (`sbd_kernels.roofline`), the GPU static report of every Triton kernel configuration (`sbd_kernels.aot`:
 registers, spills, shared memory, occupancy on sm_80 / sm_90), and the plots.
@@ -38,9 +40,50 @@ from sbd_kernels.argtypes import add_option
 from sbd_kernels.bench_plots import write_plots
 from sbd_kernels.benchmark_grid import GRIDS, shape_from_dict
 from sbd_kernels.machine import PEAK_DTYPE_FOR, machine_header
+from sbd_kernels.roofline import HARDWARE
 
-COLUMNS = ["case", "provider", "median_ms", "p20_ms", "p80_ms", "gbs", "pct_copy", "gflops", "pct_peak",
-           "speedup", "oracle"]
+COLUMNS = ["case", "provider", "median_ms", "p20_ms", "p80_ms", "graph_ms", "gbs", "pct_copy", "gflops",
+           "pct_peak", "speedup", "graph_speedup", "oracle"]
+
+
+def datasheet_key(gpu_name: str) -> str | None:
+    """The `roofline.HARDWARE` entry of a GPU by its NVML / torch name ("NVIDIA H100 80GB HBM3" is the H100
+    SXM5, "NVIDIA H200" the H200 SXM, "NVIDIA A100-SXM4-80GB"), or None: the PCIe and NVL cards, GH200 and
+    the 40 GB A100 have other datasheet numbers than the SXM columns listed there."""
+    name = gpu_name.upper()
+    if any(other in name for other in ("GH200", "NVL", "PCIE")):
+        return None
+    if "H200" in name:
+        return "h200"
+    if "H100" in name and ("HBM3" in name or "SXM" in name):
+        return "h100"
+    if "A100" in name and "SXM4" in name and "80GB" in name:
+        return "a100"
+    return None
+
+
+def datasheet_ceilings(gpu_name: str) -> dict | None:
+    """The datasheet ceilings of a GPU in `machine_ceilings()` units: {"copy_gbs": memory bandwidth in GB/s,
+    "matmul_gflops": {"fp32", "fp16", "bf16"} dense GFLOP/s, "source": the datasheet}; None without an entry
+    (`datasheet_key`). fp32 is the rate without tensor cores: kernels using TF32 tensor cores can exceed it."""
+    key = datasheet_key(gpu_name)
+    if key is None:
+        return None
+    hw = HARDWARE[key]
+    return {"copy_gbs": hw.bandwidth / 1e9,
+            "matmul_gflops": {dtype: hw.matmul_flops[dtype] / 1e9 for dtype in ("fp32", "fp16", "bf16")},
+            "source": f"datasheet of the {hw.name}: {hw.source}"}
+
+
+def report_ceilings(header: dict, raw: dict) -> dict:
+    """The ceilings the results are set against: this CPU's measured ones, or when any result ran on CUDA the
+    datasheet of the machine's GPU (copy_gbs None and no matmul peaks for a GPU without a datasheet entry)."""
+    on_gpu = any(b.get("extra_info", {}).get("device") == "cuda" for b in raw.get("benchmarks", []))
+    if not on_gpu:
+        return {"copy_gbs": header["copy_gbs"], "matmul_gflops": header["matmul_gflops"], "source": "measured"}
+    name = (header.get("gpu") or {}).get("name", "")
+    return datasheet_ceilings(name) or {"copy_gbs": None, "matmul_gflops": {},
+                                        "source": f"no datasheet entry for {name or 'this GPU'}"}
 
 
 def find_bench_dir(given: Path | None) -> Path:
@@ -83,7 +126,11 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 def rows_from_raw(raw: dict, ceilings: dict) -> dict[str, list[dict]]:
-    """One row per (family, case, provider), grouped by family, with ratios against the case's baseline."""
+    """One row per (family, case, provider), grouped by family, with ratios against the case's baseline.
+
+    Achieved GB/s and GFLOP/s come from the CUDA-graph time where the harness measured one (GPU time alone),
+    else from the median; the matmul peak is that of the record's dtype, or of PEAK_DTYPE_FOR's stand-in when
+    the ceilings have none (fp16 on a CPU); a missing ceiling leaves its fraction empty."""
     by_case: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for bench in raw["benchmarks"]:
         info = bench.get("extra_info", {})
@@ -92,20 +139,25 @@ def rows_from_raw(raw: dict, ceilings: dict) -> dict[str, list[dict]]:
         times = sorted(bench["stats"].get("data") or [bench["stats"]["median"]])
         median = bench["stats"]["median"]
         shape = shape_from_dict(info["family"], info["shape"])
+        graph_ms = info.get("graph_ms")
         row = {
             "family": info["family"], "case": shape.label, "shape": info["shape"], "provider": info["provider"],
             "baseline": info["baseline"], "median_ms": median * 1e3,
-            "p20_ms": percentile(times, 0.2) * 1e3, "p80_ms": percentile(times, 0.8) * 1e3,
+            "p20_ms": percentile(times, 0.2) * 1e3, "p80_ms": percentile(times, 0.8) * 1e3, "graph_ms": graph_ms,
             "gbs": None, "pct_copy": None, "gflops": None, "pct_peak": None, "speedup": None,
-            "oracle": {True: "pass", False: "FAIL", None: "-"}[info.get("correct")],
+            "graph_speedup": None, "oracle": {True: "pass", False: "FAIL", None: "-"}[info.get("correct")],
         }
+        seconds = graph_ms / 1e3 if graph_ms else median
         if info.get("bytes_moved"):
-            row["gbs"] = info["bytes_moved"] / median / 1e9
-            row["pct_copy"] = 100 * row["gbs"] / ceilings["copy_gbs"]
+            row["gbs"] = info["bytes_moved"] / seconds / 1e9
+            if ceilings.get("copy_gbs"):
+                row["pct_copy"] = 100 * row["gbs"] / ceilings["copy_gbs"]
         if info.get("flops"):
-            row["gflops"] = info["flops"] / median / 1e9
-            peak = ceilings["matmul_gflops"][PEAK_DTYPE_FOR[shape.dtype]]
-            row["pct_peak"] = 100 * row["gflops"] / peak
+            row["gflops"] = info["flops"] / seconds / 1e9
+            peaks = ceilings["matmul_gflops"]
+            peak = peaks.get(shape.dtype) or peaks.get(PEAK_DTYPE_FOR[shape.dtype])
+            if peak:
+                row["pct_peak"] = 100 * row["gflops"] / peak
         by_case[(info["family"], shape.label)].append(row)
 
     families: dict[str, list[dict]] = defaultdict(list)
@@ -114,6 +166,8 @@ def rows_from_raw(raw: dict, ceilings: dict) -> dict[str, list[dict]]:
         for row in rows:
             if base is not None and row["oracle"] != "FAIL":
                 row["speedup"] = base["median_ms"] / row["median_ms"]
+                if base["graph_ms"] and row["graph_ms"]:
+                    row["graph_speedup"] = base["graph_ms"] / row["graph_ms"]
         families[family].extend(sorted(rows, key=lambda r: r["provider"] != "sbd"))
     return families
 
@@ -122,12 +176,15 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def markdown(header: dict, families: dict[str, list[dict]]) -> str:
-    """The report: a header with the machine and its ceilings, then one table per family."""
+def markdown(header: dict, families: dict[str, list[dict]], ceilings: dict | None = None) -> str:
+    """The report: a header with the machine and its ceilings, then one table per family. With GPU
+    `ceilings` (`report_ceilings` of a CUDA run): the datasheet line, TB/s and TFLOP/s against it, and the
+    CUDA-graph time and speedup of each row."""
     gpu = header["gpu"]
     gpu_line = ("none (CPU kernels timed; Triton kernels are not timed without an NVIDIA GPU)" if gpu is None
                 else ", ".join(f"{k} {v}" for k, v in gpu.items()))
     peaks = ", ".join(f"{k} {v:.0f}" for k, v in header["matmul_gflops"].items())
+    on_gpu = ceilings is not None and ceilings.get("source", "measured") != "measured"
     lines = [
         "# sbd_kernels benchmark report",
         "",
@@ -136,34 +193,82 @@ def markdown(header: dict, families: dict[str, list[dict]]) -> str:
         f"- GPU: {gpu_line}",
         (f"- measured ceilings: copy bandwidth {header['copy_gbs']:.1f} GB/s (read + write), "
         f"torch.mm peak GFLOP/s: {peaks}"),
+    ]
+    if on_gpu:
+        lines.append(f"- GPU ceilings: {gpu_ceilings_line(ceilings)}")
+    lines += [
         (f"- torch {header['torch']}, triton {header['triton']}, python {header['python']}, "
         f"commit {header['commit']}, {header['date']}"),
         "",
         ("Times are medians with the p20-p80 spread; speedup = baseline median / provider median, same run. "
         "A provider whose outputs failed the oracle check on these inputs gets no speedup."),
     ]
+    if on_gpu:
+        lines.append("On the GPU, median ms is one eager call (rounds of back-to-back calls, launch overhead "
+                     "included); graph ms the same call replayed from a CUDA graph (GPU time alone, '-' where "
+                     "the call cannot be captured), which TB/s and TFLOP/s are taken from.")
     for family, rows in families.items():
-        lines += ["", f"## {family}", "",
-                  ("| case | provider | median ms | p20-p80 ms | GB/s | % copy BW | GFLOP/s | % matmul peak "
-                  "| speedup vs baseline | oracle |"),
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            speed = ("oracle check FAILED" if r["oracle"] == "FAIL"
-                     else f"{fmt(r['speedup'], '.2f')}x vs {r['baseline']}" if r["speedup"] else "-")
-            lines.append(
-                f"| {r['case']} | {r['provider']} | {r['median_ms']:.3f} | {r['p20_ms']:.3f}-{r['p80_ms']:.3f} "
-                f"| {fmt(r['gbs'], '.1f')} | {fmt(r['pct_copy'], '.0f')} | {fmt(r['gflops'], '.1f')} "
-                f"| {fmt(r['pct_peak'], '.0f')} | {speed} | {r['oracle']} |"
-            )
+        lines += ["", f"## {family}", ""] + (_gpu_table(rows) if on_gpu else _cpu_table(rows))
     return "\n".join(lines) + "\n"
 
 
+def gpu_ceilings_line(ceilings: dict) -> str:
+    """The datasheet numbers the GPU results are set against, in one line."""
+    if not ceilings.get("copy_gbs"):
+        return f"{ceilings['source']}: achieved TB/s and TFLOP/s without fractions"
+    peaks = ceilings["matmul_gflops"]
+    return (f"{ceilings['copy_gbs'] / 1e3:.2f} TB/s, dense TFLOP/s bf16 {peaks['bf16'] / 1e3:.0f}, fp16 "
+            f"{peaks['fp16'] / 1e3:.0f}, fp32 {peaks['fp32'] / 1e3:.1f} (without tensor cores: 3xTF32 kernels "
+            f"can exceed it); {ceilings['source']}")
+
+
+def _speed(r: dict, key: str = "speedup") -> str:
+    if r["oracle"] == "FAIL":
+        return "oracle check FAILED"
+    return f"{fmt(r[key], '.2f')}x vs {r['baseline']}" if r[key] else "-"
+
+
+def _cpu_table(rows: list[dict]) -> list[str]:
+    lines = [("| case | provider | median ms | p20-p80 ms | GB/s | % copy BW | GFLOP/s | % matmul peak "
+              "| speedup vs baseline | oracle |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} | {r['provider']} | {r['median_ms']:.3f} | {r['p20_ms']:.3f}-{r['p80_ms']:.3f} "
+            f"| {fmt(r['gbs'], '.1f')} | {fmt(r['pct_copy'], '.0f')} | {fmt(r['gflops'], '.1f')} "
+            f"| {fmt(r['pct_peak'], '.0f')} | {_speed(r)} | {r['oracle']} |"
+        )
+    return lines
+
+
+def _gpu_table(rows: list[dict]) -> list[str]:
+    lines = [("| case | provider | median ms | p20-p80 ms | graph ms | TB/s | % datasheet BW | TFLOP/s "
+              "| % datasheet peak | speedup vs baseline | graph speedup | oracle |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tbs = None if r["gbs"] is None else r["gbs"] / 1e3
+        tflops = None if r["gflops"] is None else r["gflops"] / 1e3
+        lines.append(
+            f"| {r['case']} | {r['provider']} | {r['median_ms']:.3f} | {r['p20_ms']:.3f}-{r['p80_ms']:.3f} "
+            f"| {fmt(r['graph_ms'], '.4f')} | {fmt(tbs, '.3f')} | {fmt(r['pct_copy'], '.0f')} "
+            f"| {fmt(tflops, '.2f')} | {fmt(r['pct_peak'], '.0f')} | {_speed(r)} | {_speed(r, 'graph_speedup')} "
+            f"| {r['oracle']} |"
+        )
+    return lines
+
+
 def roofline_section(raw: dict) -> str:
-    """Roofline prediction vs the measured decode forwards of this run ("" without decode results)."""
+    """Roofline prediction vs the measured decode forwards of this run ("" without decode results, or on a
+    GPU without datasheet ceilings)."""
     from sbd_kernels.roofline import compare_markdown, compare_rows, measured_cases
 
-    rows = compare_rows(measured_cases(raw))
-    return f"\n## decode: roofline vs measurement\n\n{compare_markdown(rows)}\n" if rows else ""
+    cases = [case for case in measured_cases(raw) if case.ceilings is not None]
+    rows = compare_rows(cases)
+    if not rows:
+        return ""
+    sources = sorted({case.ceilings["source"] for case in cases if "source" in case.ceilings})
+    note = "".join(f"\nOn the GPU the ceilings are not measured but those of the {source}.\n" for source in sources)
+    return f"\n## decode: roofline vs measurement\n{note}\n{compare_markdown(rows)}\n"
 
 
 def gpu_static_section() -> tuple[str, int]:
@@ -178,11 +283,14 @@ def gpu_static_section() -> tuple[str, int]:
             f"```\n{body}\n```\n"), proc.returncode)
 
 
-def write_outputs(out_dir: Path, header: dict, families: dict[str, list[dict]], extra: str = "") -> Path:
+def write_outputs(out_dir: Path, header: dict, families: dict[str, list[dict]], extra: str = "",
+                  ceilings: dict | None = None) -> Path:
+    """report.md (`markdown` + `extra`), report.json and report.csv under `out_dir`; returns report.md."""
     out_dir.mkdir(parents=True, exist_ok=True)
     report = out_dir / "report.md"
-    report.write_text(markdown(header, families) + extra)
-    (out_dir / "report.json").write_text(json.dumps({"machine": header, "results": families}, indent=1))
+    report.write_text(markdown(header, families, ceilings) + extra)
+    (out_dir / "report.json").write_text(json.dumps({"machine": header, "ceilings": ceilings, "results": families},
+                                                    indent=1))
     with open(out_dir / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["family", *COLUMNS, "baseline"], extrasaction="ignore")
         writer.writeheader()
@@ -229,13 +337,14 @@ def run(args: argparse.Namespace) -> int:
         raw = json.loads(raw_json.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{raw_json}: not JSON ({err})") from None
-    families = rows_from_raw(raw, header)
+    ceilings = report_ceilings(header, raw)
+    families = rows_from_raw(raw, ceilings)
     extra = roofline_section(raw)
     if not args.no_gpu_static:
         section, aot_status = gpu_static_section()
         extra += section
         status = status or aot_status
-    report = write_outputs(out, header, families, extra)
+    report = write_outputs(out, header, families, extra, ceilings)
     print(report.read_text())
     print(f"written: {report}, {report.with_suffix('.json')}, {report.with_suffix('.csv')}")
     for plot in write_plots(out, families):

@@ -1,4 +1,4 @@
-"""The `sbd` command: `sbd train`, `sbd generate`, `sbd demo`, `sbd roofline`, `sbd bench`.
+"""The `sbd` command: `sbd train`, `sbd generate`, `sbd demo`, `sbd roofline`, `sbd bench`, `sbd gpu-check`.
 
     sbd demo [--quick] [--json PATH] [--plot PATH]   # the main job: accuracy vs NFE speedup table
     sbd train --objective sbd --init-from ntp.pt --out sbd.pt ...
@@ -6,6 +6,7 @@
     sbd generate --prompt "12+34" --method ntp
     sbd roofline --project --demo-json demo.json
     sbd bench [--only sampling,attention] [-k EXPR] [--rounds N]   # from a source checkout
+    sbd gpu-check [--dry-run]       # on an NVIDIA GPU: tests on CUDA, benchmarks, report (10 minutes)
 
 Each subcommand's flags come from its module (`train`, `demo`, `roofline`: `add_arguments` and `main`).
 Every value is checked as it is parsed (`sbd_kernels.argtypes`): a bad one exits with status 2 and one
@@ -175,6 +176,21 @@ def run_bench(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
+# sbd gpu-check
+# ----------------------------------------------------------------------------------------------------
+def add_gpu_check_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from sbd_kernels import gpucheck
+
+    return gpucheck.add_arguments(parser)
+
+
+def run_gpu_check(args: argparse.Namespace) -> None:
+    from sbd_kernels import gpucheck
+
+    sys.exit(gpucheck.run(args))
+
+
+# ----------------------------------------------------------------------------------------------------
 # Entry point
 # ----------------------------------------------------------------------------------------------------
 SUBCOMMANDS = {
@@ -187,6 +203,8 @@ SUBCOMMANDS = {
                  add_roofline_arguments, run_roofline),
     "bench": ("run every benchmark family and write one report (Markdown, JSON, CSV, plots) under bench/results",
               add_bench_arguments, run_bench),
+    "gpu-check": (("on an NVIDIA GPU: build, the tests on CUDA, the benchmarks on the GPU and a report under "
+                   "bench/reference/<gpu>, within 10 minutes"), add_gpu_check_arguments, run_gpu_check),
 }
 
 

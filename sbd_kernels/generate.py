@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sbd_kernels.ops import trusted_values
 from sbd_kernels.protocol import DecodeCache, SbdModel
 
 METHODS = ("ntp", "sbd")
@@ -320,6 +321,10 @@ def ntp_decode_step(model: SbdModel, cache: DecodeCache, state: NtpState, ops: D
     _ntp_accept(state, logits, ops, sp)
 
 
+# The decode loops build every length the ops read (cache sized for prompt + answer budget, num_causal of
+# 0 / 1 / K) and DecodeConfig validated gamma, temperature and the filters: the per-call value checks
+# (4-6 small kernels per attention call, i.e. per layer and pass, on CUDA) are skipped.
+@trusted_values()
 def _decode_ntp_batch(model: SbdModel, prompts: list[list[int]], seed: torch.Tensor, ops: DecodeOps,
                       sp: DecodeConstants, steps: StepFunctions) -> DecodeResult:
     device = seed.device
@@ -458,6 +463,7 @@ def sbd_block_step(model: SbdModel, cache: DecodeCache, state: SbdState, ops: De
     _sbd_accept(state, block_logits, ops, sp)
 
 
+@trusted_values()  # as _decode_ntp_batch
 def _decode_sbd_batch(model: SbdModel, prompts: list[list[int]], seed: torch.Tensor, ops: DecodeOps,
                       sp: DecodeConstants, steps: StepFunctions) -> DecodeResult:
     device, k = seed.device, sp.block_size

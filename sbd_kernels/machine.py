@@ -1,9 +1,10 @@
 """This machine: its measured ceilings (copy bandwidth, matmul peaks) and what a benchmark result is
 labelled with (CPU, GPU, software versions, commit).
 
-The ceilings are what achieved GB/s and GFLOP/s are set against, in the benchmark report and in the
-roofline model of this CPU (`sbd roofline --hardware cpu`). They are measured, not looked up: a 2-core
-cloud slice reaches a fraction of its socket's datasheet bandwidth.
+The ceilings are what achieved GB/s and GFLOP/s of CPU results are set against, in the benchmark report and
+in the roofline model of this CPU (`sbd roofline --hardware cpu`). They are measured, not looked up: a
+2-core cloud slice reaches a fraction of its socket's datasheet bandwidth. GPU results are set against the
+GPU's datasheet instead (`sbd_kernels.bench_report.datasheet_ceilings`).
 """
 from __future__ import annotations
 
@@ -90,31 +91,41 @@ def git_commit(folder: Path) -> str:
 
 
 def gpu_info() -> dict | None:
-    """Name, driver and clocks of GPU 0 from nvidia-ml-py, or None without CUDA or NVML."""
+    """GPU 0 from nvidia-ml-py: name, driver, CUDA version of torch, current and maximum SM and memory clocks,
+    memory; None without CUDA. Without NVML (not installed, or failing) the name comes from torch and the
+    "nvml" entry says why the rest is missing."""
     if not torch.cuda.is_available():
         return None
     try:
         import pynvml
     except ImportError:
-        return {"name": torch.cuda.get_device_name(0), "nvml": "nvidia-ml-py not installed"}
-    pynvml.nvmlInit()
+        return {"name": torch.cuda.get_device_name(0), "cuda": torch.version.cuda,
+                "nvml": "nvidia-ml-py not installed"}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        return {"name": torch.cuda.get_device_name(0), "cuda": torch.version.cuda, "nvml": f"NVML failed: {err}"}
     try:
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         name = pynvml.nvmlDeviceGetName(handle)
         return {
             "name": name.decode() if isinstance(name, bytes) else name,
             "driver": pynvml.nvmlSystemGetDriverVersion(),
+            "cuda": torch.version.cuda,
             "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
-            "mem_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM),
             "max_sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM),
+            "mem_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM),
+            "max_mem_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM),
+            "memory_gib": round(pynvml.nvmlDeviceGetMemoryInfo(handle).total / 2**30, 1),
         }
     finally:
         pynvml.nvmlShutdown()
 
 
-def machine_header(checkout: Path) -> dict:
+def machine_header(checkout: Path, gpu: bool = True) -> dict:
     """Everything a results table is labelled with: machine, software versions, the commit of `checkout`
-    (the folder the benchmark files came from), ceilings."""
+    (the folder the benchmark files came from), ceilings. gpu=False leaves the GPU out (None) without
+    asking the driver."""
     try:
         import triton
         triton_version = triton.__version__
@@ -125,7 +136,7 @@ def machine_header(checkout: Path) -> dict:
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_isa": torch.ops.sbd._cpu_isa() if hasattr(torch.ops.sbd, "_cpu_isa") else "n/a",
-        "gpu": gpu_info(),
+        "gpu": gpu_info() if gpu else None,
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),

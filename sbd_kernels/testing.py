@@ -1,9 +1,19 @@
-"""Shared test helpers: the one tolerance table, verbose comparisons, output poisoning.
+"""Shared test helpers: the one tolerance table, verbose comparisons, output poisoning, and where the Triton
+kernels are tested.
 
 Used by tests/ and by the benchmarks' correctness gate, so that a speedup is only ever reported for
 inputs on which the op matches its oracle under these same tolerances.
+
+The Triton kernels are tested on CPU tensors under Triton's interpreter by default, or compiled on CUDA
+tensors with SBD_TEST_DEVICE=cuda (`configure_triton_environment`, run by tests/conftest.py). Tests build
+their inputs on the CPU, where the oracles run; `on_device` runs a launcher on device copies of them.
 """
 from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, MutableMapping
+from typing import Any
 
 import torch
 
@@ -143,3 +153,119 @@ def _assert_same(actual: torch.Tensor, expected: torch.Tensor, name: str) -> Non
     if not bool(same.all()):
         bad = (~same).nonzero().flatten()[:5].tolist()
         raise AssertionError(f"{name}: {int((~same).sum())} elements were written, first at {bad}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Where the Triton kernels are tested
+# ----------------------------------------------------------------------------------------------------
+TEST_DEVICE_VARIABLE = "SBD_TEST_DEVICE"
+TEST_DEVICES = ("cpu", "cuda")
+
+
+def triton_test_device(environ: MutableMapping[str, str] | None = None) -> str:
+    """Device of the tensors the Triton kernels are tested on: "cpu" (SBD_TEST_DEVICE unset, empty or "cpu":
+    the interpreter) or "cuda" (SBD_TEST_DEVICE=cuda: the compiled kernels). `environ` defaults to
+    os.environ. Raises ValueError for another value."""
+    environ = os.environ if environ is None else environ
+    device = environ.get(TEST_DEVICE_VARIABLE, "") or "cpu"
+    if device not in TEST_DEVICES:
+        raise ValueError(f"{TEST_DEVICE_VARIABLE} must be one of {', '.join(TEST_DEVICES)}, got {device!r}")
+    return device
+
+
+def configure_triton_environment(environ: MutableMapping[str, str]) -> str:
+    """Sets up `environ` (os.environ in tests/conftest.py, before any Triton kernel is imported) for the
+    device of `triton_test_device` and returns it: "cpu" sets TRITON_INTERPRET=1 unless already set; "cuda"
+    leaves it unset, and raises ValueError when it is set to anything but "0" (the interpreter would run
+    the "GPU" tests on the host)."""
+    device = triton_test_device(environ)
+    if device == "cpu":
+        environ.setdefault("TRITON_INTERPRET", "1")
+    elif environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise ValueError(f"{TEST_DEVICE_VARIABLE}=cuda tests the compiled Triton kernels: unset TRITON_INTERPRET "
+                         f"(it is {environ['TRITON_INTERPRET']!r})")
+    return device
+
+
+SHARD_VARIABLE = "SBD_TEST_SHARD"
+
+
+def select_shard(items: list, spec: str) -> tuple[list, list]:
+    """(kept, dropped) for SBD_TEST_SHARD=`spec` "i/n": every n-th item from the i-th on is kept, so n runs
+    with i = 0..n-1 run each item once between them, heavy parametrisations spread over all of them. Raises
+    ValueError unless 0 <= i < n."""
+    try:
+        index, count = (int(part) for part in spec.split("/"))
+    except ValueError:
+        raise ValueError(f"{SHARD_VARIABLE} must be i/n, e.g. 0/4, got {spec!r}") from None
+    if not 0 <= index < count:
+        raise ValueError(f"{SHARD_VARIABLE}={spec}: needs 0 <= i < n")
+    return items[index::count], [item for i, item in enumerate(items) if i % count != index]
+
+
+def on_device(fn: Callable, device: str) -> Callable:
+    """`fn` called on `device` copies of its CPU tensor arguments, with its tensor results copied back to the
+    CPU; `fn` itself when `device` is "cpu" (nothing copied, nothing changed).
+
+    Each argument's whole storage is copied and viewed with the argument's own sizes, strides and storage
+    offset, so a strided, offset or expanded (stride 0) view stays such a view on the device, and arguments
+    that share a storage share one there too (the aliasing checks see the same layout). After the call
+    every copied storage is written back in full: in-place results, and any stray write outside an
+    argument, show up in the CPU tensors a test inspects (`Embedded` checks included). Tensors on another
+    device (e.g. meta) and non-tensors are passed as they are.
+
+    Not for calls meant to fail a value check: on CUDA, `torch._assert_async` fails as a device-side assert
+    that leaves the process's CUDA context unusable; such calls stay on CPU tensors, where it raises at once.
+    """
+    if device == "cpu":
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return call_on_copies(fn, device, *args, **kwargs)
+
+    return call
+
+
+def call_on_copies(fn: Callable, device: str, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` on `device` copies of the CPU tensor arguments, as `on_device` describes; copies
+    even when `device` is "cpu" (which is how the copying itself is tested without a GPU)."""
+    copies = _StorageCopies(device)
+    result = fn(*(copies.of(a) for a in args), **{name: copies.of(v) for name, v in kwargs.items()})
+    copies.write_back()
+    return _to_cpu(result)
+
+
+class _StorageCopies:
+    """Device copies of CPU storages, one per storage however many arguments view it."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # address: (host bytes, device bytes)
+
+    def of(self, value: Any) -> Any:
+        if not (isinstance(value, torch.Tensor) and value.device.type == "cpu"):
+            return value
+        storage = value.untyped_storage()
+        if storage.nbytes() == 0:  # no memory to share (empty storages may all sit at address 0)
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=self.device)
+        if storage.data_ptr() not in self.pairs:
+            host = torch.empty(0, dtype=torch.uint8).set_(storage)  # [nbytes] bytes of the whole storage
+            self.pairs[storage.data_ptr()] = (host, host.to(self.device, copy=True))
+        device_bytes = self.pairs[storage.data_ptr()][1]
+        return torch.empty(0, dtype=value.dtype, device=self.device).set_(
+            device_bytes.untyped_storage(), value.storage_offset(), value.shape, value.stride())
+
+    def write_back(self) -> None:
+        for host, device_bytes in self.pairs.values():
+            host.copy_(device_bytes)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to("cpu", copy=True)
+    if isinstance(value, tuple):
+        return tuple(_to_cpu(v) for v in value)
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value

@@ -2,7 +2,8 @@
 
 `make_case` builds one call with ragged lengths: sequence b has L_b cache slots filled and c_b causal rows,
 every other cache slot (beyond L_b, spare pages) is NaN, so a kernel that reads or writes the wrong slot
-fails. `assert_matches_oracle` runs an implementation and the oracle on copies of the same caches.
+fails. `assert_matches_oracle` runs an implementation and the oracle on copies of the same caches (the
+oracle always on the CPU).
 The shape grid (`BASE`, `AXES`) varies one axis at a time around a small base case.
 """
 from __future__ import annotations
@@ -74,6 +75,14 @@ class AttentionCase:
         """The same call on fresh copies of the caches (for running two implementations side by side)."""
         return dataclasses.replace(self, k_cache=self.k_cache.clone(), v_cache=self.v_cache.clone())
 
+    def to(self, device: str) -> AttentionCase:
+        """The same call with every tensor on `device` (tensors already there are kept, not copied)."""
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device)
+        return AttentionCase(**moved)
+
 
 def ragged_lengths(B: int, C: int, L: int) -> tuple[list[int], list[int]]:
     """L_b and c_b per sequence: sequence 0 has the full L and C; the others are shorter or empty."""
@@ -124,15 +133,7 @@ def make_case(B: int, C: int, K: int, L: int, Hq: int, Hkv: int, D: int, dtype: 
         q, k, v = noncontiguous(q), noncontiguous(k), noncontiguous(v)
     case = AttentionCase(q, k, v, k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32),
                          torch.tensor(causal, dtype=torch.int32), K, table, softmax_scale)
-    return case if device == "cpu" else _to_device(case, device)
-
-
-def _to_device(case: AttentionCase, device: str) -> AttentionCase:
-    moved = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)}
-    for name, value in moved.items():
-        if isinstance(value, torch.Tensor):
-            moved[name] = value.to(device)
-    return AttentionCase(**moved)
+    return case if device == "cpu" else case.to(device)
 
 
 def embed_caches_in_nan_buffers(case: AttentionCase) -> Callable[[], None]:
@@ -243,9 +244,9 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str
 
 
 def assert_matches_oracle(case: AttentionCase, fn: Callable, atol_scale: float = 1.0) -> None:
-    """Run `fn` (an implementation of the op) and the oracle on copies of the same caches; compare
-    out and lse under the tolerance table and the caches bit for bit."""
-    expected_case = case.with_cache_copies()
+    """Run `fn` (an implementation of the op) and the oracle on copies of the same caches, the oracle on the
+    CPU whatever the case's device; compare out and lse under the tolerance table and the caches bit for bit."""
+    expected_case = case.with_cache_copies().to("cpu")
     out, lse = fn(*case.args())
     expected_out, expected_lse = naive.block_attention_with_kvcache(*expected_case.args())
     assert out.dtype == case.q.dtype and lse.dtype == torch.float32

@@ -1,10 +1,19 @@
-"""Test set-up: Triton kernels run on CPU tensors through the interpreter.
+"""Test set-up: where the Triton kernels run, and how a run is split into shards.
 
-TRITON_INTERPRET must be set before any Triton kernel module is imported.
+By default (SBD_TEST_DEVICE unset or "cpu") the Triton kernels run on CPU tensors through Triton's
+interpreter: TRITON_INTERPRET=1 is set here, before any Triton kernel module is imported. With
+SBD_TEST_DEVICE=cuda they run compiled, on CUDA tensors (TRITON_INTERPRET stays unset, and must not be set),
+the CUDA-only tests run, and the oracles still run on the CPU (`sbd_kernels.testing.on_device`). Both
+settings collect the same tests.
+
+SBD_TEST_SHARD=i/n keeps every n-th test from the i-th on (0 <= i < n), so that n pytest processes started
+side by side run the suite once between them (`sbd gpu-check` does, to compile Triton kernels on several cores).
 """
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from sbd_kernels.testing import SHARD_VARIABLE, configure_triton_environment, select_shard
+
+TRITON_DEVICE = configure_triton_environment(os.environ)
 
 import pytest
 import torch
@@ -27,6 +36,22 @@ def supported_cpu_isas() -> list[str]:
 _BEST_ISA = torch.ops.sbd._cpu_isa()
 CPU_ISAS = supported_cpu_isas()
 torch.ops.sbd._set_cpu_isa(_BEST_ISA)
+
+
+def pytest_collection_modifyitems(config, items):
+    spec = os.environ.get(SHARD_VARIABLE)
+    if spec:
+        kept, dropped = select_shard(items, spec)
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _triton_device_is_present():
+    """SBD_TEST_DEVICE=cuda on a machine where torch sees no GPU stops the run with one line, at the first test
+    (collection alone works anywhere)."""
+    if TRITON_DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.exit(f"SBD_TEST_DEVICE=cuda, but torch {torch.__version__} sees no CUDA device", returncode=4)
 
 
 @pytest.fixture(params=CPU_ISAS)

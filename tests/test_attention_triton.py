@@ -1,13 +1,14 @@
 """`sbd.block_attention_with_kvcache`, Triton backend: the split-KV kernel against the oracle on the shared
 cases (tests/attention_cases.py), its split / combine / alignment paths, errors and the AOT spec list.
 
-On this CPU-only machine the launcher runs on CPU tensors under TRITON_INTERPRET=1 (set by conftest).
-Where CUDA is present and TRITON_INTERPRET is unset, the same tests run the compiled kernels on the GPU.
+By default the launcher runs on CPU tensors under TRITON_INTERPRET=1 (set by conftest); with
+SBD_TEST_DEVICE=cuda the same tests run the compiled kernels on CUDA tensors, the oracle on CPU copies, and
+the CUDA-only tests at the end run too. Bad inputs stay on CPU tensors either way: every error is raised
+by the launcher's host-side checks before any launch.
 Every temporary the launcher allocates (out, lse, the partial split states) is NaN-filled first, so an
 element the kernels fail to write, or a partial state read although its split never ran, fails the test.
 """
 import contextlib
-import os
 
 import pytest
 import torch
@@ -40,10 +41,10 @@ from test_attention import (
 
 from sbd_kernels.ops.attention import naive
 from sbd_kernels.ops.attention import triton as attention_triton
-from sbd_kernels.testing import assert_close, poison_
+from sbd_kernels.testing import assert_close, poison_, triton_test_device
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-DEVICE = "cuda" if ON_GPU else "cpu"
+DEVICE = triton_test_device()
+ON_GPU = DEVICE == "cuda"
 LAUNCH = attention_triton.block_attention_with_kvcache
 # Long-cache cases use one KV head and B = 1: the interpreter runs programs one by one (~0.5 ms each).
 LONG = {"B": 1, "C": 5, "K": 7, "L": 4099, "Hkv": 1, "D": 64}
@@ -182,13 +183,13 @@ def test_agrees_with_sdpa(gqa):
     equal torch SDPA (enable_gqa) over [cache ; k] with the SBD decode mask written independently."""
     hq, hkv = gqa
     c = case(B=3, C=4, K=5, L=40, Hq=hq, Hkv=hkv, D=64, dtype=torch.float32)
-    cache_k, cache_v = c.k_cache.clone(), c.v_cache.clone()
+    cache_k, cache_v = c.k_cache.clone().cpu(), c.v_cache.clone().cpu()
     out, _ = triton_op(*c.args())
     for b, (length, causal) in enumerate(zip(c.cache_seqlens.tolist(), c.num_causal.tolist())):
-        keys = torch.cat([cache_k[b, :length], c.k[b]]).transpose(0, 1)  # [Hkv, L + S, D]
-        values = torch.cat([cache_v[b, :length], c.v[b]]).transpose(0, 1)
-        mask = sbd_decode_mask(length, causal, 4, 5).to(DEVICE)
-        expected = F.scaled_dot_product_attention(c.q[b].transpose(0, 1), keys, values, attn_mask=mask,
+        keys = torch.cat([cache_k[b, :length], c.k[b].cpu()]).transpose(0, 1)  # [Hkv, L + S, D], on the CPU
+        values = torch.cat([cache_v[b, :length], c.v[b].cpu()]).transpose(0, 1)
+        mask = sbd_decode_mask(length, causal, 4, 5)
+        expected = F.scaled_dot_product_attention(c.q[b].cpu().transpose(0, 1), keys, values, attn_mask=mask,
                                                   enable_gqa=True).transpose(0, 1)
         assert_close(out[b, :causal], expected[:causal], name="causal rows")
         assert_close(out[b, 4:], expected[4:], name="block rows")
@@ -287,7 +288,7 @@ def test_decode_step_compiles_fullgraph_cuda():
         return out.float() * 2, lse
 
     c = case(B=2, C=2, K=3, L=9, Hq=4, Hkv=2, D=64, dtype=torch.bfloat16)
-    expected_case = c.with_cache_copies()
+    expected_case = c.with_cache_copies().to("cpu")
     out, lse = torch.compile(decode_step, fullgraph=True)(*c.args())
     expected_out, expected_lse = naive.block_attention_with_kvcache(*expected_case.args())
     assert_close(out / 2, expected_out.float(), dtype=torch.bfloat16)

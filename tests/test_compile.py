@@ -1,12 +1,15 @@
-"""A whole SBD decode step (entropy_sample, then mask_scatter_) under torch.compile(fullgraph=True)."""
+"""A whole SBD decode step (entropy_sample, then mask_scatter_) under torch.compile(fullgraph=True): on CPU
+tensors (the C++ kernels), or on CUDA tensors (the Triton kernels) with SBD_TEST_DEVICE=cuda."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import sbd_kernels
+from sbd_kernels.testing import triton_test_device
 
 MASK_TOKEN_ID = 5
+DEVICE = triton_test_device()
 
 
 def decode_step(logits, seed, offset, temperature, block_tokens, is_masked, gamma):
@@ -31,7 +34,7 @@ def make_block(batch: int, k: int, vocab: int, temperature: float):
     block_tokens = torch.full((batch, k), MASK_TOKEN_ID, dtype=torch.int64)
     is_masked = torch.ones(batch, k, dtype=torch.bool)
     gamma = torch.linspace(0.0, 2.0, batch)
-    return logits, seed, offset, temperatures, block_tokens, is_masked, gamma
+    return tuple(t.to(DEVICE) for t in (logits, seed, offset, temperatures, block_tokens, is_masked, gamma))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

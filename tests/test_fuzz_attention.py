@@ -11,8 +11,8 @@ and a layout for every argument:
 - k_cache, v_cache: each a view with permuted, padded strides (contiguous last dim) into its own NaN
   buffer, or the two halves of one combined allocation (FlashInfer's `kv[num_pages, 2, page_size, H, D]`,
   or `kv[B, S_max, 2, H, D]`).
-Every backend (C++ CPU op, Triton launcher under the interpreter, the oracle itself) runs on fresh copies
-of the same buffers; the reference is the oracle on plain contiguous copies. Checks: out and lse within
+Every backend (C++ CPU op, Triton launcher under the interpreter, or compiled on CUDA copies of the
+buffers with SBD_TEST_DEVICE=cuda, the oracle itself) runs on fresh copies of the same buffers; the reference is the oracle on plain contiguous copies. Checks: out and lse within
 the tolerance table; the caches bit for bit equal to the reference's; no element of a cache buffer outside
 the written slots [L_b, L_b + c_b) changed (poison included); the buffers of read-only arguments unchanged.
 Hkv = 2 is drawn only for B <= 2: the interpreter runs B * Hkv * (1 + cache splits + combine tiles) programs
@@ -33,12 +33,12 @@ from attention_cases import assert_bitwise_equal
 from test_attention_triton import triton_op
 
 from sbd_kernels.ops.attention import naive
-from sbd_kernels.testing import FLOAT_DTYPES, Embedded, assert_close
+from sbd_kernels.testing import FLOAT_DTYPES, Embedded, assert_close, on_device, triton_test_device
 
 INDEX_LAYOUTS = ("contiguous", "offset", "strided", "expanded")
 QKV_LAYOUTS = ("strided", "offset", "fused")
 CACHE_LAYOUTS = ("own", "combined")
-BACKENDS = {"cpu": torch.ops.sbd.block_attention_with_kvcache, "triton": triton_op,
+BACKENDS = {"cpu": torch.ops.sbd.block_attention_with_kvcache, "triton": on_device(triton_op, triton_test_device()),
             "naive": naive.block_attention_with_kvcache}
 # Invalid page ids for the block_table entries past the pages a sequence uses.
 BAD_PAGE_IDS = (-1, 2**31 - 1)

@@ -6,7 +6,8 @@ entries, exact ties, flat rows; greedy, sampled and per-row temperatures; a mask
 top-k / top-p / min-p filters as scalars or per-row tensors.
 Every tensor argument is passed as a view into a larger poisoned buffer (`sbd_kernels.testing.Embedded`:
 offset, strided, stride-0 views; logits with padded rows or a strided vocabulary), and each backend (C++
-CPU, Triton under the interpreter, the oracle itself) runs on its own fresh copy. The reference is the
+CPU, Triton under the interpreter or compiled on CUDA copies with SBD_TEST_DEVICE=cuda, the oracle itself)
+runs on its own fresh copy. The reference is the
 oracle on plain contiguous copies. Sampled tokens are compared through the oracle's Gumbel scores: the
 backends compute -log(-log u) with different log implementations, so two scores within a few ulp may
 legitimately swap; so may the kept sets of a row whose top-p cumulative mass or min-p ratio lies within
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from sbd_kernels.ops.sampling import naive
-from sbd_kernels.testing import FLOAT_DTYPES, Embedded, assert_close, poison_
+from sbd_kernels.testing import FLOAT_DTYPES, Embedded, assert_close, on_device, poison_, triton_test_device
 
 BACKENDS = ("cpu", "triton", "naive")
 # Default run: tiny vocabularies (the interpreter runs ~0.5 ms per program). Slow run: up to several
@@ -43,7 +44,7 @@ def backend_op(backend):
         return torch.ops.sbd.entropy_sample
     if backend == "triton":
         from sbd_kernels.ops.sampling import triton as sampling_triton
-        return sampling_triton.entropy_sample
+        return on_device(sampling_triton.entropy_sample, triton_test_device())
     return naive.entropy_sample
 
 

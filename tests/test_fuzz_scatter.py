@@ -1,5 +1,6 @@
-"""Property test of sbd.mask_scatter_: every backend (C++ CPU, Triton interpreter, the oracle itself) on
-random inputs laid out as views inside larger poisoned buffers, against the oracle on contiguous copies.
+"""Property test of sbd.mask_scatter_: every backend (C++ CPU, Triton under the interpreter or compiled on
+CUDA copies of the buffers with SBD_TEST_DEVICE=cuda, the oracle itself) on random inputs laid out as
+views inside larger poisoned buffers, against the oracle on contiguous copies.
 
 Each case draws B, K, entropies with ties, +inf, -inf, NaN and values whose sums overflow, masked and
 valid patterns, a rule and a gamma (tensor or number, including 0, +inf and numbers beyond fp32), and a
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from sbd_kernels.ops.scatter import naive
-from sbd_kernels.testing import Embedded
+from sbd_kernels.testing import Embedded, on_device, triton_test_device
 
 # The interpreter computes with numpy, which warns on the sums this test means to reach (-inf + inf, fp32
 # overflow of 3e38 + 3e38).
@@ -37,7 +38,7 @@ def op_for(backend: str):
         return torch.ops.sbd.mask_scatter_
     if backend == "triton":
         from sbd_kernels.ops.scatter import triton as triton_kernels
-        return triton_kernels.mask_scatter_
+        return on_device(triton_kernels.mask_scatter_, triton_test_device())
     return naive.mask_scatter_
 
 

@@ -3,7 +3,8 @@ the EOS rule, NFE accounting, the exact-KV property, torch.compile of the steps.
 
 Models are random `tiny` ones with weights drawn at std 1 (instead of 0.02) so that their predictions
 are sharp and varied: entropies spread over [0, log V], several tokens get accepted per pass at
-moderate gamma, and greedy answers are not one repeated token.
+moderate gamma, and greedy answers are not one repeated token. The model decodes on the CPU (C++ kernels),
+or on CUDA (Triton kernels) with SBD_TEST_DEVICE=cuda, where the CUDA-graph decode is tested too.
 """
 import dataclasses
 import doctest
@@ -15,8 +16,9 @@ import torch
 from sbd_kernels import generate as gen
 from sbd_kernels.generate import DecodeConfig, generate, oracle_decode
 from sbd_kernels.model import ModelConfig, Transformer
-from sbd_kernels.testing import tolerance
+from sbd_kernels.testing import tolerance, triton_test_device
 
+DEVICE = triton_test_device()
 EOS, PAD = 1, 0
 PROMPT_LENGTHS = (5, 1, 9)          # different lengths: per-row positions and padding rows
 BLOCK = 4
@@ -34,7 +36,7 @@ def model() -> Transformer:
         for p in net.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 1.0)
-    return net
+    return net.to(DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -314,10 +316,24 @@ def test_graph_checks_catch_a_step_that_moves_a_buffer(model, prompts):
         generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, steps=steps)
 
 
-def test_cuda_graph_needs_a_cuda_model(model, prompts):
+def test_cuda_graph_needs_a_cuda_model(prompts):
     """Guards against cuda_graph=True silently decoding eagerly on a CPU model."""
+    cpu_model = Transformer(ModelConfig.preset("tiny")).eval()
     with pytest.raises(ValueError, match="CUDA device"):
-        generate(model, prompts, DecodeConfig(max_new_tokens=4), eos_id=EOS, pad_id=PAD, cuda_graph=True)
+        generate(cpu_model, prompts, DecodeConfig(max_new_tokens=4), eos_id=EOS, pad_id=PAD, cuda_graph=True)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="replays CUDA graphs (no GPU here)")
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_cuda_graph_decode_gives_the_eager_tokens(model, prompts, method):
+    """Guards against a decode step whose CUDA-graph replay differs from its eager run (a buffer read at
+    capture time, a host value baked into the graph, a kernel skipped on replay): same answers, NFE and
+    acceptance counts, at temperature 0 and with sampling."""
+    for temperature in (0.0, 1.0):
+        cfg = DecodeConfig(method=method, block_size=BLOCK, gamma=0.5, temperature=temperature,
+                           max_new_tokens=BUDGET)
+        replayed = generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, cuda_graph=True)
+        assert_same_decode(replayed, generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD))
 
 
 @pytest.mark.parametrize("method", ["ntp", "sbd"])

@@ -1,6 +1,7 @@
 """The Hugging Face path (`sbd_kernels.hf`) on tiny random-init models of every supported family (no downloads):
 enable, fine-tuning inputs and loss, decoding through the `torch.ops.sbd` kernels, and each trap that used to give
-a silently wrong result."""
+a silently wrong result. The decoding tests run the model on CUDA (the Triton kernels) with SBD_TEST_DEVICE=cuda,
+on the CPU otherwise; training stays on the CPU."""
 import pytest
 import torch
 import transformers
@@ -10,8 +11,10 @@ from transformers import PreTrainedTokenizerFast
 from sbd_kernels import hf
 from sbd_kernels.generate import DecodeConfig, generate, naive_ops, oracle_decode
 from sbd_kernels.model import ModelConfig, Transformer
+from sbd_kernels.testing import triton_test_device
 from sbd_kernels.train import sbd_loss
 
+DEVICE = triton_test_device()
 VOCAB = 96
 MASK_ID = 95
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -53,7 +56,7 @@ def family(request):
 
 @pytest.fixture
 def sbd_model(family):
-    return hf.enable_sbd(tiny_model(family), mask_token_id=MASK_ID, block_size=4)
+    return hf.enable_sbd(tiny_model(family).to(DEVICE), mask_token_id=MASK_ID, block_size=4)
 
 
 def word_tokenizer(extra: list[str]) -> PreTrainedTokenizerFast:
@@ -135,9 +138,9 @@ def test_enable_refuses_other_families_and_attention_implementations():
 def test_ntp_decode_equals_hf_greedy_generate_with_left_padding(family, attn):
     """Guards against position ids, padding or the cache differing from HF's own greedy decode (HF decodes through
     "sbd" too, which runs the base implementation with the base's masks)."""
-    model = tiny_model(family, attn=attn)
+    model = tiny_model(family, attn=attn).to(DEVICE)
     hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
-    input_ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 0, 0, 0, 13]])
+    input_ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 0, 0, 0, 13]], device=DEVICE)
     attention_mask = (input_ids != 0).long()
     expected = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=False)
     ours = hf.generate(model, input_ids, attention_mask, max_new_tokens=10, method="ntp")
@@ -157,9 +160,9 @@ def test_cached_sbd_decode_equals_the_full_recompute_oracle(sbd_model):
 
 def test_sbd_generate_output_carries_statistics_and_respects_eos():
     """Guards against custom_generate returning HF's plain tensor without NFE, or decoding past an EOS."""
-    model = tiny_model("llama")
+    model = tiny_model("llama").to(DEVICE)
     hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
-    input_ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    input_ids = torch.tensor([[5, 6, 7], [8, 9, 10]], device=DEVICE)
     free = hf.generate(model, input_ids, max_new_tokens=8, eos_token_id=[], gamma=0.5)
     eos = int(free.sequences[0, 4])                        # the second new token of row 0 becomes an EOS
     out = model.generate(input_ids, max_new_tokens=8, custom_generate=hf.sbd_generate, return_dict_in_generate=True,
@@ -188,10 +191,10 @@ def test_sbd_cache_refuses_a_plain_forward_and_missing_position_ids(sbd_model):
     cache = sbd_model.new_cache(1, 16)
     model = sbd_model.hf_model
     with pytest.raises(hf.SbdCacheError, match="position_ids"):
-        model(input_ids=torch.tensor([[3, 4]]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([[3, 4]], device=DEVICE), past_key_values=cache, use_cache=True)
     with pytest.raises(hf.SbdCacheError, match="cannot be passed to a plain HF forward"):
-        model(input_ids=torch.tensor([[3, 4]]), position_ids=torch.tensor([[0, 1]]), past_key_values=cache,
-              use_cache=True)
+        model(input_ids=torch.tensor([[3, 4]], device=DEVICE), position_ids=torch.tensor([[0, 1]], device=DEVICE),
+              past_key_values=cache, use_cache=True)
 
 
 def test_boolean_mask_under_eager_attention_is_refused():
@@ -367,9 +370,9 @@ def test_two_process_training(tmp_path, mode, wrapper):
 def test_sampling_follows_the_seed_and_the_generation_config_filters():
     """Guards against sampled SBD decodes ignoring `seed` (irreproducible) or the generation config's top_k /
     top_p / min_p (HF's default top_k=50 among them) being silently dropped when do_sample=True."""
-    model = tiny_model("llama")
+    model = tiny_model("llama").to(DEVICE)
     hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
-    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]], device=DEVICE)
 
     def sample(seed, **filters):
         return model.generate(ids, max_new_tokens=8, custom_generate=hf.sbd_generate, do_sample=True,

@@ -1,7 +1,8 @@
 """The package's layers: imports point one way, and the installed package stands alone.
 
-    csrc  <-  ops  <-  model, tasks, aot  <-  generate, train, hf, roofline  <-  demo, bench_report, bench_plots
-          <-  cli  <-  bench/ (the repository's benchmark files, not installed)
+    csrc  <-  ops  <-  model, tasks, aot  <-  generate, train, hf, roofline
+          <-  demo, bench_report, bench_plots, gpucheck  <-  cli  <-  bench/ (the repository's benchmark files,
+          not installed)
 
 A module may import modules of its own layer and of the layers below it, never above; nothing in the
 package imports `bench` (the README's map of the code states the same rule).
@@ -28,8 +29,9 @@ LAYERS = [
     # Decoding (and its graph replay and exact-KV check), training, the Hugging Face path, the roofline model.
     ["sbd_kernels.generate", "sbd_kernels.graphs", "sbd_kernels.checks", "sbd_kernels.train", "sbd_kernels.hf",
      "sbd_kernels.roofline"],
-    # What the commands run: the demo, the code models, the benchmark report and its plots.
-    ["sbd_kernels.demo", "sbd_kernels.code_models", "sbd_kernels.bench_report", "sbd_kernels.bench_plots"],
+    # What the commands run: the demo, the code models, the benchmark report and its plots, the GPU check.
+    ["sbd_kernels.demo", "sbd_kernels.code_models", "sbd_kernels.bench_report", "sbd_kernels.bench_plots",
+     "sbd_kernels.gpucheck"],
     # The `sbd` command.
     ["sbd_kernels.cli"],
 ]

@@ -1,19 +1,30 @@
-"""sbd.entropy_sample: both backends (C++ CPU, Triton under the interpreter) against the oracle, the
-generator's contract and statistics, sentinels, bad inputs, opcheck and torch.compile."""
+"""sbd.entropy_sample: both backends (C++ CPU, Triton under the interpreter, or compiled on CUDA with
+SBD_TEST_DEVICE=cuda) against the oracle, the generator's contract and statistics, sentinels, bad inputs,
+opcheck and torch.compile."""
 import math
 
 import pytest
 import torch
 
 from sbd_kernels.ops.sampling import naive
-from sbd_kernels.testing import FLOAT_DTYPES, assert_close, noncontiguous
+from sbd_kernels.testing import FLOAT_DTYPES, assert_close, noncontiguous, on_device, triton_test_device
 
 BACKENDS = ("cpu", "triton")
 TEMPERATURE_MODES = ("greedy", "sample", "per_row")
 
 
 def backend_op(backend):
-    """The op under test: the C++ kernel through the dispatcher, or the Triton launcher on CPU tensors."""
+    """The op under test: the C++ kernel through the dispatcher, the Triton launcher (on the CPU tensors under
+    the interpreter, or on CUDA copies of them with SBD_TEST_DEVICE=cuda, results back on the CPU), or the
+    oracle."""
+    op = op_on_given_tensors(backend)
+    return on_device(op, triton_test_device()) if backend == "triton" else op
+
+
+def op_on_given_tensors(backend):
+    """The op of `backend` called on the tensors as given (CPU ones in these tests): for bad inputs, which
+    every backend rejects on the host before any launch; a failed value check on a CUDA tensor would instead
+    be a device-side assert that leaves the process's CUDA context unusable."""
     if backend == "cpu":
         return torch.ops.sbd.entropy_sample
     if backend == "triton":
@@ -488,7 +499,7 @@ def test_bad_inputs_name_the_argument(backend, case):
     """Guards against bad inputs silently producing garbage, or errors that do not name the argument."""
     _, kwargs, message = case
     with pytest.raises(RuntimeError, match=message):
-        backend_op(backend)(**kwargs)
+        op_on_given_tensors(backend)(**kwargs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -496,7 +507,7 @@ def test_device_mismatch_names_the_argument(backend):
     """Guards against per-row tensors on another device than logits (a meta tensor stands in)."""
     logits = torch.randn(2, 3, 10)
     with pytest.raises(RuntimeError, match="seed must be on the device of logits"):
-        backend_op(backend)(logits, torch.tensor([1, 2], device="meta"), torch.tensor([0, 0]))
+        op_on_given_tensors(backend)(logits, torch.tensor([1, 2], device="meta"), torch.tensor([0, 0]))
 
 
 # ----------------------------------------------------------------------------------- torch integration

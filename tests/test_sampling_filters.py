@@ -1,10 +1,11 @@
 """sbd.entropy_sample as a complete sampler: top-k, top-p and min-p per request on every backend (C++ CPU,
-Triton under the interpreter, the oracle), against the literal sort-based oracle and Hugging Face's
+Triton under the interpreter or compiled on CUDA with SBD_TEST_DEVICE=cuda, the oracle), against the literal sort-based oracle and Hugging Face's
 warpers, by statistics, on ties, in a batch, and with bad values."""
 import math
 
 import pytest
 import torch
+from test_sampling import backend_op, op_on_given_tensors
 
 from sbd_kernels.ops.sampling import naive
 from sbd_kernels.testing import FLOAT_DTYPES, assert_close
@@ -19,15 +20,6 @@ FILTERS = {
     "top_k_top_p_min_p": {"top_k_val": 40, "top_p_val": 0.9, "min_p_val": 0.02},
     "mixed": "per_row",
 }
-
-
-def backend_op(backend):
-    if backend == "cpu":
-        return torch.ops.sbd.entropy_sample
-    if backend == "triton":
-        from sbd_kernels.ops.sampling import triton as sampling_triton
-        return sampling_triton.entropy_sample
-    return naive.entropy_sample
 
 
 def make_logits(batch, positions, vocab, dtype=torch.float32, scale=3.0, seed=0):
@@ -420,7 +412,7 @@ def test_bad_filter_values_name_the_argument(backend, case):
     everything), or errors that do not name the argument."""
     _, kwargs, message = case
     with pytest.raises(RuntimeError, match=message):
-        backend_op(backend)(**kwargs)
+        op_on_given_tensors(backend)(**kwargs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -429,7 +421,8 @@ def test_filter_device_mismatch_names_the_argument(backend):
     logits = torch.randn(2, 3, 10)
     for name, t in (("top_k", torch.ones(2, dtype=torch.int64)), ("top_p", torch.ones(2)), ("min_p", torch.zeros(2))):
         with pytest.raises(RuntimeError, match=f"{name} must be on the device of logits"):
-            backend_op(backend)(logits, torch.tensor([1, 2]), torch.tensor([0, 0]), **{name: t.to("meta")})
+            op_on_given_tensors(backend)(logits, torch.tensor([1, 2]), torch.tensor([0, 0]),
+                                         **{name: t.to("meta")})
 
 
 def _error_message(op, kwargs) -> str:
@@ -444,7 +437,7 @@ def test_error_messages_are_word_for_word_the_same():
     from test_sampling import BAD_CASES
 
     for name, kwargs, _ in BAD_FILTER_CASES + BAD_CASES:
-        messages = {backend: _error_message(backend_op(backend), kwargs) for backend in ALL_BACKENDS}
+        messages = {backend: _error_message(op_on_given_tensors(backend), kwargs) for backend in ALL_BACKENDS}
         assert len(set(messages.values())) == 1, (name, messages)
 
 

@@ -1,5 +1,6 @@
 """sbd.mask_scatter_: EB / threshold acceptance, in place, on the C++ CPU kernel and the Triton kernel
-(interpreter), against the oracle in naive.py and against hand-written cases of docs/algorithm.md §3.5."""
+(interpreter, or compiled on CUDA with SBD_TEST_DEVICE=cuda), against the oracle in naive.py and against
+hand-written cases of docs/algorithm.md §3.5."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 import sbd_kernels
 from sbd_kernels.ops.scatter import naive
-from sbd_kernels.testing import noncontiguous, poison_
+from sbd_kernels.testing import noncontiguous, on_device, poison_, triton_test_device
 
 INF = float("inf")
 NAN = float("nan")
@@ -20,7 +21,17 @@ def _triton_op():
 
 
 def op_for(backend: str):
-    """The mask_scatter_ implementation of one backend: "cpu" (C++), "triton" (interpreter), "naive"."""
+    """The mask_scatter_ implementation of one backend: "cpu" (C++), "triton" (the launcher on the CPU tensors
+    under the interpreter, or on CUDA copies of them with SBD_TEST_DEVICE=cuda, in-place results copied back),
+    "naive"."""
+    op = op_on_given_tensors(backend)
+    return on_device(op, triton_test_device()) if backend == "triton" else op
+
+
+def op_on_given_tensors(backend: str):
+    """The implementation of `backend` called on the tensors as given (CPU ones in these tests): for bad
+    inputs, which every backend rejects on the host before any launch; a failed value check on a CUDA tensor
+    would instead be a device-side assert that leaves the process's CUDA context unusable."""
     if backend == "cpu":
         return torch.ops.sbd.mask_scatter_
     if backend == "triton":
@@ -336,7 +347,7 @@ def test_bad_inputs_name_the_argument(backend, case):
             "entropy": torch.zeros(2, 3), "gamma": None, "gamma_val": 0.1, "rule": "eb", "valid": None}
     args.update(overrides)
     with pytest.raises(RuntimeError, match=f"sbd.mask_scatter_: {message}"):
-        op_for(backend)(**args)
+        op_on_given_tensors(backend)(**args)
     assert torch.all(tokens == SENTINEL) and torch.all(masked)
 
 
@@ -345,8 +356,8 @@ def test_wrong_device_names_the_argument(backend):
     """Guards against a tensor on another device being read through a host pointer."""
     tokens = torch.zeros(2, 3, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="sbd.mask_scatter_: entropy must be on the device of block_tokens"):
-        op_for(backend)(tokens, torch.ones(2, 3, dtype=torch.bool), tokens.clone(),
-                        torch.zeros(2, 3, device="meta"))
+        op_on_given_tensors(backend)(tokens, torch.ones(2, 3, dtype=torch.bool), tokens.clone(),
+                                     torch.zeros(2, 3, device="meta"))
 
 
 @pytest.mark.parametrize("with_gamma", [True, False])
@@ -409,7 +420,7 @@ def test_in_place_arguments_with_overlapping_rows_are_rejected(backend, case):
     before = view.clone()
     with pytest.raises(RuntimeError, match=f"sbd.mask_scatter_: {name} is written in place and must not have "
                                            "elements sharing memory"):
-        op_for(backend)(**small_args(**{name: view}))
+        op_on_given_tensors(backend)(**small_args(**{name: view}))
     assert torch.equal(view, before)
 
 
@@ -451,7 +462,7 @@ def test_in_place_argument_sharing_memory_with_another_is_rejected(backend, pair
     args = small_args(**{written: written_view, other: other_view})
     with pytest.raises(RuntimeError, match=f"sbd.mask_scatter_: {written} is written in place and must not "
                                            f"share memory with {other}"):
-        op_for(backend)(**args)
+        op_on_given_tensors(backend)(**args)
     assert torch.equal(raw, before)
 
 
@@ -465,7 +476,7 @@ def test_in_place_argument_sharing_memory_with_gamma_is_rejected(backend, writte
     gamma.fill_(0.25)
     with pytest.raises(RuntimeError, match=f"sbd.mask_scatter_: {written} is written in place and must not "
                                            "share memory with gamma"):
-        op_for(backend)(**small_args(**{written: written_view, "gamma": gamma}))
+        op_on_given_tensors(backend)(**small_args(**{written: written_view, "gamma": gamma}))
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
@@ -517,7 +528,7 @@ def test_undecidable_aliasing_is_an_error_that_says_so(backend):
     args = small_args(1, 150000, block_tokens=tokens, sampled=sampled)
     with pytest.raises(RuntimeError, match="sbd.mask_scatter_: block_tokens is written in place and may share "
                                            "memory with sampled"):
-        op_for(backend)(**args)
+        op_on_given_tensors(backend)(**args)
 
 
 @pytest.mark.parametrize("name", ["sampled", "entropy", "is_masked", "valid", "gamma"])

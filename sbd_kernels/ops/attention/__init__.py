@@ -79,7 +79,11 @@ def block_attention_with_kvcache(
         - values: cache_seqlens < 0; num_causal outside [0, C]; L_b + c_b beyond the cache capacity
           (S_max, or max_pages * page_size); a page id outside [0, num_pages) for a page in use. On CUDA
           these come from `torch._assert_async` (no host sync: reported as a device-side assert at the
-          next synchronisation; the kernels clamp, so nothing is read or written out of bounds).
+          next synchronisation; the kernels clamp, so nothing is read or written out of bounds). Inside
+          `sbd_kernels.ops.trusted_values()` these value checks are skipped (for a caller that built or
+          validated the lengths, e.g. once per decode); the kernels still clamp every index (L_b to the
+          capacity, c_b to [0, C], page ids to the pool), so nothing is written out of bounds: a bad value
+          gives wrong results instead of an error. The C++ CPU kernel checks values on the host regardless.
         The fake kernel (torch.compile) raises every error above except the values, memory shared between
         two arguments (fake tensors have no data pointers) and, with symbolic shapes, a cache's own
         overlap; the compiled call raises those when it runs.

@@ -93,6 +93,11 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
           logits, or not of shape [B]; an entry out of range (top_k < 0, top_p outside (0, 1], min_p
           outside [0, 1), NaN): on CUDA checked without a host sync, like the temperature;
         - a number out of those ranges (the schema's ``top_k_val`` / ``top_p_val`` / ``min_p_val``).
+        Inside ``sbd_kernels.ops.trusted_values()`` the checks of tensor entries (temperature, top_k, top_p,
+        min_p) are skipped (for a caller that validated them once); these values only enter comparisons,
+        never an address (every read stays in [0, V) of its row, every write at its position), so nothing is
+        read or written out of bounds: a bad entry gives an unspecified token for its row instead of an
+        error. The C++ CPU kernel checks them on the host regardless.
       ValueError from this wrapper: a number passed as ``temperature`` together with ``temperature_val``.
 
     Example:

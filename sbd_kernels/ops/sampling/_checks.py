@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 
+from sbd_kernels.ops._trusted import values_trusted
+
 OP = "sbd.entropy_sample"
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -109,7 +111,8 @@ def _check_filters(top_k, top_k_val, top_p, top_p_val, min_p, min_p_val, batch, 
 
 
 # Value checks of the per-row tensors: the oracle raises them, the Triton launcher asserts them on the
-# device without a host sync (torch._assert_async), the C++ kernel checks them on the host.
+# device without a host sync (torch._assert_async), the C++ kernel checks them on the host. Both Python
+# backends skip them inside `sbd_kernels.ops.trusted_values()`.
 TEMPERATURE_VALUE_MESSAGE = f"{OP}: temperature must be finite and >= 0"
 TOP_K_VALUE_MESSAGE = f"{OP}: top_k must be >= 0 (0: off)"
 TOP_P_VALUE_MESSAGE = f"{OP}: top_p must be in (0, 1] (1: off)"
@@ -122,7 +125,10 @@ def temperature_is_valid(temperature: torch.Tensor) -> torch.Tensor:
 
 
 def per_row_value_checks(temperature, top_k, top_p, min_p) -> list[tuple[torch.Tensor, str]]:
-    """(0-d bool tensor, message) of every per-row tensor given: its values are in range (NaN is not)."""
+    """(0-d bool tensor, message) of every per-row tensor given: its values are in range (NaN is not).
+    Empty inside `trusted_values()`: these values only enter comparisons in the kernels, never an address."""
+    if values_trusted():
+        return []
     checks = []
     if temperature is not None:
         checks.append((temperature_is_valid(temperature), TEMPERATURE_VALUE_MESSAGE))

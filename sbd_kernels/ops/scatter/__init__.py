@@ -83,7 +83,10 @@ def mask_scatter_(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampled: 
           with ``sampled``, ``entropy``, ``valid`` or ``gamma`` (beyond the identical pairs above);
         - ``rule`` not in {"eb", "threshold"};
         - ``gamma_val`` < 0 or NaN; a ``gamma`` tensor entry < 0 or NaN (on CUDA checked without a host
-          sync, raised at the next synchronisation);
+          sync, raised at the next synchronisation). Inside ``sbd_kernels.ops.trusted_values()`` the check of
+          the tensor's entries is skipped (for a caller that validated gamma once); gamma only enters
+          comparisons, never an address, so nothing is written out of bounds: a NaN or negative entry accepts
+          the first-ranked candidate of its row only (entropies >= 0). The C++ CPU kernel checks it on the host regardless;
         - on CUDA (Triton): K > 256, or Triton not installed.
 
         Under ``torch.compile`` and on meta tensors the fake kernel raises the same errors at trace time,

@@ -1,0 +1,584 @@
+"""`sbd gpu-check` (`make gpu-check`): on an NVIDIA GPU, the test suite on CUDA, the benchmarks on the GPU and
+their report, in one command that fits in 10 minutes on an H100.
+
+    make gpu-check                 # builds the extension in place with $(PYTHON), then `sbd gpu-check`
+    sbd gpu-check [--out DIR]      # at the root of a checkout whose extension is built
+    sbd gpu-check --dry-run        # any machine: the plan and its commands, a report of stages not run
+
+It is meant for a machine with a CUDA build of torch and triton already installed: nothing is downloaded or
+installed (no virtual environment, no pip), every stage runs this interpreter (`sys.executable`) from the
+root of the checkout. The stages, in order, each with a time budget (BUDGETS_S):
+
+    build            the C++ extension, in place, when a source is newer than it (`make gpu-check` builds first)
+    tests            the whole suite with SBD_TEST_DEVICE=cuda: the Triton kernels compiled (not interpreted)
+                     on CUDA tensors against the oracles on CPU copies, the CUDA-only tests included; in
+                     `test_shards()` pytest processes side by side (SBD_TEST_SHARD), the files that run
+                     Triton kernels first
+    bench-attention  quick grid (SBD_BENCH_QUICK=1), on CUDA: sbd (Triton) against SDPA + cache append,
+                     FlexAttention and the oracle
+    bench-sampling   quick grid, on CUDA: sbd against eager torch, torch.compile and the oracle
+    bench-scatter    the same for mask_scatter_
+    bench-decode     the end-to-end decode forwards (bench/bench_decode.py), quick grid
+    bench-hf         the Hugging Face decode (bench/bench_hf.py), quick grid, when transformers is installed
+
+Every stage runs offline (HF_HUB_OFFLINE=1); the one test that needs the network (a `pip install --dry-run`
+with build isolation) is left out and listed in the report (DESELECTED_TESTS).
+
+A stage still running at its budget gets SIGINT (pytest then prints its summary and pytest-benchmark writes
+the timings it has), GRACE_S later SIGKILL, and the summary says it overran. A stage that cannot run (pytest,
+pytest-benchmark or transformers missing, or the build failed) is skipped with the reason. The report goes to
+bench/reference/<gpu-name>/: report.md (the GPU from NVML: name, driver, clocks; the stages; what was skipped
+and why; the benchmark tables with achieved TB/s and TFLOP/s against the GPU's datasheet), report.json,
+report.csv, gpu-check.json (the stages), raw/ (pytest-benchmark JSON) and logs/. Exit status: 0 when every
+stage that ran passed, 1 when one failed or overran, 1 with one line when torch sees no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from sbd_kernels import argtypes, bench_report
+from sbd_kernels.argtypes import add_option
+from sbd_kernels.machine import machine_header
+
+# Seconds per stage. Estimates for an H100 machine with 16 cores (no GPU run has timed these stages yet; the
+# report prints each stage's time against its budget for tuning): a CPU-only `make test` takes 3-6 minutes on
+# the 2-core reference machine, most of it the Triton interpreter; on CUDA the cost moves to compiling each
+# kernel configuration once (about a second each), spread over the shards; FlexAttention and torch.compile
+# compile per dtype and filter setting (tens of seconds per bench file).
+BUDGETS_S = {"build": 90, "tests": 190, "bench-attention": 65, "bench-sampling": 60, "bench-scatter": 25,
+             "bench-decode": 45, "bench-hf": 30}
+GRACE_S = 10  # from SIGINT to SIGKILL of a stage past its budget
+REPORT_BUDGET_S = 15  # NVML, this machine's header (CPU ceilings measured: a few seconds), the report
+TOTAL_BUDGET_S = 600  # sum(BUDGETS_S) + GRACE_S per stage + REPORT_BUDGET_S stays within it
+# Test files that run Triton kernels or `device=...` code: first in the run (and so in every shard), so
+# that a suite stopped at its budget has checked the GPU kernels.
+GPU_TEST_FILES = ("test_attention_triton.py", "test_fuzz_attention.py", "test_sampling.py",
+                  "test_sampling_filters.py", "test_fuzz_sampling.py", "test_scatter.py", "test_fuzz_scatter.py",
+                  "test_trusted_values.py", "test_compile.py", "test_generate.py", "test_hf.py")
+# Tests the check leaves out, with the reason (the report lists them).
+DESELECTED_TESTS = {
+    "tests/test_package.py::test_plain_pip_install_keeps_the_installed_torch":
+        "runs `pip install --dry-run` with build isolation, which downloads setuptools; gpu-check downloads nothing",
+}
+# Set for every stage: Hugging Face code never reaches for the network (all models are built from configs).
+OFFLINE_ENV = (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"))
+BENCH_FAMILIES = ("attention", "sampling", "scatter", "decode", "hf")
+# Modules a stage needs beyond torch, by the import name that tells whether they are installed.
+OPTIONAL_MODULES = ("triton", "pytest", "pytest_benchmark", "transformers", "pynvml", "matplotlib")
+# Sources whose change means a rebuild (as the Makefile's BUILD_INPUTS).
+BUILD_INPUT_GLOBS = ("csrc/**/*.cpp", "csrc/**/*.h", "csrc/sources.txt", "setup.py", "pyproject.toml")
+
+
+class GpuCheckError(ValueError):
+    """The check cannot start here (no GPU, no triton, not a checkout): one line says why."""
+
+
+@dataclass(frozen=True)
+class Checkout:
+    """Where and with what the stages run."""
+
+    repo: Path
+    out: Path
+    python: str
+    cpu_count: int
+    missing: frozenset[str]  # OPTIONAL_MODULES that are not installed
+    extension_current: bool  # the compiled extension is newer than every build input
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the check: its commands (several run side by side), extra environment, budget."""
+
+    name: str
+    budget_s: int
+    what: str
+    commands: tuple[tuple[str, ...], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # set for every command (a shard's own SBD_TEST_SHARD: shard_env)
+    shard_env: tuple[tuple[tuple[str, str], ...], ...] = ()
+    raw_json: Path | None = None  # bench stages: the pytest-benchmark JSON they write
+    skip: str | None = None  # why it cannot run; None when it can
+    nothing_to_do: str | None = None  # why it need not run (a stage without commands that passes)
+
+    def environment(self, index: int) -> dict[str, str]:
+        """The environment of command `index`: this process's, without TRITON_INTERPRET (the kernels are to
+        be compiled), plus the stage's variables."""
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(self.env)
+        if self.shard_env:
+            env.update(self.shard_env[index])
+        return env
+
+    def command_lines(self) -> list[str]:
+        """Each command as a shell line, with the variables it sets."""
+        lines = []
+        for i, command in enumerate(self.commands):
+            variables = dict(self.env) | (dict(self.shard_env[i]) if self.shard_env else {})
+            lines.append(" ".join([*(f"{k}={v}" for k, v in variables.items()), shlex.join(command)]))
+        return lines
+
+
+@dataclass
+class StageResult:
+    name: str
+    status: str  # "passed", "failed", "overran" (stopped at its budget), "skipped" (cannot run), "not run"
+    seconds: float
+    budget_s: int
+    detail: str
+    failures: list[str] = field(default_factory=list)  # FAILED / ERROR lines of pytest
+    skipped: list[str] = field(default_factory=list)  # SKIPPED reasons of pytest
+
+
+# ----------------------------------------------------------------------------------------------------
+# What the machine offers
+# ----------------------------------------------------------------------------------------------------
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def find_repo() -> Path:
+    """The checkout this package was imported from (setup.py, tests/ and bench/ beside sbd_kernels/)."""
+    repo = Path(__file__).resolve().parent.parent
+    if not all((repo / name).exists() for name in ("setup.py", "tests", "bench")):
+        raise GpuCheckError(f"it runs from a source checkout (setup.py, tests/ and bench/ beside sbd_kernels/); "
+                            f"this sbd_kernels is installed in {repo}")
+    return repo
+
+
+def missing_modules() -> frozenset[str]:
+    return frozenset(name for name in OPTIONAL_MODULES if importlib.util.find_spec(name) is None)
+
+
+def extension_is_current(repo: Path) -> bool:
+    """Whether the compiled extension exists and is newer than every build input."""
+    built = list((repo / "sbd_kernels").glob("_C*.so"))
+    if not built:
+        return False
+    inputs = [p for pattern in BUILD_INPUT_GLOBS for p in repo.glob(pattern)]
+    return max(p.stat().st_mtime for p in built) > max((p.stat().st_mtime for p in inputs), default=0.0)
+
+
+def test_shards(cpu_count: int) -> int:
+    """pytest processes of the test stage: one per 4 cores, at most 4 (each compiles Triton kernels on one
+    core at a time, and runs its CPU tests with cpu_count / shards torch threads)."""
+    return max(1, min(4, cpu_count // 4))
+
+
+def gpu_slug(name: str) -> str:
+    """A folder name from a GPU name: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "unknown-gpu"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The plan
+# ----------------------------------------------------------------------------------------------------
+def plan(checkout: Checkout) -> list[Stage]:
+    """Every stage, in order, with its commands or the reason it is skipped."""
+    return [build_stage(checkout), test_stage(checkout), *(bench_stage(checkout, f) for f in BENCH_FAMILIES)]
+
+
+def build_stage(checkout: Checkout) -> Stage:
+    what = "the C++ extension, in place, with this interpreter"
+    if checkout.extension_current:
+        return Stage("build", BUDGETS_S["build"], what, nothing_to_do="up to date: newer than every source")
+    # --force: distutils only compares the .cpp files with the library, not the headers. The build replaces the
+    # library file (distutils unlinks it before copying), so this process's loaded copy stays intact.
+    command = (checkout.python, "setup.py", "build_ext", "--inplace", "--force")
+    return Stage("build", BUDGETS_S["build"], what, commands=(command,))
+
+
+def test_files(checkout: Checkout) -> list[str]:
+    """tests/test_*.py, GPU_TEST_FILES first; tests/test_hf.py only with transformers installed."""
+    names = sorted(p.name for p in (checkout.repo / "tests").glob("test_*.py"))
+    ordered = [n for n in GPU_TEST_FILES if n in names] + [n for n in names if n not in GPU_TEST_FILES]
+    if "transformers" in checkout.missing:
+        ordered.remove("test_hf.py")
+    return [f"tests/{name}" for name in ordered]
+
+
+def test_stage(checkout: Checkout) -> Stage:
+    shards = test_shards(checkout.cpu_count)
+    what = ("the whole test suite on CUDA tensors, Triton kernels compiled, in "
+            + (f"{shards} pytest processes side by side" if shards > 1 else "one pytest process"))
+    if "pytest" in checkout.missing:
+        return Stage("tests", BUDGETS_S["tests"], what, skip="pytest not installed")
+    deselect = [arg for test in DESELECTED_TESTS for arg in ("--deselect", test)]
+    command = (checkout.python, "-m", "pytest", *test_files(checkout), *deselect, "-q", "-rfEs", "-p",
+               "no:cacheprovider")
+    threads = str(max(1, checkout.cpu_count // shards))
+    return Stage("tests", BUDGETS_S["tests"], what, commands=(command,) * shards,
+                 env=(("SBD_TEST_DEVICE", "cuda"), ("OMP_NUM_THREADS", threads), *OFFLINE_ENV),
+                 shard_env=tuple((("SBD_TEST_SHARD", f"{i}/{shards}"),) for i in range(shards)))
+
+
+BENCH_WHAT = {
+    "attention": "block_attention_with_kvcache: sbd (Triton) vs SDPA + cache append, FlexAttention, the oracle",
+    "sampling": "entropy_sample: sbd (Triton) vs eager torch, torch.compile, the oracle",
+    "scatter": "mask_scatter_: sbd (Triton) vs eager torch, torch.compile, the oracle",
+    "decode": "end-to-end decode forwards with 1, k and 2k query rows (small and 1B-shaped model)",
+    "hf": "Hugging Face decode: SBD and NTP through the ops vs HF greedy generate",
+}
+
+
+def bench_stage(checkout: Checkout, family: str) -> Stage:
+    name = f"bench-{family}"
+    what = f"{BENCH_WHAT[family]}; quick grid, on CUDA"
+    missing = [m for m in ("pytest", "pytest_benchmark") if m in checkout.missing]
+    if family == "hf" and "transformers" in checkout.missing:
+        missing.append("transformers")
+    if missing:
+        return Stage(name, BUDGETS_S[name], what, skip=f"{', '.join(missing)} not installed")
+    raw = checkout.out / "raw" / f"{family}.json"
+    command = (checkout.python, "-m", "pytest", f"bench/bench_{family}.py", "-q", "-rs", "-p", "no:cacheprovider",
+               f"--benchmark-json={raw}", "--benchmark-save-data", "--benchmark-disable-gc",
+               "--benchmark-columns=median,iqr,rounds")
+    return Stage(name, BUDGETS_S[name], what, commands=(command,),
+                 env=(("SBD_BENCH_QUICK", "1"), ("SBD_BENCH_DEVICE", "cuda"), *OFFLINE_ENV), raw_json=raw)
+
+
+def plan_text(stages: list[Stage]) -> str:
+    """The stages with their budgets, and the commands each runs (or why it does not)."""
+    lines = []
+    for s in stages:
+        lines.append(f"{s.name:<16} {s.budget_s:>4} s  {s.what}")
+        if s.skip is not None or s.nothing_to_do is not None:
+            lines.append(f"    skipped: {s.skip}" if s.skip is not None else f"    nothing to run: {s.nothing_to_do}")
+        lines += [f"    {line}" for line in s.command_lines()]
+    total = sum(s.budget_s for s in stages) + GRACE_S * len(stages) + REPORT_BUDGET_S
+    lines.append(f"budget: {total} s at most of {TOTAL_BUDGET_S} s (stages, {GRACE_S} s grace each, report)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Running a stage
+# ----------------------------------------------------------------------------------------------------
+def run_stage(stage: Stage, checkout: Checkout) -> StageResult:
+    """Run the stage's commands side by side, each in its own process group with its log under out/logs;
+    SIGINT at the budget, SIGKILL GRACE_S later. Returns the judged result."""
+    logs_dir = checkout.out / "logs"
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    logs = [logs_dir / (f"{stage.name}-{i}.log" if len(stage.commands) > 1 else f"{stage.name}.log")
+            for i in range(len(stage.commands))]
+    if stage.raw_json is not None:
+        stage.raw_json.parent.mkdir(parents=True, exist_ok=True)
+        stage.raw_json.unlink(missing_ok=True)
+    start = time.monotonic()
+    processes = []
+    for i, (command, log) in enumerate(zip(stage.commands, logs)):
+        with open(log, "w") as handle:
+            processes.append(subprocess.Popen(command, cwd=checkout.repo, env=stage.environment(i), stdout=handle,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+    overran = wait_or_stop(processes, start + stage.budget_s)
+    seconds = time.monotonic() - start
+    texts = [log.read_text(errors="replace") for log in logs]
+    return judge(stage, [p.returncode for p in processes], texts, overran, seconds)
+
+
+def wait_or_stop(processes: list[subprocess.Popen], deadline: float) -> bool:
+    """Wait for every process until `deadline` (time.monotonic()); then SIGINT the process groups still
+    running, and GRACE_S later SIGKILL what is left of them (leaders and their children: compile workers,
+    torchrun ranks). Returns whether any was still running at the deadline."""
+    for p in processes:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            break
+    late = [p for p in processes if p.poll() is None]
+    _signal_groups(late, signal.SIGINT)
+    grace_end = time.monotonic() + GRACE_S
+    for p in late:
+        try:
+            p.wait(timeout=max(0.0, grace_end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_groups(late, signal.SIGKILL)
+    for p in late:
+        p.wait()
+    return bool(late)
+
+
+def _signal_groups(processes: list[subprocess.Popen], sig: int) -> None:
+    """Send `sig` to the process group of each process (each started its own session: group id = pid)."""
+    for p in processes:
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:  # the whole group has exited
+            pass
+
+
+# pytest's outcome words in its summary line ("12 passed, 1 skipped, 2 deselected in 3.21s").
+OUTCOMES = ("failed", "passed", "skipped", "error", "errors", "xfailed", "xpassed")
+
+
+def pytest_counts(text: str) -> collections.Counter:
+    """Outcome counts of pytest's last summary line in `text` (errors counted as "error")."""
+    counts: collections.Counter = collections.Counter()
+    for line in reversed(text.splitlines()):
+        words = line.strip(" =").replace(",", " ").split()
+        pairs = [(words[i - 1], w) for i, w in enumerate(words) if i and w in OUTCOMES and words[i - 1].isdigit()]
+        if pairs and " in " in line:
+            for number, outcome in pairs:
+                counts["error" if outcome == "errors" else outcome] += int(number)
+            return counts
+    return counts
+
+
+def short_summary(text: str, kind: str) -> list[str]:
+    """The lines of pytest's short test summary of `kind` ("FAILED", "ERROR", "SKIPPED")."""
+    return [line.strip() for line in text.splitlines() if line.startswith(kind + " ")]
+
+
+def last_line(texts: list[str]) -> str:
+    lines = [line.strip() for text in texts for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def judge(stage: Stage, returncodes: list[int | None], texts: list[str], overran: bool,
+          seconds: float) -> StageResult:
+    """A stage's status and one-line detail from its exit statuses and logs."""
+    failures = [line for text in texts for kind in ("FAILED", "ERROR") for line in short_summary(text, kind)]
+    skipped = [line for text in texts for line in short_summary(text, "SKIPPED")]
+    result = StageResult(stage.name, "passed", seconds, stage.budget_s, "", failures, skipped)
+    if stage.name == "build":
+        ok = returncodes == [0]
+        result.status, result.detail = ("passed", "built") if ok else ("failed", last_line(texts))
+        return result
+    counts = sum((pytest_counts(t) for t in texts), collections.Counter())
+    parts = [f"{counts[k]} {k}" for k in ("passed", "failed", "error", "skipped", "xfailed", "xpassed") if counts[k]]
+    if stage.raw_json is not None:
+        timings, bad = raw_outcome(stage.raw_json)
+        parts.append(f"{timings} timings kept" if overran else f"{timings} timings")
+        if bad:
+            result.failures += [f"oracle check FAILED: {b}" for b in bad]
+    if overran:
+        result.status = "overran"
+        result.detail = f"stopped at the {stage.budget_s} s budget; " + (", ".join(parts) or last_line(texts))
+    elif all(rc == 0 for rc in returncodes) and not (result.failures or counts["failed"] or counts["error"]):
+        result.detail = ", ".join(parts)
+    else:
+        result.status = "failed"
+        statuses = sorted({rc for rc in returncodes if rc != 0})
+        result.detail = ", ".join(parts + ([f"pytest exit status {statuses}"] if statuses else []))
+        if not counts:
+            result.detail += f"; {last_line(texts)}"
+    return result
+
+
+def raw_outcome(raw_json: Path) -> tuple[int, list[str]]:
+    """(timings in a pytest-benchmark JSON, "family case provider" of those whose oracle check failed)."""
+    if not raw_json.exists():
+        return 0, []
+    benches = json.loads(raw_json.read_text()).get("benchmarks", [])
+    bad = [f"{b['extra_info'].get('family')} {b['extra_info'].get('case')} {b['extra_info'].get('provider')}"
+           for b in benches if b.get("extra_info", {}).get("correct") is False]
+    return len(benches), bad
+
+
+def not_run(stage: Stage, why: str) -> StageResult:
+    return StageResult(stage.name, "not run", 0.0, stage.budget_s, why)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The report
+# ----------------------------------------------------------------------------------------------------
+def merged_raw(stages: list[Stage]) -> dict:
+    """The timings of every bench stage that wrote its JSON, as one pytest-benchmark JSON."""
+    benchmarks = []
+    for s in stages:
+        if s.raw_json is not None and s.raw_json.exists():
+            benchmarks += json.loads(s.raw_json.read_text()).get("benchmarks", [])
+    return {"benchmarks": benchmarks}
+
+
+def gpu_line(header: dict) -> str:
+    gpu = header.get("gpu")
+    if not gpu:
+        return "not queried (no GPU, or a dry run): NVML fields missing"
+    return ", ".join(f"{k} {v}" for k, v in gpu.items())
+
+
+def check_section(header: dict, results: list[StageResult], stages: list[Stage], missing: frozenset[str],
+                  seconds: float, dry_run: bool) -> str:
+    """The gpu-check part of report.md: the GPU, the stages against their budgets, what was skipped and why,
+    the failures, the commands."""
+    name = (header.get("gpu") or {}).get("name", "unknown GPU")
+    lines = [f"# sbd gpu-check: {name}{' (dry run: no stage ran)' if dry_run else ''}", "",
+             f"- GPU (NVML): {gpu_line(header)}",
+             (f"- torch {header['torch']} (CUDA {torch.version.cuda or 'none'}), triton {header['triton']}, python "
+              f"{header['python']}, commit {header['commit']}, {header['date']}"),
+             f"- `sbd gpu-check` took {seconds:.0f} s; budget {TOTAL_BUDGET_S} s (`make gpu-check` on an H100)", "",
+             "## Stages", "", "| stage | status | time s | budget s | result |", "|---|---|---|---|---|"]
+    lines += [f"| {r.name} | {r.status} | {r.seconds:.0f} | {r.budget_s} | {r.detail} |" for r in results]
+    lines += ["", "## Skipped, and why", ""]
+    skips = [f"- {r.name}: {r.detail}" for r in results if r.status in ("skipped", "not run")]
+    if "transformers" in missing:
+        skips.append("- tests/test_hf.py: transformers is not installed")
+    if any(s.name == "tests" and s.commands for s in stages):
+        skips += [f"- {test}: {why}" for test, why in DESELECTED_TESTS.items()]
+    if "pynvml" in missing:
+        skips.append("- NVML fields: nvidia-ml-py is not installed")
+    if "matplotlib" in missing:
+        skips.append("- plots: matplotlib is not installed")
+    skips += [f"- {r.name}: {line}" for r in results for line in r.skipped]
+    lines += skips or ["- nothing"]
+    failures = [f"- {r.name}: {line}" for r in results for line in r.failures]
+    if failures:
+        lines += ["", "## Failures", "", *failures]
+    lines += ["", "## Commands", "", "```"]
+    for s in stages:
+        why = f": skipped, {s.skip}" if s.skip else f": nothing to run, {s.nothing_to_do}" if s.nothing_to_do else ""
+        lines += [f"# {s.name} ({s.budget_s} s){why}", *s.command_lines()]
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
+def write_report(checkout: Checkout, header: dict, stages: list[Stage], results: list[StageResult],
+                 seconds: float, dry_run: bool) -> tuple[Path, dict[str, list[dict]], dict]:
+    """report.md, report.json, report.csv, gpu-check.json (and the plots, with matplotlib) under out;
+    returns (report.md, the benchmark rows by family, the ceilings they were set against)."""
+    raw = merged_raw(stages)
+    ceilings = bench_report.report_ceilings(header, raw)
+    families = bench_report.rows_from_raw(raw, ceilings)
+    report = bench_report.write_outputs(checkout.out, header, families, bench_report.roofline_section(raw), ceilings)
+    tables = report.read_text() if families else "## Benchmarks\n\nNo benchmark ran.\n"
+    report.write_text(check_section(header, results, stages, checkout.missing, seconds, dry_run) + "\n" + tables)
+    (checkout.out / "gpu-check.json").write_text(json.dumps(
+        {"gpu": header.get("gpu"), "seconds": seconds, "dry_run": dry_run, "budget_s": TOTAL_BUDGET_S,
+         "stages": [asdict(r) for r in results], "missing": sorted(checkout.missing)}, indent=1))
+    if families and "matplotlib" not in checkout.missing:
+        from sbd_kernels.bench_plots import write_plots
+
+        write_plots(checkout.out, families)
+    return report, families, ceilings
+
+
+def kernel_lines(families: dict[str, list[dict]], ceilings: dict) -> list[str]:
+    """Per family, one line on how our rows (sbd..., ... ops) did against the baseline of their cases."""
+    lines = []
+    for family, rows in families.items():
+        ours = [r for r in rows if r["provider"] != r["baseline"]
+                and (r["provider"].startswith("sbd") or r["provider"].endswith("ops"))]
+        if not ours:
+            continue
+        parts = [f"{family}: {len(ours)} rows"]
+        speedups = [r["speedup"] for r in ours if r["speedup"]]
+        if speedups:
+            parts.append(f"{_span(speedups)} vs {ours[0]['baseline']} per call")
+        graph = [r["graph_speedup"] for r in ours if r["graph_speedup"]]
+        if graph:
+            parts.append(f"{_span(graph)} on CUDA-graph time")
+        text = ", ".join(parts)
+        best = max((r for r in ours if r["gbs"]), key=lambda r: r["gbs"], default=None)
+        if best is not None:
+            share = (f" = {best['pct_copy']:.0f}% of the {ceilings['copy_gbs'] / 1e3:.2f} TB/s datasheet"
+                     if best["pct_copy"] else "")
+            text += f"; best {best['gbs'] / 1e3:.2f} TB/s{share} ({best['case']})"
+        top = max((r for r in ours if r["gflops"]), key=lambda r: r["gflops"], default=None)
+        if top is not None:
+            share = f" = {top['pct_peak']:.0f}% of the datasheet peak" if top["pct_peak"] else ""
+            text += f"; best {top['gflops'] / 1e3:.1f} TFLOP/s{share} ({top['case']})"
+        failed = sum(r["oracle"] == "FAIL" for r in ours)
+        lines.append("  " + text + (f"; {failed} oracle check FAILURES" if failed else ""))
+    return lines
+
+
+def _span(values: list[float]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:.2f}x" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}x"
+
+
+def summary(header: dict, results: list[StageResult], families: dict[str, list[dict]], ceilings: dict,
+            report: Path, seconds: float) -> str:
+    """What gets printed at the end: the GPU, each stage against its budget, the kernels, the skips, where the
+    report is."""
+    lines = [f"sbd gpu-check: {gpu_line(header)}",
+             f"{'stage':<16} {'status':<8} {'time / budget':>14}  result"]
+    lines += [f"{r.name:<16} {r.status:<8} {r.seconds:>5.0f} / {r.budget_s:>3} s  {r.detail}" for r in results]
+    kernels = kernel_lines(families, ceilings)
+    if kernels:
+        lines += ["kernels (sbd rows against the baseline of each case; TB/s from CUDA-graph times):", *kernels]
+    skipped = [f"{r.name} ({r.detail})" for r in results if r.status in ("skipped", "not run")]
+    if skipped:
+        lines.append("skipped: " + "; ".join(skipped))
+    lines.append(f"total {seconds:.0f} s of {TOTAL_BUDGET_S} s; report: {report}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command
+# ----------------------------------------------------------------------------------------------------
+def preflight(missing: frozenset[str]) -> None:
+    """Raises GpuCheckError, in one line, when the check cannot run here."""
+    if not cuda_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise GpuCheckError(f"no NVIDIA GPU visible to torch {torch.__version__} ({build}); nothing was run "
+                            "(`sbd gpu-check --dry-run` shows what would run)")
+    if "triton" in missing:
+        raise GpuCheckError("triton is not installed: the GPU kernels need it (CUDA builds of torch ship it)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The whole check (or its dry run); returns the exit status."""
+    started = time.monotonic()
+    missing = missing_modules()
+    if not args.dry_run:
+        preflight(missing)
+    repo = find_repo()
+    header = machine_header(repo, gpu=not args.dry_run)
+    default_out = (repo / "bench" / "results" / "gpu-check-dry-run" if args.dry_run
+                   else repo / "bench" / "reference" / gpu_slug((header.get("gpu") or {}).get("name", "")))
+    checkout = Checkout(repo, (args.out or default_out).resolve(), sys.executable, os.cpu_count() or 1, missing,
+                        extension_is_current(repo))
+    checkout.out.mkdir(parents=True, exist_ok=True)
+    stages = plan(checkout)
+    print(f"sbd gpu-check{' --dry-run' if args.dry_run else ''}: {len(stages)} stages\n{plan_text(stages)}",
+          flush=True)
+    results = []
+    for stage in stages:
+        if stage.skip is not None:
+            result = StageResult(stage.name, "skipped", 0.0, stage.budget_s, stage.skip)
+        elif stage.nothing_to_do is not None:
+            result = StageResult(stage.name, "passed", 0.0, stage.budget_s, stage.nothing_to_do)
+        elif args.dry_run:
+            result = not_run(stage, "dry run")
+        elif any(r.name == "build" and r.status == "failed" for r in results):
+            result = not_run(stage, "the build failed")
+        else:
+            print(f"[{stage.name}] running, {stage.budget_s} s budget", flush=True)
+            result = run_stage(stage, checkout)
+        results.append(result)
+    seconds = time.monotonic() - started
+    report, families, ceilings = write_report(checkout, header, stages, results, seconds, args.dry_run)
+    print(summary(header, results, families, ceilings, report, seconds))
+    return 1 if any(r.status in ("failed", "overran") for r in results) else 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--out", type=lambda text: Path(argtypes.output_dir(text)),
+                        help="report folder (default: bench/reference/<gpu-name>; with --dry-run "
+                             "bench/results/gpu-check-dry-run)")
+    add_option(parser, "--dry-run", action="store_true",
+               help="no GPU needed: print the plan and its commands, write the report of stages not run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sbd gpu-check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    return run(add_arguments(parser).parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""`sbd gpu-check` without a GPU: the switch that runs the test suite on CUDA (SBD_TEST_DEVICE, SBD_TEST_SHARD,
+`on_device`), the plan and its budgets, the dry run, the stage runner (stubbed, or on tiny real commands), the
+report against the GPU's datasheet and the one-line failure without a GPU."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sbd_kernels import bench_report, cli, gpucheck
+from sbd_kernels import benchmark_grid as grid
+from sbd_kernels.testing import (
+    call_on_copies,
+    configure_triton_environment,
+    on_device,
+    select_shard,
+    triton_test_device,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_python(code: str, **env: str | None) -> subprocess.CompletedProcess:
+    """`python -c code` at the repository root, with `env` set (None: removed) over this environment."""
+    environ = {k: v for k, v in os.environ.items() if k not in env}
+    environ.update({k: v for k, v in env.items() if v is not None})
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environ, capture_output=True, text=True,
+                          check=False, timeout=300)
+
+
+# ----------------------------------------------------------------------------------------------------
+# SBD_TEST_DEVICE: where the Triton tests run
+# ----------------------------------------------------------------------------------------------------
+def test_test_device_follows_the_variable(monkeypatch):
+    """Guards against a switch that never picks CUDA (the GPU check would test the interpreter again) or that
+    silently ignores a misspelt value."""
+    monkeypatch.delenv("SBD_TEST_DEVICE", raising=False)
+    assert triton_test_device() == "cpu"
+    for value, device in (("", "cpu"), ("cpu", "cpu"), ("cuda", "cuda")):
+        monkeypatch.setenv("SBD_TEST_DEVICE", value)
+        assert triton_test_device() == device
+    monkeypatch.setenv("SBD_TEST_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="SBD_TEST_DEVICE must be one of cpu, cuda, got 'gpu'"):
+        triton_test_device()
+
+
+def test_interpreter_is_set_for_cpu_only():
+    """Guards against CUDA runs that still interpret the kernels (TRITON_INTERPRET=1 set by conftest, or left
+    set by the caller), and against the CPU default losing it."""
+    assert configure_triton_environment(env := {}) == "cpu" and env["TRITON_INTERPRET"] == "1"
+    assert configure_triton_environment(env := {"TRITON_INTERPRET": "1"}) == "cpu" and env["TRITON_INTERPRET"] == "1"
+    assert configure_triton_environment(env := {"SBD_TEST_DEVICE": "cuda"}) == "cuda" and "TRITON_INTERPRET" not in env
+    assert configure_triton_environment({"SBD_TEST_DEVICE": "cuda", "TRITON_INTERPRET": "0"}) == "cuda"
+    with pytest.raises(ValueError, match="unset TRITON_INTERPRET"):
+        configure_triton_environment({"SBD_TEST_DEVICE": "cuda", "TRITON_INTERPRET": "1"})
+
+
+CONFTEST_STATE = ("import sys, os; sys.path.insert(0, 'tests'); import conftest; "
+                  "print(conftest.TRITON_DEVICE, os.environ.get('TRITON_INTERPRET'))")
+
+
+def test_conftest_sets_the_interpreter_only_without_cuda():
+    """Guards against tests/conftest.py turning the interpreter on under SBD_TEST_DEVICE=cuda (it runs before
+    any Triton kernel is imported, so it decides for the whole run)."""
+    cuda = run_python(CONFTEST_STATE, SBD_TEST_DEVICE="cuda", TRITON_INTERPRET=None)
+    assert cuda.returncode == 0 and cuda.stdout.split() == ["cuda", "None"], cuda.stderr[-2000:]
+    default = run_python(CONFTEST_STATE, SBD_TEST_DEVICE=None, TRITON_INTERPRET=None)
+    assert default.returncode == 0 and default.stdout.split() == ["cpu", "1"], default.stderr[-2000:]
+
+
+def collected(**env: str | None) -> list[str]:
+    code = ("import sys, pytest; sys.exit(pytest.main(['tests', '--collect-only', '-q', '-p', 'no:cacheprovider']))")
+    proc = run_python(code, **env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return sorted(line for line in proc.stdout.splitlines() if "::" in line)
+
+
+@pytest.mark.slow
+def test_cuda_setting_collects_the_same_tests():
+    """Guards against a test module that builds CUDA tensors at import, or a CUDA-only test that exists under one
+    setting only: SBD_TEST_DEVICE=cuda collects exactly the tests of the default run (here, without a GPU)."""
+    cuda = collected(SBD_TEST_DEVICE="cuda", TRITON_INTERPRET=None)
+    assert len(cuda) > 1000 and cuda == collected(SBD_TEST_DEVICE=None, TRITON_INTERPRET="1")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the stop on a machine without a GPU")
+def test_cuda_run_without_a_gpu_stops_in_one_line():
+    """Guards against SBD_TEST_DEVICE=cuda on a machine without a GPU failing test by test (or passing on CPU
+    tensors): the run stops at its first test, saying why."""
+    code = "import sys, pytest; sys.exit(pytest.main(['tests/test_tasks.py', '-q', '-p', 'no:cacheprovider']))"
+    proc = run_python(code, SBD_TEST_DEVICE="cuda", TRITON_INTERPRET=None)
+    assert proc.returncode == 4
+    assert "SBD_TEST_DEVICE=cuda, but torch" in proc.stdout and "sees no CUDA device" in proc.stdout
+
+
+def test_shards_split_the_run_once():
+    """Guards against shards that skip or repeat tests: n shards keep every item exactly once."""
+    items = list(range(23))
+    kept = [select_shard(items, f"{i}/4")[0] for i in range(4)]
+    assert sorted(i for shard in kept for i in shard) == items and kept[1] == [1, 5, 9, 13, 17, 21]
+    assert select_shard(items, "2/4")[1] == [i for i in items if i % 4 != 2]
+    for bad in ("4/4", "1", "a/b", "-1/2"):
+        with pytest.raises(ValueError, match="SBD_TEST_SHARD"):
+            select_shard(items, bad)
+
+
+# ----------------------------------------------------------------------------------------------------
+# on_device: a launcher on device copies of CPU arguments
+# ----------------------------------------------------------------------------------------------------
+def test_on_device_keeps_layouts_and_aliases_and_writes_back():
+    """Guards against device copies that lose what the tests check: a strided, offset or expanded argument
+    arriving contiguous, two views of one buffer arriving in two buffers (the aliasing checks would not see
+    them), an in-place result or a stray write not reaching the CPU tensors, results left on the device."""
+    buffer = torch.arange(24.0)
+    strided, shifted = buffer[1::3], buffer[2:8]
+    expanded = torch.tensor([7]).expand(4)
+    seen = {}
+
+    def fn(a, b, c, scale, meta):
+        seen.update(strides=(a.stride(), b.storage_offset(), c.stride()), meta=meta.device.type,
+                    shared=a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+        a.mul_(scale)  # in place, through the strided view
+        a.as_strided((1,), (1,), 0).fill_(-1.0)  # a stray write, outside every argument
+        return a + 1, [c.sum()]
+
+    out, (total,) = call_on_copies(fn, "cpu", strided, shifted, expanded, 2.0, torch.empty(2, device="meta"))
+    assert seen == {"strides": ((3,), 2, (0,)), "shared": True, "meta": "meta"}
+    assert torch.equal(buffer[1::3], torch.arange(1.0, 24.0, 3) * 2) and buffer[0] == -1 and buffer[3] == 3
+    assert torch.equal(out, buffer[1::3] + 1) and int(total) == 28
+    assert out.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+    assert on_device(fn, "cpu") is fn
+
+
+# ----------------------------------------------------------------------------------------------------
+# The plan
+# ----------------------------------------------------------------------------------------------------
+def checkout(tmp_path, missing=(), current=True, cpu_count=16) -> gpucheck.Checkout:
+    return gpucheck.Checkout(REPO, tmp_path, sys.executable, cpu_count, frozenset(missing), current)
+
+
+def test_budgets_fit_in_ten_minutes(tmp_path):
+    """Guards against a plan that cannot finish in 10 minutes on an H100 even if every stage ran to its budget
+    and its grace period."""
+    stages = gpucheck.plan(checkout(tmp_path, current=False))
+    assert [s.name for s in stages] == list(gpucheck.BUDGETS_S)
+    worst = sum(s.budget_s + gpucheck.GRACE_S for s in stages) + gpucheck.REPORT_BUDGET_S
+    assert worst <= gpucheck.TOTAL_BUDGET_S == 600
+
+
+def test_plan_runs_the_suite_on_cuda_without_installing_anything(tmp_path):
+    """Guards against a test stage that interprets the kernels (TRITON_INTERPRET inherited), runs the suite once
+    per shard instead of once in all, leaves GPU test files to the end, or any stage that installs or
+    downloads (pip, venv) instead of using this interpreter."""
+    stages = {s.name: s for s in gpucheck.plan(checkout(tmp_path, current=False))}
+    tests = stages["tests"]
+    assert len(tests.commands) == 4 and len(set(tests.commands)) == 1
+    env = [tests.environment(i) for i in range(4)]
+    assert all(e["SBD_TEST_DEVICE"] == "cuda" and "TRITON_INTERPRET" not in e for e in env)
+    assert sorted(e["SBD_TEST_SHARD"] for e in env) == ["0/4", "1/4", "2/4", "3/4"]
+    assert all(e["HF_HUB_OFFLINE"] == "1" for e in env)
+    assert "tests/test_package.py::test_plain_pip_install_keeps_the_installed_torch" in tests.commands[0]
+    files = [a for a in tests.commands[0] if a.startswith("tests/") and "::" not in a]
+    assert files[0] == "tests/test_attention_triton.py" and "tests/test_hf.py" in files
+    assert set(files) == {f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py")}
+    assert stages["build"].commands == ((sys.executable, "setup.py", "build_ext", "--inplace", "--force"),)
+    for family in gpucheck.BENCH_FAMILIES:
+        stage = stages[f"bench-{family}"]
+        assert stage.environment(0)["SBD_BENCH_DEVICE"] == "cuda" and stage.environment(0)["SBD_BENCH_QUICK"] == "1"
+        assert f"bench/bench_{family}.py" in stage.commands[0] and stage.raw_json == tmp_path / "raw" / f"{family}.json"
+    words = [word for s in stages.values() for command in s.commands for word in command]
+    assert all(c[0] == sys.executable for s in stages.values() for c in s.commands)
+    assert not {"pip", "install", "venv", "download"} & set(words)
+
+
+def test_plan_skips_what_cannot_run_and_says_why(tmp_path):
+    """Guards against a stage that fails for a missing optional package instead of being skipped with the
+    reason, and against a build run although the extension is current."""
+    stages = {s.name: s for s in gpucheck.plan(checkout(tmp_path, missing={"transformers", "pytest_benchmark"}))}
+    assert stages["build"].commands == () and "up to date" in stages["build"].nothing_to_do
+    assert "tests/test_hf.py" not in stages["tests"].commands[0] and stages["tests"].skip is None
+    assert stages["bench-hf"].skip == "pytest_benchmark, transformers not installed"
+    assert stages["bench-attention"].skip == "pytest_benchmark not installed"
+    without_pytest = gpucheck.plan(checkout(tmp_path, missing={"pytest"}))
+    assert {s.skip for s in without_pytest[1:]} == {"pytest not installed"}
+    assert [gpucheck.test_shards(n) for n in (1, 2, 8, 16, 64)] == [1, 1, 2, 4, 4]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Running a stage
+# ----------------------------------------------------------------------------------------------------
+def test_a_stage_past_its_budget_is_stopped_and_says_so(tmp_path, monkeypatch):
+    """Guards against a stage that overruns its budget holding up the whole check (the 10 minutes): it is
+    interrupted at the budget, a process that ignores the interrupt is killed after the grace period, and
+    the result says so with what had been done."""
+    monkeypatch.setattr(gpucheck, "GRACE_S", 1)
+    report = "print('3 passed in 0.4s', flush=True); time.sleep(120)"
+    slow = (sys.executable, "-c", f"import time; {report}")
+    stubborn = (sys.executable, "-c", f"import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); {report}")
+    stage = gpucheck.Stage("tests", 1, "a test run that hangs", commands=(slow, stubborn))
+    result = gpucheck.run_stage(stage, checkout(tmp_path))
+    assert result.status == "overran" and result.seconds < 5
+    assert result.detail == "stopped at the 1 s budget; 6 passed"
+    assert (tmp_path / "logs" / "tests-1.log").read_text().startswith("3 passed")
+
+
+def test_judge_reads_pytest_summaries():
+    """Guards against a failed or erroring test run reported as passed, or counts lost between shards."""
+    stage = gpucheck.Stage("tests", 100, "", commands=(("x",), ("x",)))
+    logs = ["FAILED tests/test_a.py::test_x - AssertionError: 1 != 2\n==== 1 failed, 10 passed, 2 skipped in 3.1s ====",
+            "SKIPPED [1] tests/test_b.py:4: cmake is not installed\n12 passed, 3 deselected in 2.0s"]
+    result = gpucheck.judge(stage, [1, 0], logs, False, 5.0)
+    assert result.status == "failed" and result.detail.startswith("22 passed, 1 failed, 2 skipped")
+    assert result.failures == ["FAILED tests/test_a.py::test_x - AssertionError: 1 != 2"]
+    assert result.skipped == ["SKIPPED [1] tests/test_b.py:4: cmake is not installed"]
+    assert gpucheck.judge(stage, [0, 0], ["4 passed in 1s", "5 passed, 1 error in 1s"], False, 1.0).status == "failed"
+    stopped = gpucheck.judge(stage, [4, 4], ["SBD_TEST_DEVICE=cuda, but torch x sees no CUDA device"] * 2, False, 1.0)
+    assert stopped.status == "failed" and stopped.detail.endswith("sees no CUDA device")
+    build = gpucheck.Stage("build", 90, "", commands=(("x",),))
+    assert gpucheck.judge(build, [1], ["error: command 'g++' failed"], False, 1.0).detail == "error: command 'g++' failed"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command: dry run, no GPU, a whole run with stubbed stages
+# ----------------------------------------------------------------------------------------------------
+def test_dry_run_prints_the_plan_and_writes_the_report(tmp_path, capsys):
+    """Guards against a dry run that needs a GPU, hides the commands it would run, or writes no report."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["gpu-check", "--dry-run", "--out", str(tmp_path)])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "SBD_TEST_DEVICE=cuda" in out and "bench/bench_attention.py" in out and "190 s" in out
+    assert "budget: 590 s at most of 600 s" in out and "dry run" in out
+    assert {p.name for p in tmp_path.iterdir()} >= {"report.md", "report.json", "report.csv", "gpu-check.json"}
+    report = (tmp_path / "report.md").read_text()
+    assert "NVML fields missing" in report and "| tests | not run | 0 | 190 | dry run |" in report
+    assert json.loads((tmp_path / "gpu-check.json").read_text())["dry_run"] is True
+
+
+def test_without_a_gpu_one_line_and_status_1(tmp_path, capsys, monkeypatch):
+    """Guards against a check that starts (or writes a report) on a machine where torch sees no GPU, or fails
+    there with a traceback."""
+    monkeypatch.setattr(gpucheck, "cuda_available", lambda: False)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["gpu-check", "--out", str(tmp_path / "out")])
+    assert info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sbd gpu-check: error: no NVIDIA GPU visible to torch")
+    assert not (tmp_path / "out").exists()
+
+
+H100_NVML = {"name": "NVIDIA H100 80GB HBM3", "driver": "550.54.15", "cuda": "12.4", "sm_clock_mhz": 1980,
+             "max_sm_clock_mhz": 1980, "mem_clock_mhz": 2619, "max_mem_clock_mhz": 2619, "memory_gib": 79.6}
+
+
+def fake_header(repo, gpu=True):
+    return {"cpu": "test CPU", "cores": 16, "torch_threads": 16, "cpu_isa": "avx512", "gpu": H100_NVML,
+            "torch": "2.x", "triton": "3.x", "python": "3.11", "commit": "abc1234", "date": "today",
+            "copy_gbs": 100.0, "matmul_gflops": {"fp32": 1000.0, "bf16": 2000.0}}
+
+
+def bench_entry(shape, provider: str, median_s: float, graph_ms: float | None, **work) -> dict:
+    info = {"family": "sampling", "case": shape.label, "shape": grid.shape_to_dict(shape), "provider": provider,
+            "baseline": "eager", "device": "cuda", "graph_ms": graph_ms, "bytes_moved": None, "flops": None,
+            "correct": True if provider == "sbd" else None, **work}
+    return {"stats": {"median": median_s, "data": [median_s]}, "extra_info": info}
+
+
+def stub_runner(stage: gpucheck.Stage, checkout_: gpucheck.Checkout) -> gpucheck.StageResult:
+    """What each stage "did": tests failed, attention overran, sampling wrote timings, the rest passed."""
+    if stage.name == "bench-sampling":
+        shape = grid.SamplingShape(1, 16, 128256, "bf16")
+        logits = 16 * 128256 * 2  # 4.1 MB: 1.64 TB/s in 2.5 us of graph time
+        stage.raw_json.parent.mkdir(parents=True, exist_ok=True)
+        stage.raw_json.write_text(json.dumps({"benchmarks": [
+            bench_entry(shape, "sbd", 40e-6, 0.0025, bytes_moved=logits),
+            bench_entry(shape, "eager", 400e-6, 0.1, bytes_moved=logits)]}))
+    outcome = {"tests": ("failed", "3 passed, 1 failed"), "bench-attention": ("overran", "stopped at the 65 s budget")}
+    status, detail = outcome.get(stage.name, ("passed", "ok"))
+    failures = ["FAILED tests/test_x.py::test_y - boom"] if stage.name == "tests" else []
+    return gpucheck.StageResult(stage.name, status, 1.0, stage.budget_s, detail, failures, [])
+
+
+def test_a_run_reports_stages_skips_failures_and_kernels(tmp_path, capsys, monkeypatch):
+    """Guards against a report or summary that drops what a GPU run found: the NVML answer, a failed and an
+    overrun stage (exit status 1), the skip list with reasons, achieved TB/s against the H100 datasheet."""
+    monkeypatch.setattr(gpucheck, "cuda_available", lambda: True)
+    monkeypatch.setattr(gpucheck, "missing_modules", lambda: frozenset({"transformers"}))
+    monkeypatch.setattr(gpucheck, "machine_header", fake_header)
+    monkeypatch.setattr(gpucheck, "extension_is_current", lambda repo: False)
+    monkeypatch.setattr(gpucheck, "run_stage", stub_runner)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["gpu-check", "--out", str(tmp_path)])
+    assert info.value.code == 1
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert "name NVIDIA H100 80GB HBM3, driver 550.54.15" in out and "bench-hf (transformers not installed)" in out
+    assert ("sampling: 1 rows, 10.00x vs eager per call, 40.00x on CUDA-graph time; best 1.64 TB/s = 49% of the "
+            "3.35 TB/s datasheet (B=1 K=16 V=128256 bf16)") in out
+    report = (tmp_path / "report.md").read_text()
+    for expected in ("# sbd gpu-check: NVIDIA H100 80GB HBM3", "| tests | failed | 1 | 190 | 3 passed, 1 failed |",
+                     "| bench-attention | overran |", "- tests/test_hf.py: transformers is not installed",
+                     "- tests: FAILED tests/test_x.py::test_y - boom", "GPU ceilings: 3.35 TB/s, dense TFLOP/s bf16 989",
+                     "| graph ms | TB/s | % datasheet BW |", "| 0.0025 | 1.642 | 49 |"):
+        assert expected in report, expected
+    stages = json.loads((tmp_path / "gpu-check.json").read_text())["stages"]
+    assert {s["name"]: s["status"] for s in stages}["bench-hf"] == "skipped"
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU results against the datasheet
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,key", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", None),
+                                      ("NVIDIA H100 NVL", None), ("NVIDIA H200", "h200"), ("NVIDIA GH200 480GB", None),
+                                      ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA A100-SXM4-40GB", None),
+                                      ("NVIDIA GeForce RTX 4090", None)])
+def test_datasheet_is_that_of_the_exact_gpu(name, key):
+    """Guards against fractions of the wrong datasheet: a PCIe or NVL card (other clocks and memory) or a GH200
+    (whose name contains H200) set against the SXM numbers."""
+    assert bench_report.datasheet_key(name) == key
+    if key == "h100":
+        ceilings = bench_report.datasheet_ceilings(name)
+        assert ceilings["copy_gbs"] == pytest.approx(3350) and ceilings["matmul_gflops"]["fp16"] == pytest.approx(989400)
+
+
+def test_cpu_results_keep_their_measured_ceilings():
+    """Guards against a CPU report switching to datasheet units or losing its measured ceilings."""
+    header = fake_header(None)
+    cpu_raw = {"benchmarks": [{"extra_info": {"device": "cpu"}}]}
+    assert bench_report.report_ceilings(header, cpu_raw) == {"copy_gbs": 100.0, "matmul_gflops": header["matmul_gflops"],
+                                                              "source": "measured"}
+    gpu = bench_report.report_ceilings(dict(header, gpu={"name": "NVIDIA H100 PCIe"}),
+                                       {"benchmarks": [{"extra_info": {"device": "cuda"}}]})
+    assert gpu["copy_gbs"] is None and gpu["source"] == "no datasheet entry for NVIDIA H100 PCIe"
+
+
+def test_gpu_slug():
+    assert gpucheck.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert gpucheck.gpu_slug("NVIDIA A100-SXM4-80GB") == "nvidia-a100-sxm4-80gb" and gpucheck.gpu_slug("") == "unknown-gpu"
+
+
+def test_bench_device_is_the_gpu_where_there_is_one(monkeypatch):
+    """Guards against GPU benchmark runs timing CPU baselines (the old behaviour), and against a forced CUDA run
+    without a GPU."""
+    from bench.harness import bench_device
+
+    monkeypatch.delenv("SBD_BENCH_DEVICE", raising=False)
+    assert bench_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv("SBD_BENCH_DEVICE", "cpu")
+    assert bench_device() == "cpu"
+    monkeypatch.setenv("SBD_BENCH_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="SBD_BENCH_DEVICE must be cpu or cuda"):
+        bench_device()
