@@ -450,6 +450,8 @@ def run_curve(args: argparse.Namespace) -> dict:
     short = curve_settings((max(block_sizes),), gammas, ("eb",))
     for name, path, grid in (("sbd", args.sbd, full), ("ntp_only", args.ntp, [Setting("ntp")]),
                              *((Path(p).name, p, short) for p in args.compare)):
+        if name in models:
+            raise ValueError(f"curve: two models named {name!r}; give --compare folders other names")
         models[name] = load_code_model(path)[1]
         settings[name] = grid
         record = Path(path, "training.json")
