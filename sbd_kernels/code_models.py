@@ -263,7 +263,7 @@ def train_code_model(cfg: CodeTrainConfig) -> dict:
         step += 1
         if step % 25 == 0:
             point = {"step": step, "minutes": round((seconds_before + time.time() - t0) / 60, 2),
-                     "loss": round(float(loss), 4), **{name: round(float(v), 4) for name, v in terms.items()}}
+                     "loss": round(float(loss.detach()), 4), **{name: round(float(v), 4) for name, v in terms.items()}}
             curve.append(point)
             print(json.dumps(point), file=sys.stderr, flush=True)
 
