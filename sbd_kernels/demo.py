@@ -1,8 +1,11 @@
 """`sbd demo`: the paper's headline (Figure 1) in small, with the `sbd` ops in the decode loop.
 
-For each task's held-out prompts, the SBD-trained model is decoded with NTP and with SBD at several gamma,
-and the NTP-only baseline model with NTP. One table per task:
-    model, method, gamma, exact-match accuracy, forward passes (NFE) per answer token,
+Tasks: `add` and `rot13` (sbd_kernels.tasks, SBD's best case: every block fills in one pass), and `code`, real
+data: one-line completion of held-out transformers sources (sbd_kernels.code_completion) by the Hugging Face models
+of sbd_kernels.code_models, CODE_PROMPTS prompts by default (`python -m sbd_kernels.code_models curve` gives the
+full curve). For each task's held-out prompts, the SBD-trained model is decoded with NTP and with SBD at several
+gamma, and the NTP-only baseline model with NTP. One table per task:
+    model, method, gamma, exact-match accuracy, edit similarity (code), forward passes (NFE) per answer token,
     NFE speedup = (NFE per token of NTP) / (NFE per token of this row), same model,
     tokens/s (answer tokens, EOS included, over decode wall time, prefill included; median of a few
     identical runs for the short ones),
@@ -12,9 +15,10 @@ Then the exact-KV check on a few prompts: block logits computed with the KV cach
 as the full-recompute oracle decode (NTP and SBD, temperature 0).
 `--json PATH` writes one object per task; `--plot PATH` draws accuracy against NFE speedup.
 
-The bundled checkpoints (`sbd_kernels/checkpoints/`) are loaded; if they are missing they are trained
-first with `TRAINING_RECIPE` on a GPU or `CPU_TRAINING_RECIPE` (progress bar on stderr). `--quick` (or `--preset tiny`) uses random `tiny`
-models and a few prompts instead: it checks that the whole pipeline runs, in seconds.
+The bundled checkpoints (`sbd_kernels/checkpoints/`) are loaded; if the synthetic tasks' ones are missing they
+are trained first with `TRAINING_RECIPE` on a GPU or `CPU_TRAINING_RECIPE` (progress bar on stderr); missing code
+models are an error (hours of training; checkpoints/README.md has the commands). `--quick` (or `--preset tiny`)
+uses random `tiny` models and a few prompts instead: it checks that the whole pipeline runs, in seconds.
 """
 from __future__ import annotations
 
