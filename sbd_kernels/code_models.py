@@ -404,6 +404,32 @@ def measure_curve(models: dict[str, object], examples: dict[int, list[Example]],
     return points
 
 
+def summarize(points: list[dict], tolerance: float = 0.01) -> dict[str, dict]:
+    """Per number of lines: exact match of the NTP-only baseline and of the SBD model's NTP decode; `matched`: the SBD
+    point with the largest NFE speedup whose exact match is within `tolerance` (1 point) of the baseline's; `fastest`:
+    the SBD point with the largest NFE speedup. Points as in `CurvePoint` (dicts)."""
+    summary = {}
+    for lines in sorted({p["lines"] for p in points}):
+        mine = [p for p in points if p["lines"] == lines]
+        baseline = next(p for p in mine if p["model"] == "ntp_only")
+        sbd_ntp = next(p for p in mine if p["model"] == "sbd" and p["method"] == "ntp")
+        sbd = [p for p in mine if p["model"] == "sbd" and p["method"] == "sbd"]
+        matched = [p for p in sbd if p["exact_match"] >= baseline["exact_match"] - tolerance]
+
+        def brief(p: dict | None) -> dict | None:
+            keys = ("rule", "block_size", "gamma", "exact_match", "edit_similarity", "nfe_per_token", "nfe_speedup",
+                    "wall_speedup")
+            return None if p is None else {k: p[k] for k in keys}
+
+        summary[str(lines)] = {
+            "ntp_only": {k: baseline[k] for k in ("exact_match", "edit_similarity")},
+            "sbd_model_ntp": {k: sbd_ntp[k] for k in ("exact_match", "edit_similarity")},
+            "matched": brief(max(matched, key=lambda p: p["nfe_speedup"], default=None)),
+            "fastest": brief(max(sbd, key=lambda p: p["nfe_speedup"], default=None)),
+        }
+    return summary
+
+
 def plot_curve(points: list[dict], path: str | Path) -> None:
     """Exact match and edit similarity against NFE per token, one row of panels per number of lines: one line per
     (model, rule, k) through its gammas, the NTP decode of each model as a marker (the paper's Figure 1 in small)."""
@@ -473,6 +499,8 @@ def run_curve(args: argparse.Namespace) -> dict:
               "duplicate_rate": {str(lines): round(duplicate_rate(exs), 4) for lines, exs in examples.items()},
               "models": sources, "minutes": round((time.time() - start) / 60, 1),
               "points": [asdict(p) for p in points]}
+    result["summary"] = summarize(result["points"])
+    print(json.dumps(result["summary"], indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:

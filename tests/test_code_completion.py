@@ -300,3 +300,17 @@ def test_demo_code_task_quick(tmp_path):
     assert [(r["model"], r["method"]) for r in rows][:2] == [("sbd", "ntp"), ("sbd", "sbd")]
     assert all(0 <= r["edit_similarity"] <= 100 and r["answer_tokens"] >= 2 for r in rows)
     assert json.loads((tmp_path / "d.json").read_text()) == json.loads(json.dumps(results))
+
+
+def test_summary_picks_the_fastest_point_within_one_point():
+    """Guards against a summary that reports a faster point whose exact match is more than 1 point below the
+    NTP-only baseline as 'matched'."""
+    def point(model, method, em, speedup, gamma=None):
+        return {"model": model, "lines": 1, "method": method, "exact_match": em, "edit_similarity": 50.0,
+                "rule": "eb" if method == "sbd" else None, "block_size": 16 if method == "sbd" else None,
+                "gamma": gamma, "nfe_per_token": 1 / speedup, "nfe_speedup": speedup, "wall_speedup": speedup / 2}
+    points = [point("sbd", "ntp", 0.205, 1.0), point("sbd", "sbd", 0.204, 2.0, 0.1), point("sbd", "sbd", 0.196, 3.0, 0.35),
+              point("sbd", "sbd", 0.150, 5.0, 3.0), point("ntp_only", "ntp", 0.210, 1.0)]
+    summary = cm.summarize(points)["1"]
+    assert summary["ntp_only"]["exact_match"] == 0.210
+    assert summary["matched"]["gamma"] == 0.1 and summary["fastest"]["gamma"] == 3.0
