@@ -1,8 +1,11 @@
 """`sbd demo`: the paper's headline (Figure 1) in small, with the `sbd` ops in the decode loop.
 
-For each task's held-out prompts, the SBD-trained model is decoded with NTP and with SBD at several gamma,
-and the NTP-only baseline model with NTP. One table per task:
-    model, method, gamma, exact-match accuracy, forward passes (NFE) per answer token,
+Tasks: `add` and `rot13` (sbd_kernels.tasks, SBD's best case: every block fills in one pass), and `code`, real
+data: one-line completion of held-out transformers sources (sbd_kernels.code_completion) by the Hugging Face models
+of sbd_kernels.code_models, CODE_PROMPTS prompts by default (`python -m sbd_kernels.code_models curve` gives the
+full curve). For each task's held-out prompts, the SBD-trained model is decoded with NTP and with SBD at several
+gamma, and the NTP-only baseline model with NTP. One table per task:
+    model, method, gamma, exact-match accuracy, edit similarity (code), forward passes (NFE) per answer token,
     NFE speedup = (NFE per token of NTP) / (NFE per token of this row), same model,
     tokens/s (answer tokens, EOS included, over decode wall time, prefill included; median of a few
     identical runs for the short ones),
@@ -12,9 +15,10 @@ Then the exact-KV check on a few prompts: block logits computed with the KV cach
 as the full-recompute oracle decode (NTP and SBD, temperature 0).
 `--json PATH` writes one object per task; `--plot PATH` draws accuracy against NFE speedup.
 
-The bundled checkpoints (`sbd_kernels/checkpoints/`) are loaded; if they are missing they are trained
-first with `TRAINING_RECIPE` on a GPU or `CPU_TRAINING_RECIPE` (progress bar on stderr). `--quick` (or `--preset tiny`) uses random `tiny`
-models and a few prompts instead: it checks that the whole pipeline runs, in seconds.
+The bundled checkpoints (`sbd_kernels/checkpoints/`) are loaded; if the synthetic tasks' ones are missing they
+are trained first with `TRAINING_RECIPE` on a GPU or `CPU_TRAINING_RECIPE` (progress bar on stderr); missing code
+models are an error (hours of training; checkpoints/README.md has the commands). `--quick` (or `--preset tiny`)
+uses random `tiny` models and a few prompts instead: it checks that the whole pipeline runs, in seconds.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import importlib.util
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,11 +45,22 @@ from sbd_kernels.generate import (
     naive_ops,
 )
 from sbd_kernels.model import PRESETS, ModelConfig, Transformer, load_checkpoint
-from sbd_kernels.tasks import TASKS, TOKENIZER, exact_match, get_task, make_examples
+from sbd_kernels.protocol import SbdModel
+from sbd_kernels.tasks import TASKS as SYNTHETIC_TASKS
+from sbd_kernels.tasks import TOKENIZER, exact_match, get_task, make_examples
 
 CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
 SBD_CHECKPOINT = CHECKPOINT_DIR / "sbd_small.pt"
 NTP_CHECKPOINT = CHECKPOINT_DIR / "ntp_small.pt"
+# The real-data task (sbd_kernels.code_completion): one-line completion of held-out transformers sources by the
+# Hugging Face models of sbd_kernels.code_models, bundled as HF folders.
+CODE_TASK = "code"
+TASKS = (*SYNTHETIC_TASKS, CODE_TASK)
+CODE_SBD_CHECKPOINT = CHECKPOINT_DIR / "code_sbd"
+CODE_NTP_CHECKPOINT = CHECKPOINT_DIR / "code_ntp"
+# Held-out code prompts by default: the code models decode ~10x slower per byte than the synthetic tasks' models
+# per token (4.5M parameters through transformers), and `make demo` must stay under 3 minutes.
+CODE_PROMPTS = 24
 GAMMAS = (0.0, 0.1, 0.35, 0.6, 1.0)
 BLOCK_SIZE = 16             # the paper's k; the tasks' prompts are multiples of 16 long (tasks.py)
 
@@ -84,6 +100,9 @@ class Row:
     nfe_speedup: float = 1.0
     tokens_per_s: float = 0.0
     wall_speedup: float = 1.0
+    block_size: int | None = None         # SBD rows: k
+    rule: str | None = None               # SBD rows: the acceptance rule
+    edit_similarity: float | None = None  # code task: mean CodeXGLUE edit similarity (0..100)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -117,25 +136,56 @@ def bundled_models(threads: int) -> dict[str, Transformer]:
     return {"sbd": load_checkpoint(SBD_CHECKPOINT)[0], "ntp_only": load_checkpoint(NTP_CHECKPOINT)[0]}
 
 
+def code_models(preset: str | None) -> dict[str, SbdModel]:
+    """The code task's models as `SbdCausalLM` adapters: random `tiny` HF Llama models (seeded) with a preset, else
+    the bundled HF folders. Missing folders raise FileNotFoundError: retraining them takes hours on a CPU, so the
+    demo does not start it; checkpoints/README.md gives the commands."""
+    from sbd_kernels import code_models as cm
+
+    if preset:
+        return cm.random_code_models()
+    missing = [str(p) for p in (CODE_SBD_CHECKPOINT, CODE_NTP_CHECKPOINT) if not (p / "config.json").exists()]
+    if missing:
+        raise FileNotFoundError(f"code task: model folders missing: {', '.join(missing)}; train them with the "
+                                f"commands of {CHECKPOINT_DIR / 'README.md'} or run without the task "
+                                f"(--tasks {','.join(SYNTHETIC_TASKS)})")
+    return {"sbd": cm.load_code_model(CODE_SBD_CHECKPOINT)[1], "ntp_only": cm.load_code_model(CODE_NTP_CHECKPOINT)[1]}
+
+
 # ----------------------------------------------------------------------------------------------------
 # Measurements
 # ----------------------------------------------------------------------------------------------------
-def decode(model: Transformer, prompts: list[list[int]], method: str, gamma: float | None,
-           max_new_tokens: int, batch_size: int, ops: DecodeOps) -> DecodeResult:
+@dataclass(frozen=True)
+class TaskData:
+    """What a task's table decodes: prompts, their reference answers (token ids, the committed blocks of the
+    exact-KV check), the answer budget, the stop and pad ids, and `score(result)` -> (accuracy in 0..1, edit
+    similarity or None)."""
+
+    prompts: list[list[int]]
+    answers: list[list[int]]
+    budget: int
+    eos_id: int
+    pad_id: int
+    score: Callable[[DecodeResult], tuple[float, float | None]]
+
+
+def decode(model: SbdModel, prompts: list[list[int]], method: str, gamma: float | None,
+           max_new_tokens: int, batch_size: int, ops: DecodeOps, eos_id: int = TOKENIZER.EOS,
+           pad_id: int = TOKENIZER.PAD) -> DecodeResult:
     cfg = DecodeConfig(method=method, block_size=BLOCK_SIZE, gamma=gamma or 0.0, max_new_tokens=max_new_tokens)
-    return generate(model, prompts, cfg, eos_id=TOKENIZER.EOS, pad_id=TOKENIZER.PAD, batch_size=batch_size,
-                    ops=ops)
+    return generate(model, prompts, cfg, eos_id=eos_id, pad_id=pad_id, batch_size=batch_size, ops=ops)
 
 
-def timed_decode(model: Transformer, prompts: list[list[int]], method: str, gamma: float | None,
-                 max_new_tokens: int, batch_size: int, ops: DecodeOps, max_runs: int) -> DecodeResult:
+def timed_decode(model: SbdModel, prompts: list[list[int]], method: str, gamma: float | None,
+                 max_new_tokens: int, batch_size: int, ops: DecodeOps, max_runs: int, eos_id: int = TOKENIZER.EOS,
+                 pad_id: int = TOKENIZER.PAD) -> DecodeResult:
     """The run of median wall time among identical decodes (greedy: same tokens every time), repeated
     until TIMING_MIN_S of decoding or max_runs runs. A 0.3 s SBD run on this shared 2-core machine is
     easily doubled by a neighbour's burst; a 15 s NTP run averages such bursts out and is timed once.
     The median, not the fastest, so that short runs are not favoured over long ones."""
-    runs = [decode(model, prompts, method, gamma, max_new_tokens, batch_size, ops)]
+    runs = [decode(model, prompts, method, gamma, max_new_tokens, batch_size, ops, eos_id, pad_id)]
     while sum(r.wall_s for r in runs) < TIMING_MIN_S and len(runs) < max_runs:
-        runs.append(decode(model, prompts, method, gamma, max_new_tokens, batch_size, ops))
+        runs.append(decode(model, prompts, method, gamma, max_new_tokens, batch_size, ops, eos_id, pad_id))
     return sorted(runs, key=lambda r: r.wall_s)[len(runs) // 2]
 
 
@@ -144,22 +194,56 @@ def accuracy(result: DecodeResult, answers: list[list[int]]) -> float:
     return sum(hits) / len(hits)
 
 
-def measure_task(models: dict[str, Transformer], task: str, num_prompts: int, batch_size: int,
-                 gammas: tuple[float, ...], ops: DecodeOps, max_runs: int = 5) -> list[Row]:
-    """Every row of one task's table, speedups against NTP of the same model."""
+def synthetic_task_data(task: str, num_prompts: int) -> TaskData:
+    """The held-out prompts of `add` / `rot13`, scored by exact match of the answer."""
     examples = make_examples(task, "held_out", num_prompts)
-    prompts = [TOKENIZER.encode_prompt(ex.prompt) for ex in examples]
     answers = [TOKENIZER.encode_answer(ex.answer) for ex in examples]
-    budget = get_task(task).answer_tokens
+    return TaskData([TOKENIZER.encode_prompt(ex.prompt) for ex in examples], answers, get_task(task).answer_tokens,
+                    TOKENIZER.EOS, TOKENIZER.PAD, lambda result: (accuracy(result, answers), None))
+
+
+def code_task_data(num_prompts: int) -> TaskData:
+    """The held-out one-line completions of the code task, scored as CodeXGLUE does (exact match of the
+    whitespace-separated tokens, edit similarity); the newline ends an answer."""
+    from sbd_kernels import code_completion
+
+    examples = code_completion.line_examples("held_out", num_prompts, lines=1)
+
+    def score(result: DecodeResult) -> tuple[float, float]:
+        scores = code_completion.score(result.tokens, examples, lines=1)
+        return scores.exact_match, scores.edit_similarity
+
+    tokenizer = code_completion.ByteTokenizer
+    return TaskData([ex.prompt for ex in examples], [tokenizer.encode(ex.target + "\n") for ex in examples],
+                    code_completion.BUDGET[1], tokenizer.NEWLINE, tokenizer.PAD, score)
+
+
+def code_task_header(num_prompts: int) -> str:
+    """One line naming the code task's data: package, prompt count, sha256 of the corpus and of each split."""
+    from sbd_kernels import code_completion
+
+    digests = code_completion.corpus().sha256
+    return (f"task {CODE_TASK}: {num_prompts} held-out one-line completions of {code_completion.PACKAGE} "
+            f"{code_completion.VERSION} (exact match of tokens, edit similarity as CodeXGLUE); sha256 corpus "
+            f"{digests['corpus'][:16]}, train {digests['train'][:16]}, held-out {digests['held_out'][:16]}")
+
+
+def measure_rows(models: dict[str, SbdModel], data: TaskData, batch_size: int, gammas: tuple[float, ...],
+                 ops: DecodeOps, max_runs: int = 5) -> list[Row]:
+    """Every row of one task's table, speedups against NTP of the same model."""
     runs = [("sbd", "ntp", None), *(("sbd", "sbd", g) for g in gammas), ("ntp_only", "ntp", None)]
+    ids = {"eos_id": data.eos_id, "pad_id": data.pad_id}
     for model in models.values():                 # warm-up: first-call costs stay out of the timings
         for method in ("ntp", "sbd"):
-            decode(model, prompts[:1], method, 0.1, budget, batch_size, ops)
+            decode(model, data.prompts[:1], method, 0.1, data.budget, batch_size, ops, **ids)
     rows, baseline = [], {}
     for name, method, gamma in runs:
-        result = timed_decode(models[name], prompts, method, gamma, budget, batch_size, ops, max_runs)
-        row = Row(name, method, gamma, accuracy(result, answers), result.total_nfe, result.total_generated,
-                  tokens_per_s=result.tokens_per_s)
+        result = timed_decode(models[name], data.prompts, method, gamma, data.budget, batch_size, ops, max_runs,
+                              **ids)
+        hit_rate, similarity = data.score(result)
+        row = Row(name, method, gamma, hit_rate, result.total_nfe, result.total_generated,
+                  tokens_per_s=result.tokens_per_s, block_size=BLOCK_SIZE if method == "sbd" else None,
+                  rule="eb" if method == "sbd" else None, edit_similarity=similarity)
         ref = baseline.setdefault(name, row)
         row.nfe_speedup = (ref.nfe / ref.answer_tokens) / (row.nfe / row.answer_tokens)
         row.wall_speedup = row.tokens_per_s / ref.tokens_per_s
@@ -167,14 +251,19 @@ def measure_task(models: dict[str, Transformer], task: str, num_prompts: int, ba
     return rows
 
 
-def exact_kv_check(model: Transformer, task: str, num_prompts: int, ops: DecodeOps) -> tuple[bool, str]:
+def measure_task(models: dict[str, SbdModel], task: str, num_prompts: int, batch_size: int,
+                 gammas: tuple[float, ...], ops: DecodeOps, max_runs: int = 5) -> list[Row]:
+    """Every row of one task's table (`add`, `rot13` or `code`), speedups against NTP of the same model."""
+    data = code_task_data(num_prompts) if task == CODE_TASK else synthetic_task_data(task, num_prompts)
+    return measure_rows(models, data, batch_size, gammas, ops, max_runs)
+
+
+def exact_kv_check(model: SbdModel, task: str, num_prompts: int, ops: DecodeOps) -> tuple[bool, str]:
     """(passed, one-line summary) of `sbd_kernels.checks.exact_kv_check` on the task's held-out prompts, with
     their reference answers as the committed blocks, SBD at gamma 0.1."""
-    examples = make_examples(task, "held_out", num_prompts)
-    prompts = [TOKENIZER.encode_prompt(ex.prompt) for ex in examples]
-    answers = [TOKENIZER.encode_answer(ex.answer) for ex in examples]
-    report = checks.exact_kv_check(model, prompts, answers, BLOCK_SIZE, eos_id=TOKENIZER.EOS, pad_id=TOKENIZER.PAD,
-                                   max_new_tokens=get_task(task).answer_tokens, gamma=0.1, ops=ops)
+    data = code_task_data(num_prompts) if task == CODE_TASK else synthetic_task_data(task, num_prompts)
+    report = checks.exact_kv_check(model, data.prompts, data.answers, BLOCK_SIZE, eos_id=data.eos_id,
+                                   pad_id=data.pad_id, max_new_tokens=data.budget, gamma=0.1, ops=ops)
     return report.passed, report.summary(f"{task}, {num_prompts} prompts")
 
 
@@ -182,12 +271,15 @@ def exact_kv_check(model: Transformer, task: str, num_prompts: int, ops: DecodeO
 # Output
 # ----------------------------------------------------------------------------------------------------
 def format_table(task: str, rows: list[Row]) -> str:
-    head = (f"{'model':<9} {'method':<6} {'gamma':>5} {'accuracy':>8} {'NFE/token':>9} {'NFE speedup':>11} "
-            f"{'tokens/s':>9} {'wall speedup':>12}")
+    """The task's table; an "edit sim" column after accuracy when the task scores edit similarity (code)."""
+    similarity = any(r.edit_similarity is not None for r in rows)
+    head = (f"{'model':<9} {'method':<6} {'gamma':>5} {'accuracy':>8} " + (f"{'edit sim':>8} " if similarity else "")
+            + f"{'NFE/token':>9} {'NFE speedup':>11} {'tokens/s':>9} {'wall speedup':>12}")
     lines = [f"task {task}", head, "-" * len(head)]
     for r in rows:
         gamma = "-" if r.gamma is None else f"{r.gamma:.2f}"
-        lines.append(f"{r.model:<9} {r.method:<6} {gamma:>5} {100 * r.accuracy:>7.1f}% "
+        edit = (f"{r.edit_similarity:>8.1f} " if r.edit_similarity is not None else f"{'-':>8} ") if similarity else ""
+        lines.append(f"{r.model:<9} {r.method:<6} {gamma:>5} {100 * r.accuracy:>7.1f}% {edit}"
                      f"{r.nfe / r.answer_tokens:>9.3f} {r.nfe_speedup:>10.2f}x {r.tokens_per_s:>9.1f} "
                      f"{r.wall_speedup:>11.2f}x")
     return "\n".join(lines)
@@ -283,9 +375,14 @@ def main(args: argparse.Namespace) -> list[dict]:
           f"torch {torch.__version__}\n")
     results = []
     for task in (t for t in args.tasks.split(",") if t):
-        rows = measure_task(models, task, num_prompts, args.batch_size, gammas, ops,
+        task_models, task_prompts = models, num_prompts
+        if task == CODE_TASK:
+            task_models = {name: model.to(args.device) for name, model in code_models(preset).items()}
+            task_prompts = args.num_prompts or (2 if preset else CODE_PROMPTS)
+            print(code_task_header(task_prompts))
+        rows = measure_task(task_models, task, task_prompts, args.batch_size, gammas, ops,
                             args.timing_runs or (1 if preset else 5))
-        passed, summary = exact_kv_check(models["sbd"], task, min(args.kv_prompts, num_prompts), ops)
+        passed, summary = exact_kv_check(task_models["sbd"], task, min(args.kv_prompts, task_prompts), ops)
         print(format_table(task, rows))
         print(summary + "\n", flush=True)
         results.append({"task": task, "rows": [dataclasses.asdict(r) for r in rows], "exact_kv_check": passed})

@@ -1,5 +1,5 @@
 """`sbd demo` end to end on random `tiny` models (`--quick`), its JSON schema, table and plot; and, with the
-bundled checkpoints, the headline numbers on a few held-out prompts."""
+bundled checkpoints, the headline numbers on a few held-out prompts (synthetic and code tasks)."""
 import argparse
 import json
 
@@ -9,7 +9,8 @@ from sbd_kernels import demo
 from sbd_kernels.model import load_checkpoint
 
 ROW_KEYS = {"model": str, "method": str, "gamma": (float, type(None)), "accuracy": float, "nfe": int,
-            "answer_tokens": int, "nfe_speedup": float, "tokens_per_s": float, "wall_speedup": float}
+            "answer_tokens": int, "nfe_speedup": float, "tokens_per_s": float, "wall_speedup": float,
+            "block_size": (int, type(None)), "rule": (str, type(None)), "edit_similarity": (float, type(None))}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,7 +36,7 @@ def test_quick_demo_writes_the_documented_json(quick_run):
     results, json_path, _ = quick_run
     written = json.loads(json_path.read_text())
     assert written == json.loads(json.dumps(results))
-    assert [r["task"] for r in written] == ["add", "rot13"]
+    assert [r["task"] for r in written] == ["add", "rot13", "code"]
     for task in written:
         assert set(task) == {"task", "rows", "exact_kv_check"}
         assert task["exact_kv_check"] is True
@@ -46,6 +47,9 @@ def test_quick_demo_writes_the_documented_json(quick_run):
             for key, kind in ROW_KEYS.items():
                 assert isinstance(row[key], kind), (key, row[key])
             assert 0.0 <= row["accuracy"] <= 1.0 and row["nfe"] >= 1 and row["answer_tokens"] >= 1
+            sbd = row["method"] == "sbd"
+            assert (row["block_size"], row["rule"]) == ((demo.BLOCK_SIZE, "eb") if sbd else (None, None))
+            assert (row["edit_similarity"] is not None) == (task["task"] == "code")
 
 
 def test_speedups_are_relative_to_ntp_of_the_same_model(quick_run):
@@ -69,7 +73,10 @@ def test_quick_demo_prints_table_and_plot(quick_run, capsys):
     rows = [demo.Row("sbd", "ntp", None, 1.0, 33, 33, 1.0, 100.0, 1.0),
             demo.Row("sbd", "sbd", 0.1, 0.5, 3, 33, 11.0, 900.0, 9.0)]
     table = demo.format_table("add", rows)
-    assert "NFE speedup" in table and "11.00x" in table and "50.0%" in table
+    assert "NFE speedup" in table and "11.00x" in table and "50.0%" in table and "edit sim" not in table
+    rows[1].edit_similarity = 87.25
+    table = demo.format_table("code", rows)
+    assert "edit sim" in table and "87.2" in table
 
 
 @pytest.mark.slow
@@ -84,6 +91,27 @@ def test_bundled_checkpoints_reach_the_headline():
     ntp, sbd, baseline = rows
     assert sbd.accuracy >= ntp.accuracy - 0.01 and ntp.accuracy >= baseline.accuracy - 0.01
     assert sbd.nfe_speedup >= 3.0
+
+
+@pytest.mark.slow
+def test_bundled_code_models_keep_ntp_accuracy_with_fewer_passes():
+    """Guards against a regression of the HF decode path on the bundled code models: on held-out lines SBD at
+    gamma 0.1 loses at most one of 16 exact matches against NTP of the same model, with >= 2x fewer passes."""
+    if not all((p / "config.json").exists() for p in (demo.CODE_SBD_CHECKPOINT, demo.CODE_NTP_CHECKPOINT)):
+        pytest.skip("bundled code models missing")
+    models = demo.code_models(preset=None)
+    rows = demo.measure_task(models, demo.CODE_TASK, num_prompts=16, batch_size=16, gammas=(0.1,),
+                             ops=demo.fused_ops(), max_runs=1)
+    ntp, sbd, _ = rows
+    assert sbd.accuracy >= ntp.accuracy - 1 / 16 and sbd.nfe_speedup >= 2.0
+
+
+def test_missing_code_models_are_named(tmp_path, monkeypatch):
+    """Guards against a bare error (or an hours-long training) when the code models are missing: the error names
+    the folders and the way out."""
+    monkeypatch.setattr(demo, "CODE_SBD_CHECKPOINT", tmp_path / "code_sbd")
+    with pytest.raises(FileNotFoundError, match="code_sbd.*README.md.*--tasks add,rot13"):
+        demo.code_models(preset=None)
 
 
 def test_missing_checkpoints_are_trained(tmp_path, monkeypatch):
