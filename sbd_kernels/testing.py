@@ -11,6 +11,7 @@ their inputs on the CPU, where the oracles run; `on_device` runs a launcher on d
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from collections.abc import Callable, MutableMapping
 from typing import Any
@@ -225,6 +226,33 @@ def on_device(fn: Callable, device: str) -> Callable:
         return call_on_copies(fn, device, *args, **kwargs)
 
     return call
+
+
+OP_FAMILIES = {"block_attention_with_kvcache": "attention", "entropy_sample": "sampling", "mask_scatter_": "scatter"}
+BACKENDS = ("cpu", "triton", "naive")
+
+
+def op_on_given_tensors(name: str, backend: str) -> Callable:
+    """The `sbd.<name>` implementation of `backend` called on the tensors as given: "cpu" (the C++ kernel
+    through the dispatcher), "triton" (the launcher of ops/<family>/triton.py), "naive" (the oracle). For bad
+    inputs, which every backend rejects on the host before any launch: a failed value check on a CUDA tensor
+    would instead be a device-side assert that leaves the process's CUDA context unusable. Raises ValueError
+    for another op or backend."""
+    if name not in OP_FAMILIES or backend not in BACKENDS:
+        raise ValueError(f"op_on_given_tensors: no {backend!r} implementation of {name!r}: ops "
+                         f"{', '.join(OP_FAMILIES)}; backends {', '.join(BACKENDS)}")
+    if backend == "cpu":
+        return getattr(torch.ops.sbd, name)
+    module = importlib.import_module(f"sbd_kernels.ops.{OP_FAMILIES[name]}.{backend}")
+    return getattr(module, name)
+
+
+def backend_op(name: str, backend: str) -> Callable:
+    """The op under test: `op_on_given_tensors`, except that the Triton launcher runs on `triton_test_device()`
+    copies of its CPU tensor arguments, results copied back (`on_device`): the interpreter on the CPU
+    tensors by default, the compiled kernels on CUDA copies with SBD_TEST_DEVICE=cuda."""
+    op = op_on_given_tensors(name, backend)
+    return on_device(op, triton_test_device()) if backend == "triton" else op
 
 
 def call_on_copies(fn: Callable, device: str, *args: Any, **kwargs: Any) -> Any:

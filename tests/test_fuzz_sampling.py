@@ -15,13 +15,15 @@ float rounding of its cut-off (the backends sum in fp32, the oracle in fp64); an
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
+from sbd_kernels import testing
 from sbd_kernels.ops.sampling import naive
-from sbd_kernels.testing import FLOAT_DTYPES, Embedded, assert_close, on_device, poison_, triton_test_device
+from sbd_kernels.testing import FLOAT_DTYPES, Embedded, assert_close, poison_
 
 BACKENDS = ("cpu", "triton", "naive")
 # Default run: tiny vocabularies (the interpreter runs ~0.5 ms per program). Slow run: up to several
@@ -39,13 +41,7 @@ FILTER_NEAR_TIE = 1e-4
 SCORE_NEAR_TIE = 1e-6
 
 
-def backend_op(backend):
-    if backend == "cpu":
-        return torch.ops.sbd.entropy_sample
-    if backend == "triton":
-        from sbd_kernels.ops.sampling import triton as sampling_triton
-        return on_device(sampling_triton.entropy_sample, triton_test_device())
-    return naive.entropy_sample
+backend_op = functools.partial(testing.backend_op, "entropy_sample")
 
 
 @dataclass

@@ -11,14 +11,16 @@ equal the oracle's; nothing outside the in-place views changed; read-only argume
 """
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from sbd_kernels import testing
 from sbd_kernels.ops.scatter import naive
-from sbd_kernels.testing import Embedded, on_device, triton_test_device
+from sbd_kernels.testing import Embedded
 
 # The interpreter computes with numpy, which warns on the sums this test means to reach (-inf + inf, fp32
 # overflow of 3e38 + 3e38).
@@ -33,13 +35,7 @@ CHUNKS = 12  # 300 cases in the default run (about 15 s of CPU time here)
 SLOW_CHUNKS = 40  # 1000 more in the slow test
 
 
-def op_for(backend: str):
-    if backend == "cpu":
-        return torch.ops.sbd.mask_scatter_
-    if backend == "triton":
-        from sbd_kernels.ops.scatter import triton as triton_kernels
-        return on_device(triton_kernels.mask_scatter_, triton_test_device())
-    return naive.mask_scatter_
+op_for = functools.partial(testing.backend_op, "mask_scatter_")
 
 
 @dataclass

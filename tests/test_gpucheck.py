@@ -13,9 +13,12 @@ import torch
 from sbd_kernels import bench_report, cli, gpucheck
 from sbd_kernels import benchmark_grid as grid
 from sbd_kernels.testing import (
+    OP_FAMILIES,
+    backend_op,
     call_on_copies,
     configure_triton_environment,
     on_device,
+    op_on_given_tensors,
     select_shard,
     triton_test_device,
 )
@@ -45,6 +48,25 @@ def test_test_device_follows_the_variable(monkeypatch):
     monkeypatch.setenv("SBD_TEST_DEVICE", "gpu")
     with pytest.raises(ValueError, match="SBD_TEST_DEVICE must be one of cpu, cuda, got 'gpu'"):
         triton_test_device()
+
+
+def test_backend_ops_are_the_implementations_of_their_op(monkeypatch):
+    """Guards against a backend helper that hands a test the wrong op or the wrong backend (a test of the oracle
+    against itself cannot fail), or that runs the Triton launcher on CPU tensors in a CUDA run."""
+    from sbd_kernels.ops.sampling import naive, triton
+
+    for name in OP_FAMILIES:
+        assert op_on_given_tensors(name, "cpu") is getattr(torch.ops.sbd, name)
+    assert op_on_given_tensors("entropy_sample", "triton") is triton.entropy_sample
+    assert op_on_given_tensors("entropy_sample", "naive") is naive.entropy_sample
+    monkeypatch.setenv("SBD_TEST_DEVICE", "cpu")
+    assert backend_op("entropy_sample", "triton") is triton.entropy_sample
+    monkeypatch.setenv("SBD_TEST_DEVICE", "cuda")
+    assert backend_op("entropy_sample", "triton").__wrapped__ is triton.entropy_sample
+    assert backend_op("entropy_sample", "cpu") is torch.ops.sbd.entropy_sample
+    for name, backend in (("entropy", "cpu"), ("entropy_sample", "cuda")):
+        with pytest.raises(ValueError, match=f"no {backend!r} implementation of {name!r}"):
+            op_on_given_tensors(name, backend)
 
 
 def test_interpreter_is_set_for_cpu_only():

@@ -1,36 +1,24 @@
 """sbd.entropy_sample: both backends (C++ CPU, Triton under the interpreter, or compiled on CUDA with
 SBD_TEST_DEVICE=cuda) against the oracle, the generator's contract and statistics, sentinels, bad inputs,
 opcheck and torch.compile."""
+import functools
 import math
 
 import pytest
 import torch
 
+from sbd_kernels import testing
 from sbd_kernels.ops.sampling import naive
-from sbd_kernels.testing import FLOAT_DTYPES, assert_close, noncontiguous, on_device, triton_test_device
+from sbd_kernels.testing import FLOAT_DTYPES, assert_close, noncontiguous
 
 BACKENDS = ("cpu", "triton")
 TEMPERATURE_MODES = ("greedy", "sample", "per_row")
 
 
-def backend_op(backend):
-    """The op under test: the C++ kernel through the dispatcher, the Triton launcher (on the CPU tensors under
-    the interpreter, or on CUDA copies of them with SBD_TEST_DEVICE=cuda, results back on the CPU), or the
-    oracle."""
-    op = op_on_given_tensors(backend)
-    return on_device(op, triton_test_device()) if backend == "triton" else op
-
-
-def op_on_given_tensors(backend):
-    """The op of `backend` called on the tensors as given (CPU ones in these tests): for bad inputs, which
-    every backend rejects on the host before any launch; a failed value check on a CUDA tensor would instead
-    be a device-side assert that leaves the process's CUDA context unusable."""
-    if backend == "cpu":
-        return torch.ops.sbd.entropy_sample
-    if backend == "triton":
-        from sbd_kernels.ops.sampling import triton as sampling_triton
-        return sampling_triton.entropy_sample
-    return naive.entropy_sample
+# The op under test: C++, the Triton launcher on the test device, or the oracle (on the tensors as given for
+# inputs every backend rejects on the host).
+backend_op = functools.partial(testing.backend_op, "entropy_sample")
+op_on_given_tensors = functools.partial(testing.op_on_given_tensors, "entropy_sample")
 
 
 def make_logits(batch, positions, vocab, dtype=torch.float32, scale=3.0):

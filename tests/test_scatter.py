@@ -3,40 +3,25 @@
 hand-written cases of docs/algorithm.md §3.5."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import sbd_kernels
+from sbd_kernels import testing
 from sbd_kernels.ops.scatter import naive
-from sbd_kernels.testing import noncontiguous, on_device, poison_, triton_test_device
+from sbd_kernels.testing import noncontiguous, poison_
 
 INF = float("inf")
 NAN = float("nan")
 SENTINEL = -7777  # what poison_ writes into int64 buffers
 
 
-def _triton_op():
-    from sbd_kernels.ops.scatter import triton as triton_kernels
-    return triton_kernels.mask_scatter_
-
-
-def op_for(backend: str):
-    """The mask_scatter_ implementation of one backend: "cpu" (C++), "triton" (the launcher on the CPU tensors
-    under the interpreter, or on CUDA copies of them with SBD_TEST_DEVICE=cuda, in-place results copied back),
-    "naive"."""
-    op = op_on_given_tensors(backend)
-    return on_device(op, triton_test_device()) if backend == "triton" else op
-
-
-def op_on_given_tensors(backend: str):
-    """The implementation of `backend` called on the tensors as given (CPU ones in these tests): for bad
-    inputs, which every backend rejects on the host before any launch; a failed value check on a CUDA tensor
-    would instead be a device-side assert that leaves the process's CUDA context unusable."""
-    if backend == "cpu":
-        return torch.ops.sbd.mask_scatter_
-    if backend == "triton":
-        return _triton_op()
-    return naive.mask_scatter_
+# The implementation under test: C++, the Triton launcher on the test device (in-place results copied back),
+# or the oracle (on the tensors as given for inputs every backend rejects on the host).
+op_for = functools.partial(testing.backend_op, "mask_scatter_")
+op_on_given_tensors = functools.partial(testing.op_on_given_tensors, "mask_scatter_")
 
 
 BACKENDS = ["cpu", "triton"]
@@ -276,7 +261,7 @@ def test_triton_rejects_blocks_beyond_its_limit():
     """Guards against the Triton kernel silently truncating a row longer than its block."""
     tokens, masked, sampled, entropy, gamma, _ = random_inputs(1, 257, 0, True, True)
     with pytest.raises(RuntimeError, match="block_tokens has K = 257 positions"):
-        _triton_op()(tokens, masked, sampled, entropy, gamma)
+        op_on_given_tensors("triton")(tokens, masked, sampled, entropy, gamma)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
