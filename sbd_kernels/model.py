@@ -405,7 +405,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     structure, an unknown / missing / bad config key, missing / unexpected / misshapen weights.
     """
     name = os.fspath(path)
-    payload = _read_checkpoint_file(name)
+    payload = read_torch_file(name)
     config, state, meta = _checkpoint_parts(name, payload)
     cfg = _checkpoint_config(name, config)
     _check_checkpoint_weights(name, cfg, state)
@@ -416,9 +416,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     return model.eval(), meta
 
 
-def _read_checkpoint_file(path: str) -> Any:
-    """torch.load(path, weights_only=True) on the CPU, with each way a file can be unusable as a
-    CheckpointError (torch itself says OSError('Invalid argument') for a truncated file, a bare EOFError
+def read_torch_file(path: str) -> Any:
+    """torch.load(path, weights_only=True) on the CPU (a checkpoint, a training state), with each way a file
+    can be unusable as a CheckpointError (torch itself says OSError('Invalid argument') for a truncated file, a bare EOFError
     for an empty one)."""
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file")

@@ -37,9 +37,11 @@ from sbd_kernels import argtypes
 from sbd_kernels.argtypes import UsageError, add_option
 from sbd_kernels.model import (
     PRESETS,
+    CheckpointError,
     ModelConfig,
     Transformer,
     load_checkpoint,
+    read_torch_file,
     save_checkpoint,
     sbd_attention_mask,
     sbd_mask_allows,
@@ -329,6 +331,31 @@ def _time_is_up(t0: float, max_minutes: float, world: int) -> bool:
     return bool(up)
 
 
+RESUME_KEYS = ("model", "optimizer", "step", "seconds", "eval")
+
+
+def _resume_state(path: str, model: Transformer, opt: torch.optim.Optimizer) -> tuple[int, float, list]:
+    """Loads the training state `path` (written beside a checkpoint by `train`) into model and opt; returns
+    (step, seconds trained, eval history). Raises CheckpointError naming the file when it is damaged, is not
+    a training state (RESUME_KEYS), or holds the weights or optimizer of another model."""
+    state = read_torch_file(path)
+    missing = [key for key in RESUME_KEYS if key not in state] if isinstance(state, dict) else list(RESUME_KEYS)
+    if missing:
+        raise CheckpointError(f"{path}: not a training state of sbd train (missing {', '.join(missing)})")
+    try:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise CheckpointError(f"{path}: the training state of another model ({_first_line(err)}); resume "
+                              "with the run's own config, or start again with --overwrite") from err
+    return state["step"], state["seconds"], state["eval"]
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def train(cfg: TrainConfig) -> Transformer:
     """Runs the whole training described by cfg; returns the trained model (rank 0 writes cfg.out)."""
     # config
@@ -355,10 +382,7 @@ def train(cfg: TrainConfig) -> Transformer:
     opt = _optimizer(model, cfg)
     start, seconds_before, history = 0, 0.0, []
     if cfg.resume and os.path.exists(f"{cfg.out}.state"):
-        state = torch.load(f"{cfg.out}.state", map_location=device, weights_only=True)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        start, seconds_before, history = state["step"], state["seconds"], state["eval"]
+        start, seconds_before, history = _resume_state(f"{cfg.out}.state", model, opt)
         _log(rank, f"resumed from {cfg.out}.state at step {start}")
     ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     _log(rank, f"model {cfg.preset if not cfg.init_from else cfg.init_from}: {model.num_parameters():,} "

@@ -383,6 +383,32 @@ def test_train_resume_continues_its_own_run(tmp_path, capsys):
     assert "--overwrite" in error_line(capsys.readouterr().err, "train")
 
 
+@pytest.mark.parametrize("damage", ["truncated", "not_a_state", "other_model"])
+def test_train_resume_from_a_damaged_state_is_one_line(tmp_path, capsys, damage):
+    """Guards against --resume from a damaged or foreign <out>.state ending in a raw torch.load / state-dict
+    traceback (OSError('Invalid argument'), KeyError 'model', size mismatch) instead of naming the file, and
+    against the failed run touching the checkpoint."""
+    out = tmp_path / "run.pt"
+    cli.main(tiny_train_argv(out))
+    state = tmp_path / "run.pt.state"
+    if damage == "truncated":
+        state.write_bytes(state.read_bytes()[:-100])
+    elif damage == "not_a_state":
+        torch.save({"step": 2}, state)
+    else:
+        weights = torch.load(state, weights_only=True)
+        weights["model"] = {name: t[:1] for name, t in weights["model"].items()}
+        torch.save(weights, state)
+    before = out.read_bytes()
+    with pytest.raises(SystemExit) as info:
+        cli.main([*tiny_train_argv(out), "--steps", "3", "--resume"])
+    line = error_line(capsys.readouterr().err, "train")
+    assert info.value.code == 1 and str(state) in line
+    assert {"truncated": "truncated", "not_a_state": "missing model, optimizer, seconds, eval",
+            "other_model": "the training state of another model"}[damage] in line
+    assert out.read_bytes() == before
+
+
 # ----------------------------------------------------------------------------------------------------
 # One flag style: dashes, with the underscore spellings as hidden aliases
 # ----------------------------------------------------------------------------------------------------
