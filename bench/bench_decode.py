@@ -27,7 +27,7 @@ import os
 import pytest
 import torch
 
-from bench.harness import bench_device, measure, parametrize_shapes, random_weights_
+from bench.harness import bench_device, measure, parametrize_shapes, random_weights_, torch_threads
 from sbd_kernels import roofline
 from sbd_kernels.bench_report import datasheet_ceilings
 from sbd_kernels.benchmark_grid import DECODE_BLOCK, DECODE_MODELS, TORCH_DTYPES, DecodeShape, decode_grid
@@ -62,11 +62,9 @@ def model_config(name: str) -> ModelConfig:
 
 @pytest.fixture(autouse=True)
 def decode_threads():
-    """The bench's thread count for each test, torch's previous one restored for the other bench files."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    yield
-    torch.set_num_threads(before)
+    """THREADS torch threads for each test of this file."""
+    with torch_threads(THREADS):
+        yield
 
 
 def cache_gib(shape: DecodeShape) -> float:

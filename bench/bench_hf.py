@@ -25,7 +25,14 @@ import os
 import pytest
 import torch
 
-from bench.harness import bench_device, build_provider, measure, parametrize_shapes, random_weights_
+from bench.harness import (
+    bench_device,
+    build_provider,
+    measure,
+    parametrize_shapes,
+    random_weights_,
+    torch_threads,
+)
 from sbd_kernels.benchmark_grid import HF_MODELS, HfDecodeShape
 from sbd_kernels.testing import tolerance
 
@@ -53,10 +60,9 @@ _CHECKED: dict[str, bool] = {}
 
 @pytest.fixture(autouse=True)
 def hf_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    yield
-    torch.set_num_threads(before)
+    """THREADS torch threads for each test of this file."""
+    with torch_threads(THREADS):
+        yield
 
 
 def random_model(name: str) -> torch.nn.Module:

@@ -23,9 +23,10 @@ the GPU's datasheet). A provider whose outputs failed the oracle check on the be
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -73,6 +74,18 @@ def bench_device() -> str:
     if wanted == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{DEVICE_VARIABLE}=cuda, but torch {torch.__version__} sees no CUDA device")
     return wanted or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `count` inside, the previous one restored after (for the other
+    bench files of the same pytest run)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def bench_rounds(default: int | None = None) -> int:

@@ -44,7 +44,7 @@ from sbd_kernels.code_completion import (
     score,
 )
 from sbd_kernels.generate import DecodeConfig, DecodeOps, DecodeResult, generate
-from sbd_kernels.model import CheckpointError, read_torch_file, sbd_train_inputs
+from sbd_kernels.model import read_training_state, sbd_train_inputs
 from sbd_kernels.train import IGNORE, add_noise, ntp_loss, sbd_labels, sbd_loss
 
 MODEL_SHAPE = {"hidden": 256, "layers": 6, "heads": 4, "kv_heads": 2, "ffn": 704}
@@ -218,11 +218,8 @@ def train_code_model(cfg: CodeTrainConfig) -> dict:
     opt = _optimizer(model, cfg)
     start_step, seconds_before, curve, evals = 0, 0.0, [], []
     if resume_from is not None:
-        state = read_torch_file(str(resume_from))
-        keys = ("optimizer", "step", "seconds", "curve", "eval")
-        missing = [key for key in keys if key not in state] if isinstance(state, dict) else list(keys)
-        if missing:
-            raise CheckpointError(f"{resume_from}: not a training state of a code model (missing {', '.join(missing)})")
+        state = read_training_state(str(resume_from), ("optimizer", "step", "seconds", "curve", "eval"),
+                                    "a code model")
         opt.load_state_dict(state["optimizer"])
         start_step, seconds_before, curve, evals = state["step"], state["seconds"], state["curve"], state["eval"]
         print(f"resumed {cfg.out} at step {start_step}", file=sys.stderr, flush=True)

@@ -456,6 +456,16 @@ def read_torch_file(path: str) -> Any:
         raise CheckpointError(f"{path}: damaged ({type(err).__name__}: {detail})") from err
 
 
+def read_training_state(path: str, keys: tuple[str, ...], kind: str) -> dict[str, Any]:
+    """`read_torch_file(path)`, checked to be a dict holding every one of `keys` (a training state written
+    beside a run for --resume); CheckpointError naming the file, `kind` and the missing keys otherwise."""
+    state = read_torch_file(path)
+    missing = [key for key in keys if key not in state] if isinstance(state, dict) else list(keys)
+    if missing:
+        raise CheckpointError(f"{path}: not a training state of {kind} (missing {', '.join(missing)})")
+    return state
+
+
 def _unpickling_reason(err: Exception) -> str:
     """The one informative line of torch's multi-paragraph weights_only error."""
     for line in str(err).splitlines():

@@ -41,7 +41,7 @@ from sbd_kernels.model import (
     ModelConfig,
     Transformer,
     load_checkpoint,
-    read_torch_file,
+    read_training_state,
     save_checkpoint,
     sbd_attention_mask,
     sbd_mask_allows,
@@ -338,10 +338,7 @@ def _resume_state(path: str, model: Transformer, opt: torch.optim.Optimizer) -> 
     """Loads the training state `path` (written beside a checkpoint by `train`) into model and opt; returns
     (step, seconds trained, eval history). Raises CheckpointError naming the file when it is damaged, is not
     a training state (RESUME_KEYS), or holds the weights or optimizer of another model."""
-    state = read_torch_file(path)
-    missing = [key for key in RESUME_KEYS if key not in state] if isinstance(state, dict) else list(RESUME_KEYS)
-    if missing:
-        raise CheckpointError(f"{path}: not a training state of sbd train (missing {', '.join(missing)})")
+    state = read_training_state(path, RESUME_KEYS, "sbd train")
     try:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
