@@ -95,7 +95,7 @@ def filled_cache(shape: DecodeShape, model: Transformer) -> KVCache:
     key = (shape.model, shape.batch, shape.kv_len)
     if key not in _CACHE:
         _CACHE.clear()
-        cache = KVCache.for_model(model, shape.batch, shape.kv_len + 2 * shape.k)
+        cache = model.new_cache(shape.batch, shape.kv_len + 2 * shape.k)
         gen = torch.Generator(device=DEVICE).manual_seed(1)
         for t in (*cache.k, *cache.v):
             t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype, device=DEVICE))

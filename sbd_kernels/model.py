@@ -99,7 +99,8 @@ class KVCache(nn.Module):
     """Per-layer contiguous K/V `[B, S_max, Hkv, D]` and `seqlens [B]` int32 (tokens cached per row).
 
     The attention op writes the causal rows' K/V into slots `[seqlens[b], seqlens[b] + c_b)`; the model
-    then calls `advance(num_causal)` once per pass, after the last layer.
+    then calls `advance(num_causal)` once per pass, after the last layer. Build one shaped for a model with
+    `Transformer.new_cache(batch, max_len)`.
     """
 
     def __init__(self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
@@ -109,14 +110,6 @@ class KVCache(nn.Module):
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
-
-    @classmethod
-    def for_model(cls, model: Transformer, batch: int, max_len: int | None = None) -> KVCache:
-        """A cache shaped for `model`, in its dtype and on its device."""
-        cfg = model.config
-        weight = model.tok_embeddings.weight
-        return cls(cfg.n_layers, batch, max_len or cfg.max_seq_len, cfg.n_kv_heads, cfg.head_dim,
-                   weight.dtype, weight.device)
 
     def reset(self) -> None:
         self.seqlens.zero_()
@@ -337,8 +330,10 @@ class Transformer(nn.Module):
         return self.config.mask_token_id
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty KV cache for `batch` rows of up to `max_len` cached tokens (the `SbdModel` protocol)."""
-        return KVCache.for_model(self, batch, max_len)
+        """An empty KV cache for `batch` rows of up to `max_len` cached tokens, in the model's dtype and on its
+        device (the `SbdModel` protocol; the one constructor of a cache shaped for a model)."""
+        cfg, weight = self.config, self.tok_embeddings.weight
+        return KVCache(cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim, weight.dtype, weight.device)
 
     def decode_pass(self, tokens: Tensor, num_causal: Tensor, block_size: int, cache: KVCache,
                     attention_op: AttentionOp | None = None, keep_last: int = 0) -> Tensor:

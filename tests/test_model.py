@@ -22,7 +22,8 @@ from sbd_kernels.ops.attention.naive import block_attention_with_kvcache as naiv
 from sbd_kernels.tasks import TOKENIZER
 from sbd_kernels.testing import assert_close, poison_
 
-CHECKPOINTS = Path(__file__).resolve().parents[1] / "sbd_kernels" / "checkpoints"
+REPO = Path(__file__).resolve().parents[1]
+CHECKPOINTS = REPO / "sbd_kernels" / "checkpoints"
 ATTENTION_OPS = {"naive": naive_attention, "cpp": torch.ops.sbd.block_attention_with_kvcache}
 
 
@@ -130,7 +131,7 @@ def test_decode_pass_equals_full_recompute(op_name, block_size):
     model, op = tiny_model(), ATTENTION_OPS[op_name]
     prompt_lens = torch.tensor([9, 4, 6], dtype=torch.int32)
     seqs = random_tokens(3, 40)
-    cache = KVCache.for_model(model, batch=3, max_len=48)
+    cache = model.new_cache(3, 48)
     for t in cache.k + cache.v:
         poison_(t)  # unwritten slots must never be read
     prefill = _prefill(model, seqs[:, :9], prompt_lens, cache, op)
@@ -166,7 +167,7 @@ def test_decode_pass_low_precision(dtype):
     between q and the cache, fp32 logits contract): compared with the same model's no-cache forward."""
     model = tiny_model(dtype)
     tokens = random_tokens(2, 10)
-    cache = KVCache.for_model(model, batch=2, max_len=32)
+    cache = model.new_cache(2, 32)
     assert cache.k[0].dtype == dtype
     logits = model.decode_pass(tokens, torch.tensor([10, 10], dtype=torch.int32), 0, cache)
     assert logits.dtype == torch.float32
@@ -177,7 +178,7 @@ def test_kv_cache_reset_and_shapes():
     """Guards against a cache whose layout differs from the op contract ([B, S_max, Hkv, D], int32
     lengths) or whose reset leaves stale lengths."""
     model = tiny_model()
-    cache = KVCache.for_model(model, batch=2, max_len=20)
+    cache = model.new_cache(2, 20)
     cfg = model.config
     assert len(cache.k) == len(cache.v) == cfg.n_layers
     assert cache.k[0].shape == (2, 20, cfg.n_kv_heads, cfg.head_dim) and cache.k[0].is_contiguous()
@@ -411,3 +412,13 @@ def test_reference_model_implements_the_sbd_model_protocol():
     assert isinstance(model, SbdModel)
     assert isinstance(model.new_cache(2, 8), DecodeCache)
     assert model.mask_token_id == model.config.mask_token_id
+
+
+def test_one_cache_constructor():
+    """Guards against a second way of making a model's cache coming back (a KVCache class method beside
+    `Transformer.new_cache`): `new_cache`, the protocol's constructor, is the only one, and callers use it."""
+    assert not hasattr(KVCache, "for_model")
+    callers = [p for p in (*(REPO / "sbd_kernels").rglob("*.py"), *(REPO / "bench").rglob("*.py"),
+                           *(REPO / "tests").rglob("*.py"), *(REPO / "docs").rglob("*.md"), REPO / "README.md")
+               if "KVCache.for" + "_model" in p.read_text()]
+    assert not callers, callers
