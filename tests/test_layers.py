@@ -5,10 +5,12 @@
           not installed)
 
 A module may import modules of its own layer and of the layers below it, never above; nothing in the
-package imports `bench` (the README's map of the code states the same rule).
+package imports `bench` (the README's map of the code states the same rule, and its layer table must list
+the layers of LAYERS).
 """
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "sbd_kernels"
 
 # Layer of every module of the package, lowest first; a subpackage's modules share its layer. Adding a
-# module means placing it here and in the README's map.
+# module means placing it here and in the README's map (test_readme_map_lists_the_checked_layers holds the two
+# equal).
 LAYERS = [
     # The ops and what they need: no model, no decoding, no tooling.
     ["sbd_kernels", "sbd_kernels._loader", "sbd_kernels.ops", "sbd_kernels.testing", "sbd_kernels.benchmark_grid",
@@ -35,6 +38,28 @@ LAYERS = [
     # The `sbd` command.
     ["sbd_kernels.cli"],
 ]
+
+
+def readme_layers() -> list[list[str]]:
+    """The package's layers as the README's map of the code lists them, lowest first: the module column of
+    each row of its layer table, package names spelt out (`ops/` -> sbd_kernels.ops, `__init__` ->
+    sbd_kernels), without the C++ (`csrc/`) and benchmark (`bench/`) rows, which are outside the package."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Map of the code", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| ")]
+    assert rows and [cell.strip() for cell in rows[0]] == ["layer", "modules", "may import"], rows[:1]
+    layers = []
+    for _, modules, _ in rows[1:]:
+        names = re.findall(r"`([^`]+)`", modules)
+        if names in (["csrc/"], ["bench/"]):
+            continue
+        layers.append([_readme_module(name) for name in names])
+    return layers
+
+
+def _readme_module(name: str) -> str:
+    name = name.removeprefix("sbd_kernels/").rstrip("/")
+    return "sbd_kernels" if name == "__init__" else "sbd_kernels." + name.replace("/", ".")
 
 
 def module_name(path: Path) -> str:
@@ -91,6 +116,22 @@ def test_no_module_imports_upward(path):
         if name == "sbd_kernels" or name.startswith("sbd_kernels."):
             assert layer_of(name) <= own, (f"{module} (layer {own}) imports {name} (layer {layer_of(name)}): "
                                            "imports point down only")
+
+
+def test_readme_map_lists_the_checked_layers():
+    """Guards against the README's map of the code drifting from the layers this file enforces: a module
+    moved, added or dropped in LAYERS but not in the map's table (or the reverse), or layers reordered."""
+    assert [sorted(layer) for layer in readme_layers()] == [sorted(layer) for layer in LAYERS]
+
+
+def test_readme_map_parser_sees_a_drift():
+    """Guards against a map check that cannot fail: the parser reads every package row, and a module in a
+    different row gives a different answer."""
+    parsed = readme_layers()
+    assert len(parsed) == len(LAYERS) >= 5 and "sbd_kernels.hf" in parsed[2] and parsed[-1] == ["sbd_kernels.cli"]
+    moved = [sorted(layer) for layer in LAYERS]
+    moved[0].append("sbd_kernels.model")
+    assert [sorted(layer) for layer in parsed] != moved
 
 
 def test_layer_rule_catches_an_upward_import(tmp_path):
