@@ -1,11 +1,12 @@
 """Decode steps replayed from CUDA graphs: `generate(..., cuda_graph=True)`.
 
 Called eagerly, a decode pass of a small model is host-bound: Python, the model's modules and each kernel launch
-cost more than the GPU work (measured on an H100: one attention call 415 us eagerly against 57 us replayed). A CUDA
-graph records every kernel of one step once and replays them with one launch. That is only correct when a replay
-touches the same memory the capture saw, so the decode loop keeps every tensor a step reads or writes in static
-buffers: the per-sequence state (`NtpState`, `SbdState`), the KV cache and its lengths are allocated once per batch
-and only ever updated in place, and a step has no host sync inside.
+cost more than the GPU work (one attention call took 415 us eagerly against 57 us replayed in a one-off H100
+session, no committed report: docs/performance.md §6.2). A CUDA graph records every kernel of one step once and
+replays them with one launch. That is only correct when a replay touches the same memory the capture saw, so the
+decode loop keeps every tensor a step reads or writes in static buffers: the per-sequence state (`NtpState`,
+`SbdState`), the KV cache and its lengths are allocated once per batch and only ever updated in place, and a step
+has no host sync inside.
 
 `GraphedSteps` wraps the two repeated steps (`ntp_decode_step`, and `sbd_block_step` once per row layout:
 2K rows or K rows); the prefills run eagerly. Per layout, the first call runs eagerly (the warm-up CUDA graphs

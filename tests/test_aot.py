@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -50,6 +51,20 @@ def test_benchmark_picks_name_listed_specs(family, listed):
     assert picks, f"{family}: no benchmark picks"
     missing = [(shape, spec) for shape, spec in picks if spec not in listed[family]]
     assert not missing, f"{family}: picks not in aot_specs(): {missing}"
+
+
+def test_docs_state_the_current_compile_count():
+    """Guards against the README and docs/performance.md quoting a stale number of `make aot` compiles (the
+    launchers gained or lost configurations): the "(N compiles" each states is len(specs) x architectures."""
+    from pathlib import Path
+
+    from sbd_kernels.aot import DEFAULT_ARCHS, collect_specs
+
+    compiles = len(collect_specs()) * len(DEFAULT_ARCHS)
+    repo = Path(__file__).resolve().parent.parent
+    for doc in ("README.md", "docs/performance.md"):
+        stated = re.findall(r"\((\d+)\s+compiles\b", (repo / doc).read_text())
+        assert stated and {int(n) for n in stated} == {compiles}, f"{doc} states {stated}, `make aot` runs {compiles}"
 
 
 def test_spec_names_are_unique():

@@ -103,3 +103,29 @@ def test_checker_enforces_one_heading_scheme(tmp_path):
     sections, problems = _checker_module().document_sections(doc, tmp_path)
     assert sections == {"1", "1.1", "1.2"}
     assert [(p.line, "twice" in p.message) for p in problems] == [(4, False), (5, True)]
+
+
+def test_checker_wants_the_source_of_every_gpu_figure(tmp_path):
+    """Guards against a GPU timing in the docs that names no source (a one-off run passed off as a result of
+    this repository's commands): a paragraph, or a table under a paragraph, that names a GPU and gives a
+    figure in us / ms / TB/s fails unless it names an existing bench/reference/ report, says "no committed
+    report", or quotes a datasheet; a CPU figure, or a GPU named without a figure, needs none."""
+    unsourced = ["On an H100 the kernel took 57 us at L = 4096.",
+                 "Timed on one NVIDIA H100:\n\n| L | time |\n|---|---|\n| 4096 | 57 us |",
+                 "On an A100: 1.2 TB/s, see bench/reference/no-such-gpu/report.md."]
+    sourced = ["On an H100 the kernel took 57 us (one-off run, no committed\nreport).",
+               "On an H100 the kernel took 57 us (bench/reference/epyc-zen4-2core/report.md).",
+               "An H100 datasheet gives 3.35 TB/s.",
+               "The kernel took 57 us on this CPU.", "The checkpoints were trained on an H100.",
+               "## Timings on an H100\n\n| L | time |\n|---|---|\n| 4096 | 57 us |",
+               "```\nH100: 57 us\n```"]
+    module = _checker_module()
+    for text in unsourced:
+        problems = module.gpu_figure_problems(tmp_path / "doc.md", text + "\n", REPO_ROOT)
+        assert len(problems) == 1 and "without its source" in problems[0].message, text
+    for text in sourced:
+        assert module.gpu_figure_problems(tmp_path / "doc.md", text + "\n", REPO_ROOT) == [], text
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Doc\n\nSome text.\n\n" + unsourced[1] + "\n")
+    result = _run_checker(doc)
+    assert result.returncode == 1 and f"{doc}:5: GPU figure '57 us'" in result.stderr, result.stderr

@@ -13,7 +13,12 @@ Fails (exit 1), listing `file:line: problem` for each, when:
 - a referenced document or section does not exist, or a bare `§` number appears outside docs/;
 - a numbered heading of a document breaks the scheme (its level does not match its depth, or it repeats);
 - a file mentions the internal notes that live outside the repository (`NOTE_NAMES`): cite docs/ instead.
-  This file itself is exempt, since it names them.
+  This file itself is exempt, since it names them;
+- a Markdown file (the reports under bench/reference/ aside) gives a GPU figure without its source: a
+  paragraph, or a paragraph with the tables right after it, that names a GPU model (H100, A100, ...) and gives
+  a figure in us, ms, GB/s, TB/s, GFLOP/s or TFLOP/s must name an existing bench/reference/ path (the
+  committed report), or say "no committed report" (a one-off run), or "datasheet" (a vendor's figure, not
+  a measurement).
 
 Usage (from anywhere inside the repository):
     python tools/check_doc_refs.py             # every tracked text file (`git ls-files`)
@@ -42,6 +47,15 @@ FENCE = re.compile(r"^\s*(```|~~~)")
 # Internal notes that never ship with the repository; the code must cite docs/ instead.
 NOTE_NAMES = ("SBD_SPEC", "FINDINGS", "DESIGN.md", "STYLE.md", "PAPER_ROOFLINE", "/work/shared")
 NOTES = re.compile("|".join(re.escape(name) for name in NOTE_NAMES))
+
+
+# GPU figures in Markdown: a GPU model, a number with a time or throughput unit, and what names the source.
+GPU_MODEL = re.compile(r"\b(?:A100|H100|H200|B100|B200|GH200|L40S?|L4|V100)\b")
+GPU_FIGURE = re.compile(r"\d(?:[\d.,]*\d)?\s?(?:us|µs|ms|[GT]B/s|[GT]FLOP/s)(?!\w)")
+REPORT_PATH = re.compile(r"bench/reference/[\w./-]+")
+UNREPORTED_LABEL = "no committed report"
+DATASHEET = "datasheet"
+REPORTS_DIR = "bench/reference/"
 
 
 @dataclass(frozen=True)
@@ -170,6 +184,51 @@ def check_text(path: Path, text: str, docs: Documents) -> list[Problem]:
     return problems
 
 
+def markdown_units(text: str) -> list[tuple[int, str]]:
+    """(first line number, text on one line) of each paragraph of a Markdown text, the tables right after a
+    paragraph joined to it (a table's figures are introduced by the paragraph above); headings, blank lines
+    and fences end a unit, fenced lines belong to none."""
+    units: list[tuple[int, list[str]]] = []
+    current: list[str] | None = None
+    joinable = False  # the last unit is a paragraph (or a paragraph and its tables) and may take a table
+    in_fence = False
+    for number, line in enumerate(text.splitlines(), start=1):
+        if FENCE.match(line):
+            in_fence, current, joinable = not in_fence, None, False
+            continue
+        if in_fence or line.startswith("#"):
+            current, joinable = None, False
+            continue
+        if not line.strip():
+            current = None
+            continue
+        if current is None:
+            if line.startswith("|") and joinable:
+                current = units[-1][1]
+            else:
+                current = []
+                units.append((number, current))
+                joinable = not line.startswith("|")
+        current.append(line)
+    return [(number, " ".join(" ".join(lines).split())) for number, lines in units]  # one space between words
+
+
+def gpu_figure_problems(path: Path, text: str, root: Path) -> list[Problem]:
+    """Paragraphs (with their tables) of a Markdown file that give a GPU figure without naming its source."""
+    problems = []
+    for number, unit in markdown_units(text):
+        if not (GPU_MODEL.search(unit) and GPU_FIGURE.search(unit)):
+            continue
+        reported = any((root / match.group(0).rstrip(".")).exists() for match in REPORT_PATH.finditer(unit))
+        if reported or UNREPORTED_LABEL in unit or DATASHEET in unit:
+            continue
+        figure = GPU_FIGURE.search(unit).group(0)
+        problems.append(Problem(display(path, root), number, (
+            f"GPU figure '{figure}' without its source: name its report (an existing bench/reference/ path), "
+            f"or label it '{UNREPORTED_LABEL}' (a one-off run) or as a {DATASHEET} value")))
+    return problems
+
+
 def check_files(files: list[Path], root: Path) -> tuple[list[Problem], int]:
     """(problems, number of text files read) for `files`, references resolved against root/docs."""
     docs = Documents(root)
@@ -181,6 +240,8 @@ def check_files(files: list[Path], root: Path) -> tuple[list[Problem], int]:
             continue
         scanned += 1
         problems += check_text(path, text, docs)
+        if path.suffix == ".md" and not display(path, root).startswith(REPORTS_DIR):
+            problems += gpu_figure_problems(path, text, root)
     # Heading problems of every document, referenced or not.
     for doc in sorted((root / "docs").glob("**/*.md")):
         docs.sections(display(doc, root))
