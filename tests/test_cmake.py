@@ -53,34 +53,69 @@ def test_sources_are_named_in_one_list():
     assert sorted(listed) == on_disk
 
 
-# Records every compile as a JSON line and writes empty objects and library: what setup.py would run,
-# in seconds. Version queries (torch's compiler check) go to the real compiler.
+# Records every compile as a JSON line (its arguments, start and end time) and writes empty objects and
+# library: what setup.py would run, in seconds. Each compile lasts `seconds`, so that compiles running side by
+# side overlap in time. Version queries (torch's compiler check) go to the real compiler.
 FAKE_COMPILER = """#!{python}
-import json, os, sys
+import json, os, sys, time
 args = sys.argv[1:]
 if "-o" in args:
+    start = time.monotonic()
+    if "-c" in args:
+        time.sleep({seconds})
+    open(args[args.index("-o") + 1], "w").close()
     if "-c" in args:
         with open({log!r}, "a") as f:
-            f.write(json.dumps(args) + "\\n")
-    open(args[args.index("-o") + 1], "w").close()
+            f.write(json.dumps({{"args": args, "start": start, "end": time.monotonic()}}) + "\\n")
 else:
     os.execvp("c++", ["c++", *args])
 """
 
 
-def setup_py_compile_commands(tmp_path: Path) -> list[list[str]]:
-    """The compiler command lines of `setup.py build_ext`, run with a recording compiler."""
+def setup_py_compiles(tmp_path: Path, *build_args: str, seconds: float = 0.0) -> list[dict]:
+    """The compiles of `setup.py build_ext *build_args`, run with a recording compiler whose compiles last
+    `seconds`: {"args": command line, "start": ..., "end": ...} (monotonic seconds) each."""
     log = tmp_path / "compiles.jsonl"
     fake = tmp_path / "fake-c++"
-    fake.write_text(FAKE_COMPILER.format(python=sys.executable, log=str(log)))
+    fake.write_text(FAKE_COMPILER.format(python=sys.executable, log=str(log), seconds=seconds))
     fake.chmod(0o755)
     env = {**os.environ, "CC": str(fake), "CXX": str(fake), "LDSHARED": f"{fake} -shared",
            "TORCH_NO_COMPILER_WRAPPER": "1"}
     cmd = [sys.executable, "setup.py", "-q", "build_ext", "--build-temp", str(tmp_path / "temp"),
-           "--build-lib", str(tmp_path / "lib")]
+           "--build-lib", str(tmp_path / "lib"), *build_args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def most_at_once(compiles: list[dict]) -> int:
+    """The largest number of compiles running at the same moment."""
+    events = sorted([(c["start"], 1) for c in compiles] + [(c["end"], -1) for c in compiles])
+    running = peak = 0
+    for _, step in events:  # at equal times an end (-1) sorts before a start
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+@pytest.mark.parametrize("build_args, expected", [
+    # -j is setuptools' short form of --parallel; 3 is more than this machine's 2 cores, so the flag, not
+    # the core count, sets the number.
+    (("-j", "3"), 3),
+    ((), None),         # default: one compiler per core
+], ids=["j3", "default"])
+def test_setup_py_compiles_in_parallel(tmp_path, build_args, expected):
+    """Guards against the extension's sources compiling one at a time again (the thread pool of
+    BuildWithIsaFlags bypassed, or its jobs waited for one by one) and against `-j N` / `--parallel N` not
+    setting the number of compilers: with compiles that last 0.3 s each, exactly N run at once, and by
+    default more than one (at most one per core) where the machine has several cores."""
+    compiles = setup_py_compiles(tmp_path, *build_args, seconds=0.3)
+    assert len(compiles) == len(declared_sources())
+    if expected is not None:
+        assert most_at_once(compiles) == expected, compiles
+    else:
+        cores = os.cpu_count() or 1
+        assert min(cores, 2) <= most_at_once(compiles) <= cores, compiles
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +141,7 @@ def test_both_builds_compile_the_same_sources_with_the_same_isa_flags(cmake_conf
     cmake_commands = [shlex.split(entry["command"]) for entry in cmake if "examples" not in entry["file"]]
     declared = declared_sources()
     assert isa_flags_by_source(cmake_commands) == declared
-    assert isa_flags_by_source(setup_py_compile_commands(tmp_path)) == declared
+    assert isa_flags_by_source([c["args"] for c in setup_py_compiles(tmp_path)]) == declared
 
 
 @pytest.fixture(scope="module")
