@@ -238,7 +238,7 @@ def sbd_mask_allows(q: Tensor, kv: Tensor, n: int, block_size: int | Tensor) -> 
 
     q, kv: integer tensors of any broadcastable shapes; block_size: an int or a 0-d integer tensor. Elementwise
     tensor ops only, so the same function builds the dense mask (`sbd_attention_mask`) and serves as a
-    FlexAttention `mask_mod` (`sbd_kernels.train.flex_block_mask`).
+    FlexAttention `mask_mod` (through `SbdMaskMod`).
     """
     q_noisy, kv_noisy = q >= n, kv >= n
     q_pos, kv_pos = q - n * q_noisy, kv - n * kv_noisy
@@ -247,6 +247,45 @@ def sbd_mask_allows(q: Tensor, kv: Tensor, n: int, block_size: int | Tensor) -> 
     earlier_block = q_noisy & ~kv_noisy & (q_block > kv_block)
     same_block = q_noisy & kv_noisy & (q_block == kv_block)
     return clean | earlier_block | same_block
+
+
+@dataclass(frozen=True)
+class SbdMaskMod:
+    """The training mask of a batch as a FlexAttention `mask_mod(b, h, q, kv)` that holds the tensors it reads.
+
+    n: tokens per half of `[clean ; noisy]`. block_size: 0-d integer tensor (a tensor, not an int, so one
+    compiled FlexAttention kernel serves every k). lengths: `[B]` real tokens of each right-padded sequence, or
+    None (no padding). Allowed: `sbd_mask_allows(q, kv, n, k)` and, with lengths, kv a real token of sequence b
+    (kv mod n < lengths[b]); padded query rows keep position 0 of their half, so no row is empty.
+
+    Holding the tensors as fields (not in a closure) lets `to(device)` move them with the mask; the same object,
+    called on index grids, builds the dense mask (`dense`).
+    """
+
+    n: int
+    block_size: Tensor
+    lengths: Tensor | None = None
+
+    def __call__(self, b: Tensor, h: Any, q: Tensor, kv: Tensor) -> Tensor:
+        allowed = sbd_mask_allows(q, kv, self.n, self.block_size)
+        if self.lengths is None:
+            return allowed
+        return allowed & (kv % self.n < self.lengths[b])
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.block_size, self.lengths) if t is not None]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SbdMaskMod:
+        move = functools.partial(Tensor.to, device=device, non_blocking=non_blocking)
+        return dataclasses.replace(self, block_size=move(self.block_size),
+                                   lengths=None if self.lengths is None else move(self.lengths))
+
+    def dense(self) -> Tensor:
+        """`[B or 1, 2n, 2n]` bool (True = q may attend kv), evaluated cell by cell on the device of the mask."""
+        idx = torch.arange(2 * self.n, device=self.block_size.device)
+        batch = 1 if self.lengths is None else self.lengths.shape[0]
+        b = torch.arange(batch, device=idx.device)[:, None, None]
+        return self(b, None, idx[None, :, None], idx[None, None, :]).expand(batch, -1, -1)
 
 
 def sbd_attention_mask(n: int, block_size: int, device: torch.device | str | None = None) -> Tensor:

@@ -39,12 +39,12 @@ from sbd_kernels.model import (
     PRESETS,
     CheckpointError,
     ModelConfig,
+    SbdMaskMod,
     Transformer,
     load_checkpoint,
     read_training_state,
     save_checkpoint,
     sbd_attention_mask,
-    sbd_mask_allows,
     sbd_train_inputs,
 )
 from sbd_kernels.tasks import (
@@ -70,6 +70,7 @@ __all__ = [
     "sbd_attention_mask",
     "sbd_labels",
     "sbd_loss",
+    "sbd_objective",
     "train",
 ]
 
@@ -156,9 +157,25 @@ def sbd_labels(tokens: Tensor, target_mask: Tensor, noisy: Tensor, mask_token_id
 
 
 def _summed_cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """(sum of CE over counted positions, count) for logits `[B, T, V]`, labels `[B, T]`."""
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    """(sum of CE over counted positions, count) for logits `[B, T, V]` (any float dtype, CE in fp32), labels
+    `[B, T]`."""
+    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
     return loss, (labels != IGNORE).sum()
+
+
+def sbd_objective(logits: Tensor, labels: Tensor, num_items: Tensor | int | None = None
+                  ) -> tuple[Tensor, dict[str, Tensor]]:
+    """SBD loss (docs/algorithm.md §2.5) of the logits `[B, 2n, V]` of `[clean ; noisy]` and their `sbd_labels`
+    `[B, 2n]`: the sum of CE over the NTP targets (clean half) and MATP targets (noisy half), divided by their
+    count, or by `num_items` (a count taken over more than this batch: gradient-accumulation steps, ranks).
+    Returns (loss, detached per-term means)."""
+    n = labels.shape[1] // 2
+    ntp_sum, ntp_count = _summed_cross_entropy(logits[:, :n], labels[:, :n])
+    matp_sum, matp_count = _summed_cross_entropy(logits[:, n:], labels[:, n:])
+    count = (ntp_count + matp_count).clamp(min=1) if num_items is None else num_items
+    stats = {"ntp": ntp_sum.detach() / ntp_count.clamp(min=1),
+             "matp": matp_sum.detach() / matp_count.clamp(min=1)}
+    return (ntp_sum + matp_sum) / count, stats
 
 
 def sbd_loss(model: nn.Module, tokens: Tensor, target_mask: Tensor, block_size: int, mask_token_id: int,
@@ -167,14 +184,7 @@ def sbd_loss(model: nn.Module, tokens: Tensor, target_mask: Tensor, block_size: 
     half). model: a Transformer or its DDP wrapper. Returns (loss, detached per-term means)."""
     noisy, _ = add_noise(tokens, mask_token_id, generator)
     labels = sbd_labels(tokens, target_mask, noisy, mask_token_id)
-    logits = model(*sbd_train_inputs(tokens, noisy, block_size, attn_mask))
-    n = tokens.shape[1]
-    ntp_sum, ntp_count = _summed_cross_entropy(logits[:, :n], labels[:, :n])
-    matp_sum, matp_count = _summed_cross_entropy(logits[:, n:], labels[:, n:])
-    loss = (ntp_sum + matp_sum) / (ntp_count + matp_count).clamp(min=1)
-    stats = {"ntp": ntp_sum.detach() / ntp_count.clamp(min=1),
-             "matp": matp_sum.detach() / matp_count.clamp(min=1)}
-    return loss, stats
+    return sbd_objective(model(*sbd_train_inputs(tokens, noisy, block_size, attn_mask)), labels)
 
 
 def ntp_loss(model: nn.Module, tokens: Tensor, target_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -188,13 +198,9 @@ def flex_block_mask(n: int, block_size: int, device: torch.device) -> Any:
     """The mask of docs/algorithm.md §2.4 as a FlexAttention BlockMask over 2n positions (GPU training)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    # k as a captured tensor, not a Python int: the compiled kernel then serves every k of U{2..16}
-    # instead of recompiling once per value.
-    k = torch.tensor(block_size, device=device)
-
-    def mask_mod(b, h, q, kv):
-        return sbd_mask_allows(q, kv, n, k)
-
+    # k as a tensor, not a Python int: the compiled kernel then serves every k of U{2..16} instead of
+    # recompiling once per value.
+    mask_mod = SbdMaskMod(n, torch.tensor(block_size, device=device))
     return create_block_mask(mask_mod, B=None, H=None, Q_LEN=2 * n, KV_LEN=2 * n, device=device)
 
 

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 from sbd_kernels import hf
 from sbd_kernels.generate import DecodeConfig, generate, naive_ops, oracle_decode
 from sbd_kernels.model import ModelConfig, Transformer
-from sbd_kernels.testing import triton_test_device
+from sbd_kernels.testing import assert_close, triton_test_device
 from sbd_kernels.train import sbd_loss
 
 DEVICE = triton_test_device()
@@ -35,6 +35,13 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
         common["head_dim"] = 8
     common.update(overrides)
     return transformers.AutoConfig.for_model(family, **common)
+
+
+def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """fp32 logits of one model along two attention paths: only summation orders differ. The fp32 row of the
+    tolerance table, atol widened 4x for two layers of matmuls and softmaxes over std-1 weights (a wrong mask cell
+    moves logits by O(1))."""
+    assert_close(actual, expected, torch.float32, name=name, atol_scale=4)
 
 
 def tiny_model(family: str, attn: str = "sdpa", seed: int = 0, **overrides):
@@ -108,27 +115,133 @@ def test_mask_token_is_added_and_embeddings_grow_only_when_needed():
     assert model.get_input_embeddings().weight.shape[0] == VOCAB + 1
 
 
+SUPPORTED = "Supported families: llama, mistral, qwen2, qwen3"
+
+
 @pytest.mark.parametrize("family,overrides,reason", [
     ("mistral", {"sliding_window": 16}, "sliding-window"),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16}, "sliding-window"),
+    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
-])
+], ids=["mistral-sliding", "qwen2-sliding", "qwen2-sliding-layer", "llama-dynamic-rope"])
 def test_enable_refuses_what_sbd_cannot_decode_exactly(family, overrides, reason):
     """Guards against SBD silently running on layers whose attention or positions differ between a cached pass
-    and a recompute."""
-    with pytest.raises(hf.SbdUnsupportedModelError, match=reason):
+    and a recompute (a sliding layer named only in `layer_types` included)."""
+    with pytest.raises(hf.SbdUnsupportedModelError, match=reason) as err:
         hf.enable_sbd(tiny_model(family, **overrides), mask_token_id=MASK_ID)
+    assert SUPPORTED in str(err.value)
 
 
-def test_enable_refuses_other_families_and_attention_implementations():
-    """Guards against enabling an untested family, or an attention implementation that cannot take the SBD mask."""
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
-    with pytest.raises(hf.SbdUnsupportedModelError, match="supported families: llama"):
-        hf.enable_sbd(gpt2, mask_token_id=MASK_ID)
+def t5():
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, vocab_size=VOCAB))
+
+
+def bart():
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(
+        d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=VOCAB))
+
+
+def llava():
+    text = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": VOCAB}
+    vision = {"model_type": "clip_vision_model", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "intermediate_size": 32, "image_size": 8, "patch_size": 4, "projection_dim": 16}
+    return transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        text_config=text, vision_config=vision, image_token_id=VOCAB - 2))
+
+
+def qwen2_vl():
+    text = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 64, "vocab_size": VOCAB,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2]}}
+    vision = {"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2, "patch_size": 2,
+              "spatial_merge_size": 1, "temporal_patch_size": 1}
+    return transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(text_config=text,
+                                                                                   vision_config=vision))
+
+
+def bloom():
+    return transformers.BloomForCausalLM(transformers.BloomConfig(hidden_size=16, n_layer=1, n_head=2,
+                                                                  vocab_size=VOCAB))
+
+
+def mpt():
+    return transformers.MptForCausalLM(transformers.MptConfig(d_model=16, n_layers=1, n_heads=2, expansion_ratio=2,
+                                                              vocab_size=VOCAB))
+
+
+def falcon_alibi():
+    return transformers.FalconForCausalLM(transformers.FalconConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=VOCAB, alibi=True))
+
+
+def llama4_text():
+    return transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, num_local_experts=2))
+
+
+def gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
+
+
+@pytest.mark.parametrize("build,reason", [
+    (t5, "cross-attention"), (bart, "cross-attention"), (llava, "multimodal"), (qwen2_vl, "multimodal"),
+    (bloom, "ALiBi"), (mpt, "ALiBi"), (falcon_alibi, "ALiBi"), (llama4_text, "chunked attention"),
+    (gpt2, "model type 'gpt2' is not supported"),
+], ids=lambda v: getattr(v, "__name__", None))
+def test_enable_refuses_other_architectures_with_the_reason(build, reason):
+    """Guards against enabling an architecture whose cached passes would not equal a recompute (cross-attention,
+    non-text inputs, ALiBi biases, chunked attention) or an untested family, and against a refusal that does not
+    say why in a user's words or which families work."""
+    with pytest.raises(hf.SbdUnsupportedModelError, match=reason) as err:
+        hf.enable_sbd(build(), mask_token_id=5)
+    assert SUPPORTED in str(err.value)
+
+
+def test_enable_refuses_attention_implementations_that_cannot_take_the_mask():
+    """Guards against enabling an attention implementation that cannot take the SBD training mask."""
     model = tiny_model("llama")
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(hf.SbdUnsupportedModelError, match="flash_attention_2"):
         hf.enable_sbd(model, mask_token_id=MASK_ID)
+
+
+def readme_tokenizer() -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer of 90 ids with an EOS but no pad token (like Llama's), returning only
+    input_ids and attention_mask (like Llama's)."""
+    words = ["def", "square(x):", "return", "x", "*", "The", "capital", "of", "France", "is", "Paris.", "fib(n):"]
+    vocab = {"<unk>": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    vocab.update({f"w{i}": i for i in range(len(vocab), 90)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>",
+                                   model_input_names=["input_ids", "attention_mask"])
+
+
+def test_readme_hugging_face_example_runs_as_written(tmp_path, monkeypatch, capsys):
+    """Guards against the README's Hugging Face example not running as written: names it never defines, a
+    tokenizer without a pad token, a batch left on the CPU after Trainer moved the model, a check that drops the
+    attention mask, or any call drifting from the API. Runs the code block verbatim on a tiny model folder."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start = readme.index("```python\nfrom transformers import AutoModelForCausalLM") + len("```python\n")
+    code = readme[start:readme.index("```", start)]
+    folder = tmp_path / "model"
+    tiny_model("llama", eos_token_id=1, bos_token_id=None).save_pretrained(folder)
+    readme_tokenizer().save_pretrained(folder)
+    monkeypatch.chdir(tmp_path)                                   # Trainer writes its output folder here
+    namespace = {"path": str(folder)}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102  (our own README)
+    out, batch = namespace["out"], namespace["batch"]
+    assert namespace["model"].config.sbd_block_size == 16
+    assert batch.input_ids.shape == (2, 3) and batch.input_ids[0, 0] == 1, "the shorter prompt is left-padded"
+    assert torch.equal(out.sequences[:, :3], batch.input_ids) and out.nfe.shape == (2,)
+    assert 1 <= int(out.generated.min()) and int(out.generated.max()) == out.sequences.shape[1] - 3 <= 64
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "True", "hf.check passed"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -148,6 +261,38 @@ def test_ntp_decode_equals_hf_greedy_generate_with_left_padding(family, attn):
     via_hf = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=False,
                             custom_generate=hf.sbd_generate, method="ntp")
     assert via_hf.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_right_padded_prompts_decode_like_left_padded_ones(method):
+    """Guards against the side of the padding changing a decode (positions or cached rows taken from the padded
+    layout instead of the attention mask): right- and left-padded prompts give the same new tokens."""
+    model = tiny_model("qwen3").to(DEVICE)
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    width = max(map(len, prompts))
+    left = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEVICE)
+    right = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=DEVICE)
+    outs = [hf.generate(model, ids, (ids != 0).long(), max_new_tokens=9, method=method, gamma=0.5, eos_token_id=[])
+            for ids in (left, right)]
+    assert outs[0].sequences[:, width:].tolist() == outs[1].sequences[:, width:].tolist()
+    assert torch.equal(outs[0].nfe, outs[1].nfe)
+    assert torch.equal(outs[1].sequences[:, :width], right)
+
+
+def test_sbd_cache_layout_is_the_ops_layout():
+    """Guards against an SbdCache laid out as HF's [B, H, S, D] or with int64 lengths (the attention op reads
+    k / v as [B, S_max, Hkv, D] and seqlens as int32), and against the head size being derived from
+    hidden_size / heads when the config sets head_dim."""
+    sbd_model = hf.enable_sbd(tiny_model("qwen3", head_dim=16).to(DEVICE), mask_token_id=MASK_ID)
+    cache = sbd_model.new_cache(3, 20)
+    assert len(cache.layers) == 2
+    for i in range(2):
+        k, v = cache.layer_buffers(i)
+        assert k.shape == v.shape == (3, 20, 2, 16)
+        assert k.is_contiguous() and k.dtype == torch.float32 and k.device.type == torch.device(DEVICE).type
+    assert cache.seqlens.dtype == torch.int32 and cache.seqlens.tolist() == [0, 0, 0]
+    assert cache.max_len == 20
 
 
 def test_cached_sbd_decode_equals_the_full_recompute_oracle(sbd_model):
@@ -268,14 +413,19 @@ def port_reference_weights(ref: Transformer) -> transformers.LlamaForCausalLM:
     return model
 
 
-def test_hf_sbd_loss_equals_the_reference_objective():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_sbd_loss_equals_the_reference_objective(family):
     """Guards against the HF collator / loss building another objective than `sbd_kernels.train.sbd_loss` (one
-    objective: same noise, labels, mask and weighting give the same loss on ported weights)."""
+    objective: same noise, labels, mask and weighting give the same loss), for every family: through the
+    `SbdCausalLM` adapter, and for Llama also on the reference Transformer with the same weights."""
     torch.manual_seed(0)
-    ref = Transformer(ModelConfig.preset("tiny")).eval()
-    model = port_reference_weights(ref)
-    sbd_model = hf.enable_sbd(model, mask_token_id=ref.config.mask_token_id)
-    tokens = torch.randint(4, ref.config.vocab_size, (3, 12))
+    if family == "llama":
+        ref = Transformer(ModelConfig.preset("tiny")).eval()
+        model, mask_id, vocab = port_reference_weights(ref), ref.config.mask_token_id, ref.config.vocab_size
+    else:
+        ref, model, mask_id, vocab = None, tiny_model(family), MASK_ID, 60
+    sbd_model = hf.enable_sbd(model, mask_token_id=mask_id)
+    tokens = torch.randint(4, vocab, (3, 12))
     targets = torch.ones_like(tokens, dtype=torch.bool)
     targets[:, :5] = False
     collator = hf.SbdDataCollator(model.config, seed=3)
@@ -283,21 +433,63 @@ def test_hf_sbd_loss_equals_the_reference_objective():
     batch = collator([{"input_ids": t, "loss_mask": m} for t, m in zip(tokens, targets)])
     k = hf.training._block_size_at(3, 0, 2, 16)
     with torch.no_grad():
-        expected, _ = sbd_loss(ref, tokens, targets, k, ref.config.mask_token_id, torch.Generator().manual_seed(11))
-        through_adapter, _ = sbd_loss(sbd_model, tokens, targets, k, ref.config.mask_token_id,
-                                      torch.Generator().manual_seed(11))
+        expected, _ = sbd_loss(sbd_model, tokens, targets, k, mask_id, torch.Generator().manual_seed(11))
         hf_out = model(**{key: v for key, v in batch.items() if key != "labels"}, labels=batch["labels"])
         via_loss_func = hf.sbd_loss_func(hf_out, batch["labels"])
-    torch.testing.assert_close(through_adapter, expected, atol=1e-5, rtol=1e-5)
+        if ref is not None:
+            on_reference, _ = sbd_loss(ref, tokens, targets, k, mask_id, torch.Generator().manual_seed(11))
+            torch.testing.assert_close(on_reference, expected, atol=1e-5, rtol=1e-5)
+    assert int((batch["labels"] != -100).sum()) > 10
     torch.testing.assert_close(hf_out.loss, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(via_loss_func, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_loss_func_divides_by_the_trainers_item_count():
+    """Guards against `num_items_in_batch` (the Trainer's target count over gradient-accumulation steps and ranks)
+    being ignored: the loss is then the summed CE over this batch's targets divided by that count."""
+    model = tiny_model("llama")
+    hf.enable_sbd(model, mask_token_id=MASK_ID)
+    batch = hf.SbdDataCollator(model.config)([{"input_ids": list(range(3, 15))}, {"input_ids": list(range(5, 12))}])
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        out = model(**batch)
+    count = int((labels != -100).sum())
+    mean = hf.sbd_loss_func(out, labels)
+    torch.testing.assert_close(hf.sbd_loss_func(out, labels, torch.tensor(4 * count)), mean / 4)
+    torch.testing.assert_close(hf.sbd_loss_func(out, labels, 2 * count), mean / 2)
+
+
+def test_collator_counts_only_the_targets_of_hf_style_labels():
+    """Guards against the prompt tokens of chat / instruction data (HF `labels` -100) being trained on: NTP
+    targets only where the next token is an answer token, MATP targets only at masked answer tokens, and the
+    noise still applied to the prompt."""
+    model = tiny_model("llama")
+    hf.enable_sbd(model, mask_token_id=MASK_ID)
+    prompt, answer = [10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25, 26, 27]
+    examples = [{"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer}] * 8
+    batch = hf.SbdDataCollator(model.config, block_min=4, block_max=4)(examples)
+    n = len(prompt) + len(answer)
+    clean, noisy = batch["input_ids"][:, :n], batch["input_ids"][:, n:]
+    labels = batch["labels"]
+    assert torch.equal(clean, torch.tensor([prompt + answer] * 8))
+    expected_ntp = [-100] * (len(prompt) - 1) + answer + [-100]
+    assert labels[:, :n].tolist() == [expected_ntp] * 8
+    masked = noisy == MASK_ID
+    assert masked[:, : len(prompt)].any(), "the noise covers the prompt too"
+    target = torch.zeros(n, dtype=torch.bool)
+    target[len(prompt):] = True
+    assert torch.equal(labels[:, n:], torch.where(masked & target, clean, -100))
+    assert (labels[:, n:] != -100).any()
+    with pytest.raises(ValueError, match="length of input_ids"):
+        hf.SbdDataCollator(model.config)([{"input_ids": prompt, "labels": prompt[:-1]}])
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_padded_batch_masks_give_the_same_logits_as_unpadded_rows(attn):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_batch_masks_give_the_same_logits_as_unpadded_rows(family, attn):
     """Guards against padding changing the real rows of a padded SBD batch (noisy rows of a block straddling the
     end would attend padding), under each attention implementation's mask form."""
-    model = tiny_model("llama", attn=attn)
+    model = tiny_model(family, attn=attn)
     hf.enable_sbd(model, mask_token_id=MASK_ID)
     collator = hf.SbdDataCollator(model.config, block_min=4, block_max=4)
     short, long = list(range(3, 9)), list(range(10, 21))
@@ -311,28 +503,41 @@ def test_padded_batch_masks_give_the_same_logits_as_unpadded_rows(attn):
                      attention_mask=batch["attention_mask"]).logits
         one = model(input_ids=alone_ids, position_ids=torch.arange(m).repeat(2)[None],
                     attention_mask=alone_mask).logits
-    torch.testing.assert_close(both[0, rows], one[0], atol=1e-5, rtol=1e-5)
+    assert_logits_close(both[0, rows], one[0], f"{family}/{attn} padded rows")
 
 
-def test_eager_and_sdpa_masks_agree():
-    """Guards against the additive (eager) and boolean (sdpa) forms of the training mask meaning different things."""
+def padded_batch(model, k: int = 3) -> dict:
+    """An SBD batch of three sequences of different lengths (5, 8, 11 tokens: two of them padded)."""
+    collator = hf.SbdDataCollator(model.config, block_min=k, block_max=k, seed=5)
+    return collator([{"input_ids": list(range(3, 3 + m))} for m in (5, 8, 11)])
+
+
+def test_eager_and_sdpa_mask_forms_mean_the_same():
+    """Guards against the additive (eager) and boolean (sdpa) forms of the training mask meaning different things
+    cell by cell."""
     lengths = torch.tensor([5, 8])
     allowed = hf.sbd_training_mask(lengths, 8, 3, "sdpa")
     additive = hf.sbd_training_mask(lengths, 8, 3, "eager", torch.float32)
     assert allowed.shape == additive.shape == (2, 1, 16, 16)
     assert torch.equal(additive == 0, allowed)
-    logits = {}
+    assert torch.equal(additive[~allowed], torch.full_like(additive[~allowed], torch.finfo(torch.float32).min))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eager_and_sdpa_give_the_same_logits_on_padded_batches(family):
+    """Guards against the eager and sdpa forms of the padded training mask reading differently inside a real model
+    of each family, on every row of the batch (padded rows included: no row of the mask is empty)."""
+    logits, ids = {}, {}
     for attn in ("sdpa", "eager"):
-        model = tiny_model("qwen3", attn=attn, seed=1)
+        model = tiny_model(family, attn=attn, seed=1)
         hf.enable_sbd(model, mask_token_id=MASK_ID)
-        ids = torch.randint(3, 60, (2, 16))
+        batch = padded_batch(model)
+        batch.pop("labels")
+        ids[attn] = batch["input_ids"]
         with torch.no_grad():
-            logits[attn] = model(input_ids=ids if attn == "sdpa" else logits["ids"], position_ids=torch.arange(
-                8).repeat(2)[None].expand(2, 16), attention_mask=hf.sbd_training_mask(
-                lengths, 8, 3, attn)).logits
-        logits["ids"] = ids
-    torch.testing.assert_close(logits["eager"][0, :5], logits["sdpa"][0, :5], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logits["eager"][1], logits["sdpa"][1], atol=1e-5, rtol=1e-5)
+            logits[attn] = model(**batch).logits
+    assert torch.equal(ids["eager"], ids["sdpa"])
+    assert_logits_close(logits["eager"], logits["sdpa"], f"{family} eager vs sdpa")
 
 
 def test_flex_block_mask_equals_the_dense_mask_cell_by_cell():
@@ -343,6 +548,68 @@ def test_flex_block_mask_equals_the_dense_mask_cell_by_cell():
     dense = hf.sbd_training_mask(lengths, 8, 3, "sdpa")
     for b in range(2):
         assert torch.equal(block_mask.mask_mod(torch.tensor(b), 0, q, kv), dense[b, 0])
+
+
+def mask_tensors(block_mask) -> dict[str, torch.Tensor]:
+    """Every tensor a BlockMask reads: its own, and those of its mask_mod (fields or closure cells)."""
+    found = {name: v for name, v in vars(block_mask).items() if isinstance(v, torch.Tensor)}
+    mask_mod = block_mask.mask_mod
+    held = vars(mask_mod) if hasattr(mask_mod, "__dataclass_fields__") else {
+        f"closure[{i}]": c.cell_contents for i, c in enumerate(mask_mod.__closure__ or ())}
+    found.update({f"mask_mod.{name}": v for name, v in held.items() if isinstance(v, torch.Tensor)})
+    return found
+
+
+def test_flex_training_mask_moves_to_the_device_as_a_whole():
+    """Guards against a BlockMask whose `.to(device)` (what accelerate's data loader calls on each batch under HF
+    Trainer) moves its block tensors but leaves the lengths and block size its mask_mod reads on the CPU: on CUDA the
+    mask_mod would then index a CPU tensor. After the move every tensor is on the target device, and moved back
+    the mask is the same cell by cell."""
+    from accelerate.utils import send_to_device
+
+    model = tiny_model("llama", attn="flex_attention")
+    hf.enable_sbd(model, mask_token_id=MASK_ID)
+    block_mask = padded_batch(model)["attention_mask"]
+    moved = send_to_device(padded_batch(model), torch.device("meta"))["attention_mask"]
+    tensors = mask_tensors(moved)
+    assert {"mask_mod.lengths", "mask_mod.block_size", "kv_indices"} <= set(tensors)
+    assert {name: t.device.type for name, t in tensors.items()} == dict.fromkeys(tensors, "meta")
+    original = mask_tensors(block_mask)
+    assert {t.device.type for t in original.values()} == {"cpu"}, "the original stays"
+    assert {name: (t.shape, t.dtype) for name, t in tensors.items()} == {
+        name: (t.shape, t.dtype) for name, t in original.items()}
+
+    # Meta tensors hold no data: the same move path, to the CPU, must give the same mask cell by cell.
+    back = send_to_device({"attention_mask": block_mask}, torch.device("cpu"))["attention_mask"]
+    assert back is not block_mask and type(back) is type(block_mask)
+    q, kv = torch.arange(2 * 11)[:, None], torch.arange(2 * 11)[None, :]
+    for b in range(3):
+        assert torch.equal(back.mask_mod(torch.tensor(b), 0, q, kv), block_mask.mask_mod(torch.tensor(b), 0, q, kv))
+    assert torch.equal(back.mask_mod.dense(), block_mask.mask_mod.dense())
+    for name, t in original.items():
+        assert torch.equal(mask_tensors(back)[name], t), name
+
+
+def test_flex_attention_refuses_a_mask_on_another_device_than_the_query():
+    """Guards against a FlexAttention mask whose tensors (or a closure's captured index tensors) sit on another
+    device than the query reaching the kernel, where the mask_mod would index them from the wrong device."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    model = tiny_model("llama", attn="flex_attention")
+    hf.enable_sbd(model, mask_token_id=MASK_ID)
+    batch = padded_batch(model)
+    batch.pop("labels")
+    with pytest.raises(RuntimeError, match="tensors are on meta, the query on cpu"):
+        model(**{**batch, "attention_mask": batch["attention_mask"].to("meta")})
+    lengths = torch.tensor([5, 8, 11])
+
+    def closure_mask_mod(b, h, q, kv):
+        return (kv <= q) & (kv < lengths[b])
+
+    cpu_mask = create_block_mask(closure_mask_mod, B=3, H=None, Q_LEN=22, KV_LEN=22, device="cpu")
+    lengths = lengths.to("meta")                                    # the closure now reads a meta tensor
+    with pytest.raises(RuntimeError, match="cpu, meta, the query on cpu"):
+        model(**{**batch, "attention_mask": cpu_mask})
 
 
 def test_trainer_runs_the_sbd_objective(tmp_path):
@@ -407,15 +674,48 @@ def test_sampling_follows_the_seed_and_the_generation_config_filters():
         assert torch.equal(sample(3, **filters), direct.sequences), filters
 
 
-def test_graph_safe_steps_hold_for_the_hf_cache(sbd_model):
-    """Guards against the HF decode pass rebinding SbdCache buffers (CUDA-graph replays would read stale memory)."""
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_graph_safe_steps_give_the_eager_tokens_through_hf(sbd_model, method):
+    """Guards against the HF decode pass rebinding SbdCache or state buffers (CUDA-graph replays would read stale
+    memory): the replay wrapper's static-buffer checks, run on CPU without capturing, pass for the NTP and SBD
+    steps of every family, and the tokens equal the eager ones."""
     from sbd_kernels.generate import EAGER_STEPS
     from sbd_kernels.graphs import graphed_steps
 
-    cfg = DecodeConfig(method="sbd", block_size=4, gamma=0.5, max_new_tokens=10)
+    cfg = DecodeConfig(method=method, block_size=4, gamma=0.5, max_new_tokens=10)
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11]]
     checked = generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0, steps=graphed_steps(EAGER_STEPS, "check"))
-    assert checked.tokens == generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0).tokens
+    eager = generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0)
+    assert checked.tokens == eager.tokens and torch.equal(checked.nfe, eager.nfe)
+
+
+def test_cuda_graph_needs_a_cuda_model_through_hf():
+    """Guards against `cuda_graph=True` on a CPU model silently decoding eagerly, through either entry point."""
+    model = tiny_model("llama")
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device, it is on cpu"):
+        hf.generate(model, ids, max_new_tokens=4, cuda_graph=True)
+    with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device"):
+        model.generate(ids, max_new_tokens=4, custom_generate=hf.sbd_generate, cuda_graph=True)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="replays CUDA graphs (no GPU here)")
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_cuda_graph_decode_through_hf_gives_the_eager_tokens(method):
+    """Guards against replayed decode steps of an HF model differing from the eager decode (a buffer rebound
+    between capture and replay, a host sync captured, positions read from a stale cache length)."""
+    model = tiny_model("qwen3").to(DEVICE)
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]], device=DEVICE)
+    mask = (ids != 0).long()
+    settings = {"max_new_tokens": 12, "method": method, "gamma": 0.5, "eos_token_id": []}
+    eager = hf.generate(model, ids, mask, **settings)
+    graphed = hf.generate(model, ids, mask, cuda_graph=True, **settings)
+    assert torch.equal(graphed.sequences, eager.sequences) and torch.equal(graphed.nfe, eager.nfe)
+    via_hf = model.generate(ids, attention_mask=mask, max_new_tokens=12, custom_generate=hf.sbd_generate,
+                            method=method, gamma=0.5, cuda_graph=True, eos_token_id=[1000], pad_token_id=0)
+    assert torch.equal(via_hf, eager.sequences)
 
 
 @pytest.mark.slow
@@ -439,15 +739,16 @@ def test_hf_decode_steps_compile_without_graph_breaks():
 
 
 @pytest.mark.slow
-def test_flex_attention_training_mask_gives_the_sdpa_loss():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flex_attention_training_mask_gives_the_sdpa_logits(family):
     """Guards against the FlexAttention BlockMask form of the padded training mask reading differently from the
-    boolean sdpa form inside a real model (HF's flex_attention path, compiled on the CPU here)."""
-    losses = {}
+    boolean sdpa form inside a real model of each family (HF's flex_attention path, compiled on the CPU here), on
+    every row of a padded batch, and against the model's own loss differing."""
+    out = {}
     for attn in ("flex_attention", "sdpa"):
-        model = tiny_model("llama", attn=attn, seed=2)
+        model = tiny_model(family, attn=attn, seed=2)
         hf.enable_sbd(model, mask_token_id=MASK_ID)
-        collator = hf.SbdDataCollator(model.config, block_min=4, block_max=4)
-        batch = collator([{"input_ids": list(range(3, 20))}, {"input_ids": list(range(5, 15))}])
         with torch.no_grad():
-            losses[attn] = model(**batch).loss
-    torch.testing.assert_close(losses["flex_attention"], losses["sdpa"], atol=1e-5, rtol=1e-5)
+            out[attn] = model(**padded_batch(model, k=4))
+    assert_logits_close(out["flex_attention"].logits, out["sdpa"].logits, f"{family} flex vs sdpa")
+    torch.testing.assert_close(out["flex_attention"].loss, out["sdpa"].loss, atol=1e-5, rtol=1e-5)

@@ -7,7 +7,7 @@
     Trainer(model=model, args=args, train_dataset=ds, data_collator=collator,
             compute_loss_func=hf.sbd_loss_func).train()
     out = hf.generate(model, input_ids, attention_mask, max_new_tokens=128, gamma=0.1)   # or custom_generate=
-    print(out.sequences, out.nfe, hf.check(model, input_ids[:2]).passed)
+    print(out.sequences, out.nfe, hf.check(model, input_ids, attention_mask).passed)
 
 Layout: `model.py` (enable_sbd, the SbdCausalLM adapter of the `SbdModel` protocol), `attention.py` (the "sbd"
 attention implementation and its mask function), `cache.py` (SbdCache), `training.py` (masks, collator, loss),
@@ -23,12 +23,13 @@ from sbd_kernels.hf.model import (
     check_supported,
     enable_sbd,
 )
-from sbd_kernels.hf.training import SbdDataCollator, sbd_loss_func, sbd_training_mask
+from sbd_kernels.hf.training import SbdBlockMask, SbdDataCollator, sbd_loss_func, sbd_training_mask
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "SbdCache",
     "SbdCacheError",
+    "SbdBlockMask",
     "SbdCausalLM",
     "SbdDataCollator",
     "SbdGenerateOutput",

@@ -72,6 +72,32 @@ def _check_mask_form(base: str, attention_mask: Any) -> None:
             "mask; build it with sbd_kernels.hf.sbd_training_mask(..., implementation='flex_attention')")
 
 
+def _mask_tensors(block_mask: Any) -> list[Tensor]:
+    """The tensors a FlexAttention BlockMask reads: its block tensors, and those its mask_mod holds (an
+    `SbdMaskMod`'s fields, or the index tensors a closure captured)."""
+    tensors = [value for value in vars(block_mask).values() if isinstance(value, Tensor)]
+    mask_mod = block_mask.mask_mod
+    if hasattr(mask_mod, "tensors"):
+        return tensors + list(mask_mod.tensors())
+    cells = getattr(mask_mod, "__closure__", None) or ()
+    # 0-d tensors are left out: PyTorch reads a 0-d CPU tensor as a scalar on any device.
+    captured = [cell.cell_contents for cell in cells if isinstance(cell.cell_contents, Tensor)]
+    return tensors + [t for t in captured if t.dim() > 0]
+
+
+def _check_mask_device(attention_mask: Any, query: Tensor) -> None:
+    """Rejects a FlexAttention BlockMask whose tensors are not on the query's device (the mask_mod would index a
+    CPU tensor inside a CUDA kernel). A few attribute reads per layer; skipped while torch.compile traces."""
+    if torch.compiler.is_compiling() or not hasattr(attention_mask, "mask_mod"):
+        return
+    devices = {t.device for t in _mask_tensors(attention_mask)}
+    if devices - {query.device}:
+        raise RuntimeError(
+            f"sbd attention: the FlexAttention BlockMask's tensors are on {', '.join(sorted(map(str, devices)))}, "
+            f"the query on {query.device}; move the mask with .to(device) (an SbdBlockMask from the "
+            "SbdDataCollator moves whole, with the lengths and block size its mask_mod reads)")
+
+
 def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
                   scaling: float | None = None, dropout: float = 0.0, sbd_pass: SbdPass | None = None,
                   **kwargs: Any) -> tuple[Tensor, None]:
@@ -84,6 +110,8 @@ def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
     if sbd_pass is None:
         base = base_implementation(module.config)
         _check_mask_form(base, attention_mask)
+        if base == "flex_attention":
+            _check_mask_device(attention_mask, query)
         # "eager" is not in the registry: each modeling file defines its own eager_attention_forward.
         modeling = sys.modules[type(module).__module__]
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(base, modeling.eager_attention_forward)

@@ -5,9 +5,9 @@
 
 `enable_sbd` refuses, with the reason, what SBD cannot be applied to as implemented here: families other than
 `SUPPORTED_MODEL_TYPES` (each tested), sliding-window or chunked attention layers (the block of a pass must see the
-whole causal prefix), encoder-decoders / cross-attention, multimodal models, and position encodings whose values
-depend on the sequence length ("dynamic" / "longrope" RoPE scaling: the cached prefix would have been encoded
-differently from the recomputed one).
+whole causal prefix), encoder-decoders / cross-attention, multimodal models, ALiBi attention biases, and position
+encodings whose values depend on the sequence length ("dynamic" / "longrope" RoPE scaling: the cached prefix would
+have been encoded differently from the recomputed one). Every refusal names the reason and the supported families.
 """
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ from sbd_kernels.model import decode_positions
 # Decoder-only families whose attention layers call transformers' AttentionInterface with RoPE applied before
 # attention and no other position or mask input (checked by tests/test_hf.py on a tiny config of each).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Families whose attention adds ALiBi biases (MPT and Falcon say so in their config: attn_config.alibi, alibi).
+ALIBI_MODEL_TYPES = ("bloom",)
+# Config parts of models with non-text inputs (sub-configs of Llava, Qwen2-VL, Whisper-style models, ...).
+MULTIMODAL_PARTS = ("vision_config", "audio_config", "speech_config", "vision_tower", "audio_tower")
 # RoPE variants whose frequencies depend on the current sequence length.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 # Special-token names that tokenizers reserve and leave unused (Llama 3: <|reserved_special_token_N|>).
@@ -41,30 +45,54 @@ class SbdUnsupportedModelError(ValueError):
     """The model cannot be decoded or trained with SBD as implemented here; the message says why."""
 
 
+def _unsupported(model_type: Any, reason: str) -> SbdUnsupportedModelError:
+    return SbdUnsupportedModelError(
+        f"{model_type}: {reason}. Supported families: {', '.join(SUPPORTED_MODEL_TYPES)} (decoder-only text "
+        "models with RoPE and full causal attention in every layer)")
+
+
+def _is_multimodal(config: Any) -> bool:
+    """A config with a vision or audio part (Llava, Qwen2-VL, ...): its sub-configs or their attributes."""
+    parts = set(getattr(config, "sub_configs", None) or {}) | set(vars(config))
+    return any(name in parts for name in MULTIMODAL_PARTS)
+
+
 def check_supported(config: Any) -> None:
-    """Raises SbdUnsupportedModelError naming the first property of `config` SBD cannot handle."""
+    """Raises SbdUnsupportedModelError naming the first property of `config` SBD cannot handle, in words (the
+    kind of attention or input), and the supported families."""
     model_type = getattr(config, "model_type", None)
     if getattr(config, "is_encoder_decoder", False):
-        raise SbdUnsupportedModelError(f"{model_type}: encoder-decoder models (cross-attention) are not supported")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise SbdUnsupportedModelError(
-            f"model type {model_type!r} is not supported; supported families: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if getattr(config, "use_sliding_window", False) or getattr(config, "sliding_window", None) is not None:
-        raise SbdUnsupportedModelError(
-            f"{model_type}: sliding-window attention layers are not supported (sliding_window="
-            f"{getattr(config, 'sliding_window', None)}): an SBD block must attend to the whole causal prefix")
+        raise _unsupported(model_type, "encoder-decoder models are not supported (their decoder uses cross-attention "
+                                       "to the encoder's output, which an SBD pass does not cache)")
+    if getattr(config, "add_cross_attention", False):
+        raise _unsupported(model_type, "decoders with cross-attention layers are not supported")
+    if _is_multimodal(config):
+        raise _unsupported(model_type, "multimodal models (image or audio inputs) are not supported")
+    attn_config = getattr(config, "attn_config", None)
+    if (model_type in ALIBI_MODEL_TYPES or getattr(config, "alibi", False)
+            or getattr(attn_config, "alibi", False)):
+        raise _unsupported(model_type, "ALiBi position biases are not supported (the SBD kernels take RoPE models: "
+                                       "positions enter through the rotated keys, not as an attention bias)")
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if (getattr(config, "use_sliding_window", False) or getattr(config, "sliding_window", None) is not None
+            or "sliding_attention" in layer_types):
+        raise _unsupported(model_type, "sliding-window attention layers are not supported (sliding_window="
+                                       f"{getattr(config, 'sliding_window', None)}, layer types {sorted(layer_types)}): "
+                                       "an SBD block must attend to the whole causal prefix")
+    if getattr(config, "attention_chunk_size", None) or "chunked_attention" in layer_types:
+        raise _unsupported(model_type, "chunked attention layers are not supported (attention_chunk_size="
+                                       f"{getattr(config, 'attention_chunk_size', None)}): an SBD block must attend "
+                                       "to the whole causal prefix")
     if layer_types != {"full_attention"}:
-        raise SbdUnsupportedModelError(
-            f"{model_type}: only full-attention layers are supported, the config has layer types {sorted(layer_types)}")
-    if getattr(config, "attention_chunk_size", None):
-        raise SbdUnsupportedModelError(f"{model_type}: chunked attention layers are not supported")
+        raise _unsupported(model_type, f"only full-attention layers are supported, the config has layer types "
+                                       f"{sorted(layer_types)}")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise _unsupported(model_type, f"model type {model_type!r} is not supported")
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if rope_type in LENGTH_DEPENDENT_ROPE:
-        raise SbdUnsupportedModelError(
-            f"{model_type}: RoPE scaling {rope_type!r} changes with the sequence length, so cached keys would not "
-            "match a recompute; use a model without it")
+        raise _unsupported(model_type, f"RoPE scaling {rope_type!r} changes with the sequence length, so cached keys "
+                                       "would not match a recompute; use a model without it")
 
 
 def _unused_reserved_token(tokenizer: Any) -> int | None:

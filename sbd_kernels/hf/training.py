@@ -2,7 +2,7 @@
 collator that builds the SBD objective's inputs and labels, and a loss for `Trainer(compute_loss_func=...)`.
 
 The objective is the one of `sbd_kernels.train` (docs: `sbd_kernels.train.sbd_loss`), built from the same
-functions (`add_noise`, `sbd_labels`, `sbd_train_inputs`, `sbd_mask_allows`): per batch one block size
+functions (`add_noise`, `sbd_labels`, `sbd_train_inputs`, `SbdMaskMod`, `sbd_objective`): per batch one block size
 k ~ U{block_min..block_max}; per sequence a mask rate eta ~ U(0, 1); input `[clean ; noisy]` with repeated
 position ids; labels aligned with the logits (NTP labels shifted on the clean half, masked tokens unshifted on
 the noisy half); one mean over every counted target of both halves.
@@ -14,52 +14,65 @@ and position ids carry where the block is.
 Batch layout from `SbdDataCollator` (n = longest sequence of the batch, right-padded):
     input_ids     [B, 2n] int64      [clean ; noisy]
     position_ids  [B, 2n] int64      [0..n-1 ; 0..n-1]
-    attention_mask                   [B, 1, 2n, 2n] bool (sdpa), additive (eager) or a BlockMask (flex_attention)
+    attention_mask                   [B, 1, 2n, 2n] bool (sdpa), additive (eager) or an SbdBlockMask (flex_attention)
     labels, shift_labels [B, 2n] int64   aligned with the logits, -100 where not counted
 HF's causal-LM loss uses `shift_labels` as given, so `model(**batch).loss` is the SBD loss too; with
 `compute_loss_func=sbd_loss_func` the Trainer uses this module's loss.
 """
 from __future__ import annotations
 
+import copy
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from sbd_kernels.hf.attention import BASE_IMPLEMENTATIONS, base_implementation
 from sbd_kernels.hf.model import mask_for_implementation
-from sbd_kernels.model import sbd_mask_allows
-from sbd_kernels.train import IGNORE, add_noise, sbd_labels
+from sbd_kernels.model import SbdMaskMod, sbd_train_inputs
+from sbd_kernels.train import IGNORE, add_noise, sbd_labels, sbd_objective
 
 
-def padded_sbd_mask(lengths: Tensor, n: int, block_size: int) -> Tensor:
-    """`[B, 2n, 2n]` bool: the SBD training mask (`sbd_mask_allows`) restricted to keys of real tokens
-    (position mod n < lengths[b]); padded rows keep at least position 0 of their half, so no row is empty."""
-    idx = torch.arange(2 * n, device=lengths.device)
-    allowed = sbd_mask_allows(idx[:, None], idx[None, :], n, block_size)               # [2n, 2n]
-    key_real = (idx % n)[None, :] < lengths[:, None]                                      # [B, 2n]
-    return allowed[None] & key_real[:, None, :]
+class SbdBlockMask(BlockMask):
+    """A FlexAttention BlockMask whose `to(device)` moves the tensors its `SbdMaskMod` reads (k, the sequence
+    lengths) along with its block tensors: HF Trainer / accelerate move a batch with `.to(device)`, and
+    `BlockMask.to` alone would leave the mask_mod indexing CPU tensors inside a CUDA kernel."""
+
+    mask_mod: SbdMaskMod
+
+    @classmethod
+    def of(cls, block_mask: BlockMask) -> SbdBlockMask:
+        """The same mask as an SbdBlockMask (its attributes copied: BlockMask's constructor arguments change
+        between torch versions, its attributes are what `flex_attention` reads)."""
+        if not isinstance(block_mask.mask_mod, SbdMaskMod):
+            raise TypeError(f"SbdBlockMask: the mask_mod must be an SbdMaskMod, got {block_mask.mask_mod!r}")
+        movable = cls.__new__(cls)
+        movable.__dict__.update(vars(block_mask))
+        return movable
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SbdBlockMask:
+        moved = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, Tensor):
+                setattr(moved, name, value.to(device, non_blocking=non_blocking))
+        moved.mask_mod = self.mask_mod.to(device, non_blocking=non_blocking)
+        return moved
 
 
 def sbd_training_mask(lengths: Tensor, n: int, block_size: int, implementation: str,
                       dtype: torch.dtype = torch.float32) -> Any:
     """The SBD training mask of a right-padded batch (`lengths [B]` real tokens of each sequence, n its padded
-    length) in the form `implementation` reads: bool `[B, 1, 2n, 2n]` ("sdpa"), additive in `dtype` ("eager"), or a
-    FlexAttention BlockMask ("flex_attention", built from the same predicate, on the device of `lengths`)."""
+    length) in the form `implementation` reads: bool `[B, 1, 2n, 2n]` ("sdpa"), additive in `dtype` ("eager"), or
+    an `SbdBlockMask` ("flex_attention"), on the device of `lengths`. One predicate, `SbdMaskMod`, gives all three:
+    `sbd_mask_allows` restricted to keys of real tokens."""
+    mask_mod = SbdMaskMod(n, torch.tensor(block_size, device=lengths.device), lengths)
     if implementation == "flex_attention":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        k = torch.tensor(block_size, device=lengths.device)
-
-        def mask_mod(b, h, q, kv):
-            return sbd_mask_allows(q, kv, n, k) & (kv % n < lengths[b])
-
-        return create_block_mask(mask_mod, B=lengths.shape[0], H=None, Q_LEN=2 * n, KV_LEN=2 * n,
-                                 device=lengths.device)
-    return mask_for_implementation(padded_sbd_mask(lengths, n, block_size), implementation, dtype)
+        return SbdBlockMask.of(create_block_mask(mask_mod, B=lengths.shape[0], H=None, Q_LEN=2 * n, KV_LEN=2 * n,
+                                                 device=lengths.device))
+    return mask_for_implementation(mask_mod.dense(), implementation, dtype)
 
 
 def _block_size_at(seed: int, batch_index: int, block_min: int, block_max: int) -> int:
@@ -112,14 +125,10 @@ class SbdDataCollator:
         self._batches += 1
         noisy, _ = add_noise(tokens, self.mask_token_id, self._noise)
         labels = sbd_labels(tokens, targets, noisy, self.mask_token_id)                   # [B, 2n]
-        n = tokens.shape[1]
-        return {
-            "input_ids": torch.cat([tokens, noisy], dim=1),
-            "position_ids": torch.arange(n).repeat(2).expand(tokens.shape[0], 2 * n),
-            "attention_mask": sbd_training_mask(lengths, n, k, self.implementation, self.dtype),
-            "labels": labels,
-            "shift_labels": labels,
-        }
+        mask = sbd_training_mask(lengths, tokens.shape[1], k, self.implementation, self.dtype)
+        input_ids, position_ids, attention_mask = sbd_train_inputs(tokens, noisy, k, mask)
+        return {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask,
+                "labels": labels, "shift_labels": labels}
 
     def _pad(self, examples: list[dict[str, Any]]) -> tuple[Tensor, Tensor, Tensor]:
         """(tokens [B, n] int64 right-padded, targets [B, n] bool, lengths [B] int64)."""
@@ -156,13 +165,11 @@ class SbdDataCollator:
 
 
 def sbd_loss_func(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int | None = None) -> Tensor:
-    """SBD loss from HF model outputs and the collator's aligned labels: the sum of cross-entropies over counted
-    targets divided by `num_items_in_batch` (the Trainer's count over all gradient-accumulation micro-batches and
-    ranks) or, without it, by this batch's count. Usable as `Trainer(compute_loss_func=sbd_loss_func)`."""
+    """SBD loss from HF model outputs and the collator's aligned labels `[B, 2n]`: `sbd_kernels.train.sbd_objective`,
+    the sum of cross-entropies over counted targets divided by `num_items_in_batch` (the Trainer's count over all
+    gradient-accumulation micro-batches and ranks) or, without it, by this batch's count. Usable as
+    `Trainer(compute_loss_func=sbd_loss_func)`."""
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
-    total = F.cross_entropy(logits.float().flatten(0, 1), labels.to(logits.device).flatten(), ignore_index=IGNORE,
-                            reduction="sum")
-    count = num_items_in_batch if num_items_in_batch is not None else (labels != IGNORE).sum().clamp(min=1)
-    if torch.is_tensor(count):
-        count = count.to(total.device)
-    return total / count
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(logits.device)
+    return sbd_objective(logits, labels.to(logits.device), num_items_in_batch)[0]
