@@ -27,9 +27,9 @@ from sbd_kernels.hf.training import SbdBlockMask, SbdDataCollator, sbd_loss_func
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "SbdBlockMask",
     "SbdCache",
     "SbdCacheError",
-    "SbdBlockMask",
     "SbdCausalLM",
     "SbdDataCollator",
     "SbdGenerateOutput",
