@@ -97,6 +97,16 @@ def find_bench_dir(given: Path | None) -> Path:
     return folder.resolve()
 
 
+def benchmark_command(python: str, files: list[str], raw_json: Path,
+                      pytest_args: tuple[str, ...] = ()) -> list[str]:
+    """The pytest-benchmark command line that times `files` with `python` and writes the raw timings to
+    `raw_json` (the one command of `sbd bench` and of `sbd gpu-check`'s bench stages). pytest_args go before
+    the benchmark options (e.g. "-rs", or "-k", expression)."""
+    return [python, "-m", "pytest", *files, "-q", *pytest_args, "-p", "no:cacheprovider",
+            f"--benchmark-json={raw_json}", "--benchmark-save-data", "--benchmark-disable-gc",
+            "--benchmark-columns=median,iqr,rounds"]
+
+
 def run_benchmarks(bench_dir: Path, raw_json: Path, only: list[str], keyword: str | None,
                    rounds: int | None) -> int:
     """Run the bench files with pytest-benchmark in a child process; raw timings go to `raw_json`."""
@@ -106,11 +116,7 @@ def run_benchmarks(bench_dir: Path, raw_json: Path, only: list[str], keyword: st
                    if not only or p.stem.removeprefix("bench_") in only)
     if not files:
         raise SystemExit(f"sbd bench: no benchmark files in {bench_dir} match --only {','.join(only)}")
-    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider",
-           f"--benchmark-json={raw_json}", "--benchmark-save-data", "--benchmark-disable-gc",
-           "--benchmark-columns=median,iqr,rounds"]
-    if keyword:
-        cmd += ["-k", keyword]
+    cmd = benchmark_command(sys.executable, files, raw_json, ("-k", keyword) if keyword else ())
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if rounds:
         env["SBD_BENCH_ROUNDS"] = str(rounds)

@@ -241,9 +241,7 @@ def bench_stage(checkout: Checkout, family: str) -> Stage:
     if missing:
         return Stage(name, BUDGETS_S[name], what, skip=f"{', '.join(missing)} not installed")
     raw = checkout.out / "raw" / f"{family}.json"
-    command = (checkout.python, "-m", "pytest", f"bench/bench_{family}.py", "-q", "-rs", "-p", "no:cacheprovider",
-               f"--benchmark-json={raw}", "--benchmark-save-data", "--benchmark-disable-gc",
-               "--benchmark-columns=median,iqr,rounds")
+    command = tuple(bench_report.benchmark_command(checkout.python, [f"bench/bench_{family}.py"], raw, ("-rs",)))
     return Stage(name, BUDGETS_S[name], what, commands=(command,),
                  env=(("SBD_BENCH_QUICK", "1"), ("SBD_BENCH_DEVICE", "cuda"), *OFFLINE_ENV), raw_json=raw)
 

@@ -1,6 +1,7 @@
 """`sbd gpu-check` without a GPU: the switch that runs the test suite on CUDA (SBD_TEST_DEVICE, SBD_TEST_SHARD,
 `on_device`), the plan and its budgets, the dry run, the stage runner (stubbed, or on tiny real commands), the
 report against the GPU's datasheet and the one-line failure without a GPU."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -226,6 +227,57 @@ def test_a_stage_past_its_budget_is_stopped_and_says_so(tmp_path, monkeypatch):
     assert result.status == "overran" and result.seconds < 5
     assert result.detail == "stopped at the 1 s budget; 6 passed"
     assert (tmp_path / "logs" / "tests-1.log").read_text().startswith("3 passed")
+
+
+# One tiny case of each benchmark family (a `-k` expression on the bench file's test ids): our provider only.
+TINY_BENCH_CASES = {
+    "attention": "test_block_attention[1-512-fp32-sbd]",
+    "sampling": "test_entropy_sample[1-1-32000-fp32-sbd]",
+    "scatter": "test_mask_scatter[1-16-sbd]",
+    "decode": "test_decode_pass[small-1-512-1]",
+    "hf": "ntp and small-1 and not small-16",
+}
+
+
+def test_every_family_has_a_tiny_case():
+    assert set(TINY_BENCH_CASES) == set(gpucheck.BENCH_FAMILIES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", gpucheck.BENCH_FAMILIES)
+def test_bench_stage_command_runs_on_cpu(tmp_path, family):
+    """Guards against a benchmark command line of the check that only fails on the GPU machine (a wrong flag,
+    path, plugin option or environment variable): the bench stage's own command and runner, with the
+    benchmarks moved to the CPU (SBD_BENCH_DEVICE=cpu), one round, and one tiny case (-k), time that case
+    and write its pytest-benchmark JSON. The command is `sbd bench`'s (bench_report.benchmark_command)."""
+    stage = gpucheck.bench_stage(checkout(tmp_path, missing=gpucheck.missing_modules()), family)
+    if stage.skip is not None:
+        assert family == "hf" and stage.skip == "transformers not installed", stage.skip
+        pytest.skip(f"bench-hf: {stage.skip}")
+    raw = tmp_path / "raw" / f"{family}.json"
+    assert stage.commands == (tuple(bench_report.benchmark_command(sys.executable, [f"bench/bench_{family}.py"],
+                                                                   raw, ("-rs",))),)
+    on_cpu = dataclasses.replace(stage, commands=tuple((*c, "-k", TINY_BENCH_CASES[family]) for c in stage.commands),
+                                 env=(*stage.env, ("SBD_BENCH_DEVICE", "cpu"), ("SBD_BENCH_ROUNDS", "1")),
+                                 budget_s=300)  # the GPU budgets do not apply to this shared CPU
+    result = gpucheck.run_stage(on_cpu, checkout(tmp_path))
+    log = (tmp_path / "logs" / f"{stage.name}.log").read_text()
+    assert result.status == "passed" and result.detail == "1 passed, 1 timings", (result.detail, log[-3000:])
+    assert json.loads(raw.read_text())["benchmarks"][0]["extra_info"]["device"] == "cpu"
+
+
+@pytest.mark.slow
+def test_test_stage_command_runs_on_cpu(tmp_path, monkeypatch):
+    """Guards against the test stage's pytest command line only failing on the GPU machine (a wrong flag,
+    deselected id or plugin option): its own command and runner, on one small test file and on the CPU
+    (SBD_TEST_DEVICE=cpu instead of cuda), pass."""
+    monkeypatch.setattr(gpucheck, "test_files", lambda checkout_: ["tests/test_tasks.py"])
+    stage = gpucheck.test_stage(checkout(tmp_path, missing=gpucheck.missing_modules(), cpu_count=1))
+    assert len(stage.commands) == 1 and "tests/test_tasks.py" in stage.commands[0]
+    on_cpu = dataclasses.replace(stage, env=(*stage.env, ("SBD_TEST_DEVICE", "cpu")), budget_s=300)
+    result = gpucheck.run_stage(on_cpu, checkout(tmp_path))
+    log = (tmp_path / "logs" / "tests.log").read_text()
+    assert result.status == "passed" and "passed" in result.detail and not result.failures, log[-3000:]
 
 
 def test_judge_reads_pytest_summaries():
