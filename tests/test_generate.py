@@ -235,6 +235,20 @@ def test_compiled_block_step_matches_eager(model, prompts):
     assert_same_decode(compiled, generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD))
 
 
+@pytest.mark.slow
+def test_compiled_ntp_step_and_prefills_match_eager(model, prompts):
+    """Guards against the NTP decode step or a prefill that graph-breaks or syncs (fullgraph=True fails on
+    either) or that computes something else once compiled: NTP with its prefill and step compiled, and SBD
+    with its prefill compiled (its block step: the test above), give the eager decode's answers and counts."""
+    torch._dynamo.reset()
+    steps = dataclasses.replace(gen.EAGER_STEPS, **{name: torch.compile(getattr(gen, name), fullgraph=True)
+                                                    for name in ("ntp_prefill", "ntp_decode_step", "sbd_prefill")})
+    for cfg in (DecodeConfig(method="ntp", max_new_tokens=BUDGET),
+                DecodeConfig(method="sbd", block_size=BLOCK, gamma=0.5, max_new_tokens=BUDGET)):
+        compiled = generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, steps=steps)
+        assert_same_decode(compiled, generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD))
+
+
 @pytest.mark.parametrize("field,value", [("method", "beam"), ("block_size", 0), ("gamma", -0.1),
                                          ("temperature", -1.0), ("max_new_tokens", 0)])
 def test_bad_config_names_the_field(field, value):
