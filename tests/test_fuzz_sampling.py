@@ -2,7 +2,8 @@
 oracle.
 
 Each case draws B, K, V (odd and tiny V included), a dtype, rows with -inf / finfo.min runs, NaN or +inf
-entries, exact ties, flat rows; greedy, sampled and per-row temperatures; a mask token and a compute_mask;
+entries, exact ties, flat rows; greedy, sampled and per-row temperatures (1e-39 among them, where x / T
+overflows); a mask token and a compute_mask;
 top-k / top-p / min-p filters as scalars or per-row tensors.
 Every tensor argument is passed as a view into a larger poisoned buffer (`sbd_kernels.testing.Embedded`:
 offset, strided, stride-0 views; logits with padded rows or a strided vocabulary), and each backend (C++
@@ -112,9 +113,9 @@ def make_case(case_id: int, max_vocab: int) -> Case:
     mode = pick(["greedy", "sample", "per_row", "per_row_equal"])
     temperature, temperature_val = None, 0.0
     if mode == "sample":
-        temperature_val = pick([0.3, 1.0, 1.7])
-    elif mode == "per_row":
-        temperature = torch.tensor([0.0, 1.0, 0.3, 1.7])[torch.randint(4, (batch,), generator=gen)]
+        temperature_val = pick([0.3, 1.0, 1.7, 1e-39])
+    elif mode == "per_row":  # 1e-39: x / T overflows for most rows (the overflow rule)
+        temperature = torch.tensor([0.0, 1.0, 0.3, 1.7, 1e-39])[torch.randint(5, (batch,), generator=gen)]
     elif mode == "per_row_equal":
         temperature = torch.full((batch,), pick([0.0, 0.8]))
 
@@ -241,15 +242,18 @@ def filter_near_ties(case: Case) -> torch.Tensor:
 
 
 def oracle_scores(case: Case) -> torch.Tensor:
-    """x / T + g [B, K, V] in fp32 as the oracle computes them (the mask token at -inf)."""
+    """The race's scores [B, K, V] in fp32 as the oracle computes them (the mask token at -inf): x / T + g,
+    or (x - m) / T + g on rows where x / T overflowed for the maximum m (the oracle's overflow rule)."""
     batch, positions, vocab = case.logits.shape
     x = case.logits.float().clone()
     if case.mask_token_id >= 0:
         x[..., case.mask_token_id] = float("-inf")
-    t = case.temperature if case.temperature is not None else torch.full((batch,), case.temperature_val)
+    t = (case.temperature if case.temperature is not None else torch.full((batch,), case.temperature_val)).view(-1, 1, 1)
     seed = case.seed.reshape(-1).expand(batch)
     offset = case.offset.reshape(-1).expand(batch)
-    return x / t.view(-1, 1, 1) + naive.gumbel_noise(seed, offset, positions, vocab)
+    noise = naive.gumbel_noise(seed, offset, positions, vocab)
+    m = x.amax(-1, keepdim=True)
+    return torch.where(torch.isinf(m / t), (x - m) / t + noise, x / t + noise)
 
 
 def assert_same_draws(case: Case, out, ref) -> None:
@@ -325,6 +329,8 @@ def test_fuzz_cases_cover_every_kind():
     assert any(c.compute_mask is not None for c in cases) and any(c.mask_token_id >= 0 for c in cases)
     assert {c.logits.dtype for c in cases} == set(FLOAT_DTYPES)
     assert any(c.temperature is None and c.temperature_val > 0 for c in cases)
+    assert any(c.temperature_val == 1e-39 for c in cases)
+    assert any(c.temperature is not None and bool((c.temperature == 1e-39).any()) for c in cases)
     assert any(c.seed.dim() == 0 for c in cases)
     filters = {name for c in cases for name in c.filters}
     assert filters == {"top_k_val", "top_p_val", "min_p_val", "top_k", "top_p", "min_p"}

@@ -358,13 +358,62 @@ def test_single_entry_vocabulary(backend):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the overflow is the point
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_scores_overflowing_to_neg_inf_fall_back_to_greedy(backend):
-    """Guards against no token (or a -inf one) when every logit / T overflows to -inf."""
+def test_scores_overflowing_to_neg_inf_draw_the_largest_logit(backend):
+    """Guards against no token (or a -inf one) when every logit / T overflows to -inf: the overflow rule's
+    race on (x - m) / T draws the largest logit."""
     logits = torch.full((1, 2, 40), -1e30)
     logits[0, :, 13] = -9e29
     seed, offset = make_seeds(1)
     tokens, *_ = check_backend(backend, logits, seed, offset, temperature_val=1e-10)
     assert (tokens == 13).all()
+
+
+ALL_BACKENDS = BACKENDS + ("naive",)
+OVERFLOW_SEEDS = 40
+
+
+def draws_over_seeds(backend, row, **kwargs):
+    """Tokens [OVERFLOW_SEEDS] of one [V] row drawn with seeds 0, 1, ... (a batch of copies of the row)."""
+    logits = row.expand(OVERFLOW_SEEDS, 1, -1).contiguous()
+    seed = torch.arange(OVERFLOW_SEEDS, dtype=torch.int64)
+    offset = torch.zeros(OVERFLOW_SEEDS, dtype=torch.int64)
+    tokens, _, _, valid = backend_op(backend)(logits, seed, offset, **kwargs)
+    assert valid.all()
+    return tokens[:, 0]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the overflow is the point
+@pytest.mark.parametrize("top, temperature", [(1.0, 1e-40), (1.0, 1e-39), (1.0, 1e-38), (1000.0, 1e-40),
+                                              (1000.0, 1e-39), (1000.0, 1e-38), (-3e38, 1e-40), (-3e38, 1e-39),
+                                              (-3e38, 1e-38), (-3e38, 0.5)])
+def test_overflowing_race_keeps_tied_maxima_equally_likely(top, temperature):
+    """Guards against x / T overflowing fp32 for tied maxima and the race always drawing the first: every
+    tied maximum scored +inf (logit 1 at T = 1e-40, logit 1000 at T = 1e-38), or every logit -inf (-3e38 at
+    T = 0.5) and the greedy fallback drew index 0. Over 40 seeds each of the four tied maxima is drawn, the
+    lower logit never, on every backend, token for token the same. Logit 1 at T = 1e-38 does not overflow
+    (x / T = 1e38): that race is the plain fp32 one, whose noise 1e38 rounds away (the lowest index, as
+    documented), and it must not change."""
+    lower = top - 1.0 if abs(top) < 1e30 else -3.4e38
+    row = torch.tensor([top, top, lower, top, top])
+    draws = {backend: draws_over_seeds(backend, row, temperature_val=temperature) for backend in ALL_BACKENDS}
+    for backend in BACKENDS:
+        assert torch.equal(draws[backend], draws["naive"]), (backend, draws[backend].tolist(), draws["naive"].tolist())
+    overflows = math.isinf(float(torch.tensor(top) / torch.tensor(temperature)))
+    assert overflows == ((top, temperature) != (1.0, 1e-38))
+    assert set(draws["naive"].tolist()) == ({0, 1, 3, 4} if overflows else {0}), draws["naive"].tolist()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("temperature", [1e-40, 1e-38, 0.5])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_overflowing_race_draws_the_larger_of_two_huge_logits(backend, temperature):
+    """Guards against the overflow rule losing the order of the logits: 3e38 and 3.1e38 both score +inf
+    (at T = 0.5 too), the race drew the first; only 3.1e38 may win, also with the mask token on a larger
+    one, and a row of -3e38 and -3.1e38 entries draws -3e38."""
+    row = torch.tensor([3e38, 3e38, 3.1e38, -1.0, 3.2e38, 3e38])
+    assert set(draws_over_seeds(backend, row, temperature_val=temperature, mask_token_id=4).tolist()) == {2}
+    row = torch.tensor([-3e38, -3e38, -3.1e38, -3.2e38, -3e38])
+    assert set(draws_over_seeds(backend, row, temperature_val=temperature).tolist()) == {0, 1, 4}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -345,6 +345,62 @@ def test_ties_at_the_cut_off_are_all_drawn(backend):
         assert set(tokens.flatten().tolist()) == {1, 3, 5, 7}, kwargs
 
 
+# Filter settings under an overflowing temperature: each keeps the four tied maxima (1000) and nothing else
+# can win; "top_k" keeps the next logit (999) too, "wide" (top-k 2V/3) most of the row (the CPU's race over
+# the row's tiles rather than over a candidate list).
+OVERFLOW_FILTERS = ("top_k", "top_p", "min_p", "all", "wide")
+OVERFLOW_TIES = [7, 31, 150, 299]
+
+
+def overflow_filter_args(name, vocab):
+    return {"none": {}, "top_k": {"top_k_val": 5}, "top_p": {"top_p_val": 0.5}, "min_p": {"min_p_val": 0.5},
+            "all": {"top_k_val": 8, "top_p_val": 0.9, "min_p_val": 0.1}, "wide": {"top_k_val": 2 * vocab // 3}}[name]
+
+
+def overflow_row(vocab):
+    """[V] logits: N(0, 3^2), tied maxima 1000 at OVERFLOW_TIES (scaled into the row), 999 once."""
+    row = make_logits(1, 1, vocab)[0, 0]
+    ties = [i * vocab // 300 for i in OVERFLOW_TIES]
+    row[ties] = 1000.0
+    row[ties[1] + 1] = 999.0
+    return row, set(ties)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # x / T overflows: the point
+@pytest.mark.parametrize("temperature", [1e-40, 1e-38])
+@pytest.mark.parametrize("filters", OVERFLOW_FILTERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_filters_under_an_overflowing_temperature(backend, filters, temperature):
+    """Guards against the filtered paths (CPU: top-k candidate list, min-p threshold race, top-p check and
+    redraw; Triton: threshold search, filtered race) drawing the first of tied maxima when x / T overflows
+    to +inf: over 40 seeds each tied maximum is drawn, token for token as the oracle's overflow rule."""
+    row, ties = overflow_row(300)
+    batch = 40
+    logits = row.expand(batch, 1, -1).contiguous()
+    seed, offset = torch.arange(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64)
+    tokens, *_ = check_backend(backend, logits, seed, offset, temperature_val=temperature,
+                               **overflow_filter_args(filters, 300))
+    assert set(tokens.flatten().tolist()) == ties, tokens.flatten().tolist()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("filters", ["none", *OVERFLOW_FILTERS])
+def test_cpu_overflowing_race_on_split_rows(filters):
+    """Guards against the overflow rule missing the C++ rows split over several work items (4 rows of
+    100000 entries: items whose partial best is +inf, combined) with and without filters: each tied maximum
+    is drawn over 40 seeds, token for token as the oracle."""
+    vocab, batch = 100_000, 4
+    row, ties = overflow_row(vocab)
+    logits = row.expand(batch, 1, -1).contiguous()
+    drawn = set()
+    for s in range(0, 40, batch):
+        seed, offset = torch.arange(s, s + batch), torch.zeros(batch, dtype=torch.int64)
+        tokens, *_ = check_backend("cpu", logits, seed, offset, temperature_val=1e-39,
+                                   **overflow_filter_args(filters, vocab))
+        drawn |= set(tokens.flatten().tolist())
+    assert drawn == ties
+
+
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_greedy_ignores_filters_and_outputs_stay_unfiltered(backend):
     """Guards against filters applied at T == 0, and against entropy / logprob computed on the filtered

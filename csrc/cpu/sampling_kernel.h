@@ -7,6 +7,8 @@
 //   pass 2 over the tile: online sum exp(x - m) and sum exp(x - m) (x - m) (entropy), and the Gumbel-max
 //   race. Items of a row are combined afterwards in vocabulary order (lowest index wins ties).
 // Filters (top-k, top-p, min-p) restrict the race to the entries above a threshold: section "Filters".
+// A row whose best score is +-inf (x_max / T overflowed fp32) races again on (x - max) / T + g: naive.py's
+// overflow rule, relative_race, tested once per row after the race.
 //
 // Gumbel-max without computing most of the noise: u <= 1 - 2^-24 bounds g <= 24 ln 2 = 16.64, and per
 // entry g = -log(-log u) <= -log(1 - u) <= ln 2 * (24 - floor(log2(2^24 (1 - u)))), an exponent read off
@@ -878,6 +880,40 @@ void draw_kept(const scalar_t* row_ptr, int64_t vocab, int64_t mask_token_id, fl
   });
 }
 
+// The overflow rule of naive.py: the race again over the entries >= threshold, on (x - m) / T + g with m
+// the row max, for a row whose best score x / T + g was +-inf (x_max / T overflowed fp32). Returns the
+// winner (lowest index on ties; -1 if nothing is above -inf). Only such rows get here (tiny T, or logits
+// near +-3e38), so it draws the noise of every group that holds a kept entry and divides, without the
+// skips of gumbel_race_tile: finite rows pay one test of their best score, nothing more.
+template <typename scalar_t>
+int64_t relative_race(const scalar_t* row_ptr, int64_t vocab, int64_t mask_token_id, float temperature, float m,
+                      float threshold, const PhiloxRow& philox) {
+  alignas(64) uint32_t words[kGroup];
+  alignas(64) float score[Vec::size()];
+  const Vec t(temperature), max(m), cut(threshold), minus_inf(-kInf);
+  float best = -kInf;
+  int64_t best_idx = -1;
+  for_each_tile(row_ptr, vocab, mask_token_id, [&](const float* data, int64_t padded, int64_t start,
+                                                   const float* group_max, float) {
+    for (int64_t g = 0; g < padded; g += kGroup) {
+      if (group_max[g / kGroup] == -kInf || group_max[g / kGroup] < threshold) continue;
+      philox_block(philox, static_cast<uint32_t>((start + g) / 4), words);
+      for (int64_t i = 0; i < kGroup; i += Vec::size()) {
+        const Vec x = Vec::loadu(data + g + i);
+        const Vec gumbel = uniforms(words + i).log().neg().log().neg();
+        Vec::blendv(minus_inf, (x - max) / t + gumbel, x >= cut).store(score);
+        for (int64_t l = 0; l < Vec::size(); ++l) {
+          if (score[l] > best) {
+            best = score[l];
+            best_idx = start + g + i + l;
+          }
+        }
+      }
+    }
+  });
+  return best_idx;
+}
+
 // tau_p of the candidates (they hold every entry >= tau_p): the selection over their weights
 // q = e^((x - max) / T), of `mass` (the weights' total over the set top-p is taken of; <= 0: theirs).
 inline float top_p_threshold(const Candidates& cand, float m, float temperature, float top_p, double mass,
@@ -982,11 +1018,11 @@ bool top_p_keeps(const scalar_t* row_ptr, int64_t vocab, int64_t mask_token_id, 
 
 // The draw of a row whose first draw fell outside its top-p set: tau_p from the candidates above
 // max + T ln((1 - p) Z / (2 V)) (the entries below it hold less than (1 - p) / 2 of the mass Z, so the
-// top-p set lies above it), tau = max(tau_p, min_tau), and the race over the kept entries.
+// top-p set lies above it), tau = max(tau_p, min_tau), and the race over the kept entries; returns tau.
 template <typename scalar_t>
-void top_p_redraw(const scalar_t* row_ptr, int64_t vocab, int64_t mask_token_id, float m, float temperature,
-                  float top_p, double mass, float min_tau, const PhiloxRow& philox, FilterScratch& scratch,
-                  float& best, int64_t& best_idx) {
+float top_p_redraw(const scalar_t* row_ptr, int64_t vocab, int64_t mask_token_id, float m, float temperature,
+                   float top_p, double mass, float min_tau, const PhiloxRow& philox, FilterScratch& scratch,
+                   float& best, int64_t& best_idx) {
   Candidates& cand = scratch.candidates;
   cand.clear();
   const float floor = std::max(std::numeric_limits<float>::lowest(),
@@ -997,6 +1033,7 @@ void top_p_redraw(const scalar_t* row_ptr, int64_t vocab, int64_t mask_token_id,
   });
   const float tau = std::max(min_tau, top_p_threshold(cand, m, temperature, top_p, mass, scratch));
   draw_kept(row_ptr, vocab, mask_token_id, temperature, tau, philox, cand, best, best_idx);
+  return tau;
 }
 
 template <typename scalar_t>
@@ -1049,10 +1086,11 @@ struct RowSummary {
   int64_t greedy_idx = 0;
 };
 
-// Row outputs from its items' partials, combined in vocabulary order.
-template <typename scalar_t>
+// Row outputs from its items' partials, combined in vocabulary order. rerun(m, threshold): the token of
+// the overflow rule (relative_race), called only when the race's best score is +-inf.
+template <typename scalar_t, typename Rerun>
 void finish_row(const Partial* parts, int64_t n_parts, const scalar_t* row_ptr, float temperature,
-                const RowPlan& plan, int64_t& token, float& entropy, float& logprob, bool& valid,
+                const RowPlan& plan, Rerun rerun, int64_t& token, float& entropy, float& logprob, bool& valid,
                 RowSummary& summary) {
   float m = -kInf;
   bool bad = false;
@@ -1088,10 +1126,11 @@ void finish_row(const Partial* parts, int64_t n_parts, const scalar_t* row_ptr, 
   }
   const float log_z = std::log(sum_exp);
   if (plan.drawn) {
-    token = plan.best_idx >= 0 ? plan.best_idx : greedy_idx;
-  } else {
-    token = (temperature > 0.f && best_idx >= 0) ? best_idx : greedy_idx;
+    best = plan.best;
+    best_idx = plan.best_idx;
   }
+  if (temperature > 0.f && (best_idx < 0 || std::isinf(best))) best_idx = rerun(m, plan.threshold);
+  token = (temperature > 0.f && best_idx >= 0) ? best_idx : greedy_idx;
   entropy = log_z - sum_xexp / sum_exp;
   logprob = static_cast<float>(row_ptr[token]) - m - log_z;
   valid = true;
@@ -1133,6 +1172,13 @@ void entropy_sample_typed(const EntropySampleArgs& args) {
     args.logprob[r] = -kInf;
     args.valid[r] = false;
   };
+  // The overflow rule's race of row r (finish_row calls it only for a row whose best score is +-inf).
+  auto rerun_of = [&](int64_t r) {
+    return [&, r](float m, float threshold) {
+      return relative_race(row_ptr(r), vocab, args.mask_token_id, row_temperature(r / positions), m, threshold,
+                           philox_of(r));
+    };
+  };
   // The filters' plan of a sampled row (T > 0, a filter on), before its race.
   auto plan_for = [&](int64_t r, FilterScratch& scratch) {
     const int64_t b = r / positions;
@@ -1154,8 +1200,12 @@ void entropy_sample_typed(const EntropySampleArgs& args) {
     }
     float best = -kInf;
     int64_t best_idx = -1;
-    top_p_redraw(logits_row, vocab, args.mask_token_id, row.max, t, top_p, mass, plan.threshold, philox_of(r),
-                 scratch, best, best_idx);
+    const PhiloxRow philox = philox_of(r);
+    const float tau = top_p_redraw(logits_row, vocab, args.mask_token_id, row.max, t, top_p, mass, plan.threshold,
+                                   philox, scratch, best, best_idx);
+    if (best_idx < 0 || std::isinf(best)) {
+      best_idx = relative_race(logits_row, vocab, args.mask_token_id, t, row.max, tau, philox);
+    }
     args.tokens[r] = best_idx >= 0 ? best_idx : row.greedy_idx;
     args.logprob[r] = static_cast<float>(logits_row[args.tokens[r]]) - row.max - row.log_z;
   };
@@ -1175,8 +1225,8 @@ void entropy_sample_typed(const EntropySampleArgs& args) {
                                            plan.drawn ? 0.f : row_temperature(r / positions), plan.threshold,
                                            philox_of(r));
         RowSummary summary;
-        finish_row(&part, 1, row_ptr(r), row_temperature(r / positions), plan, args.tokens[r], args.entropy[r],
-                   args.logprob[r], args.valid[r], summary);
+        finish_row(&part, 1, row_ptr(r), row_temperature(r / positions), plan, rerun_of(r), args.tokens[r],
+                   args.entropy[r], args.logprob[r], args.valid[r], summary);
         check_top_p(r, plan, summary, scratch);
       }
     });
@@ -1214,7 +1264,7 @@ void entropy_sample_typed(const EntropySampleArgs& args) {
         continue;
       }
       finish_row(parts.data() + r * splits, splits, row_ptr(r), row_temperature(r / positions), plan_of(r),
-                 args.tokens[r], args.entropy[r], args.logprob[r], args.valid[r],
+                 rerun_of(r), args.tokens[r], args.entropy[r], args.logprob[r], args.valid[r],
                  summaries[args.filters ? r : 0]);
     }
   });

@@ -33,10 +33,17 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
     g_v = -log(-log(u_v)) with u_v from Philox4x32-10 keyed on (seed[b], offset[b], j, v), defined bit for
     bit in `sbd_kernels.ops.sampling.naive`: the same (seed, offset, j, logits) give the same token on
     every backend (rare float near-ties aside) whatever the batch around the row. ``offset`` is meant to be
-    the caller's step counter. The logits are read once; the math is fp32, at fp32(T). x_v / T is computed
-    as a division in fp32, so tied maxima stay equally likely for any T > 0, subnormal ones included;
-    if every x_v / T + g_v is -inf (finite logits so negative that x / T overflows) the token is the
-    greedy one.
+    the caller's step counter. The logits are read once; the math is fp32, at fp32(T); x_v / T is a
+    division in fp32 (no 1 / T that a subnormal T would overflow).
+
+    Overflow rule: when the race's best score is +inf or -inf, i.e. x_m / T overflowed fp32 for the maximum
+    m of the kept entries (tied maxima at 1 and T = 1e-40 all score +inf; every logit near -3e38 at T = 0.5
+    scores -inf), the race is run again over the same kept entries with the same noise on
+    (x_v - m) / T + g_v: tied maxima stay equally likely and a larger logit beats a smaller one. A race
+    whose best score is finite is never rerun, so the tokens of such rows do not depend on this rule. Short
+    of an overflow the race is the plain fp32 one: once |x_m / T| is so large that the sum rounds the noise
+    (from ~2^22, e.g. logit 1 at T < 2e-7), tied maxima lean to the lowest index, and past ~2^28 (logit 1
+    at T = 1e-38: x / T = 1e38, finite) the lowest index always wins, as at T == 0.
 
     Filters, per request like vLLM's and FlashInfer's (a [B] tensor, or a number for every row), applied
     in Hugging Face's order to softmax(x / T): top-k keeps the k largest logits; top-p then keeps the

@@ -9,9 +9,20 @@ Math (per computed position (b, j), x = logits[b, j, :] in fp32, the entry `mask
               argmax_{v kept} (x_v / T + g_v)  (fp32, lowest index on ties)   if T > 0
     logprob = log p_token
 
-If every x_v / T + g_v of the kept entries is -inf (finite logits so negative that x / T overflows) the
-token is the T == 0 one. Invalid positions: token 0, entropy +inf, logprob -inf, valid False. Positions
-not computed (compute_mask False): token -1, entropy +inf, logprob -inf, valid False.
+Overflow rule (T > 0): x_v / T can overflow fp32 for the largest logits (tied maxima at 1 and T = 1e-38
+all score +inf, and the first would always win), or for every logit (all of them near -3e38 at T = 0.5
+score -inf). When the race's best score is +inf or -inf, i.e. when x_m / T overflowed for the maximum m
+of the kept entries (the row's maximum, the mask token excluded; the filters never remove it), the race
+is run again over the same kept entries with the same noise on the scores
+
+    s_v = (x_v - m) / T + g_v        (fp32; x_v - m then / T, lowest index on ties)
+
+the limit of the race as the scale of x / T shrinks: tied maxima score g_v alone and stay equally likely,
+a larger logit beats a smaller one, and the maximum's score is finite, so a sampled valid row always
+draws a token. A race whose best score is finite is never rerun: its token does not depend on this rule
+(short of an overflow, a huge finite x_m / T rounds the noise away and tied maxima go to the lowest index).
+Invalid positions: token 0, entropy +inf, logprob -inf, valid False. Positions not computed
+(compute_mask False): token -1, entropy +inf, logprob -inf, valid False.
 
 Filters (T > 0 only; Hugging Face's order and meaning: temperature, then top-k, then top-p, then min-p),
 on q = softmax(x / T) over the entries not -inf; each keeps the entries whose logit is >= a threshold:
@@ -182,11 +193,14 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
 
     greedy = torch.where(valid.unsqueeze(-1), x, torch.zeros(())).argmax(-1)  # first maximum
     t = temperature.view(-1, 1, 1)
-    scores = x / t + gumbel_noise(seed, offset, positions, vocab)        # fp32 [B, K, V]
-    if filters:
-        scores = torch.where(kept_by_filters(x, temperature, top_k, top_p, min_p), scores, float("-inf"))
-    sampled = scores.argmax(-1)
-    sampled = torch.where(scores.amax(-1) == float("-inf"), greedy, sampled)
+    noise = gumbel_noise(seed, offset, positions, vocab)                  # fp32 [B, K, V]
+    kept = kept_by_filters(x, temperature, top_k, top_p, min_p) if filters else torch.ones_like(valid[..., None])
+    scores = torch.where(kept, x / t + noise, float("-inf"))
+    # Overflow rule: rows whose best score is +-inf race again on (x - m) / T + g, m the kept maximum.
+    overflowed = torch.isinf(scores.amax(-1, keepdim=True))                           # [B, K, 1]
+    m = torch.where(kept, x, float("-inf")).amax(-1, keepdim=True)
+    rerun = torch.where(kept, (x - m) / t + noise, float("-inf"))
+    sampled = torch.where(overflowed, rerun, scores).argmax(-1)
     tokens = torch.where(temperature.view(-1, 1) > 0, sampled, greedy)
     logprob = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 

@@ -10,7 +10,9 @@ Stage 1 (`_sampling_partial_kernel`, grid rows x splits): each program walks a c
 vocabulary tiles and keeps (m, S, U) online plus the first argmax of x and of the Gumbel score; a handful
 of rows still spreads over the whole GPU. Stage 2 (`_sampling_combine_kernel`, grid rows) rescales the
 partial sums to the row max, takes the lowest index among equal maxima (splits are in vocabulary order)
-and writes the four outputs. A tile is laid out [BLOCK_V / 64, 4, 16] so that one Philox call on counter
+and writes the four outputs. A sampled row whose best score is +-inf (x_max / T overflowed fp32) gets the
+oracle's overflow rule there, where the row max is known: the combine program races again over the row on
+(x - m) / T + g (a loop of zero trips for every other row: no host sync, no extra launch). A tile is laid out [BLOCK_V / 64, 4, 16] so that one Philox call on counter
 (v >> 6) * 16 + (v & 15) yields the noise of its 4 entries v, v + 16, v + 32, v + 48, exactly as on CPU.
 """
 from __future__ import annotations
@@ -55,6 +57,10 @@ MAX_SPLITS = 64
 # Largest Gumbel noise any u gives, -log(-log(1 - 2^-24)) = 16.6355, rounded up: a tile whose max logit / T
 # plus this is below the best score so far cannot hold the winner and skips its Philox draws.
 GUMBEL_MAX = tl.constexpr(16.64)
+# Tile of the overflow rule's race in the combine program (one warp): SMALL_BLOCK_V entries, 4 logits and 1
+# Philox counter per thread, so that the rare rerun (tiny T, logits near +-3e38) adds no registers to the
+# combine kernel every row runs.
+RERUN_BLOCK = SMALL_BLOCK_V
 # Filters' threshold search (one program per row): a tile of THRESHOLD_BLOCK entries is compared with
 # THRESHOLD_PIVOTS pivots at once, [256, 16] = 4096 values (32 per thread at 4 warps); each pass narrows
 # the range of 32-bit keys 17-fold, so 8 passes always end it (17^8 > 2^32), most rows far sooner.
@@ -62,8 +68,11 @@ THRESHOLD_BLOCK = 256
 THRESHOLD_PIVOTS = 16
 THRESHOLD_NUM_WARPS = 4
 THRESHOLD_MAX_ROUNDS = 8
-# Entries per row of the workspaces: (m, S, U, greedy value, best score, bad) and (greedy index, best index).
-PARTIAL_FLOATS = 6
+# Entries per row of the workspaces: (m, S, U, greedy value, best score, bad, race threshold) and (greedy
+# index, best index). The threshold (-inf: no filter) is the same in every split: the partial kernel
+# passes it on so that the combine kernel's overflow rerun keeps the same entries without a filtered
+# configuration of its own.
+PARTIAL_FLOATS = 7
 PARTIAL_INTS = 2
 _PARTIAL_FLOATS = tl.constexpr(PARTIAL_FLOATS)
 _PARTIAL_INTS = tl.constexpr(PARTIAL_INTS)
@@ -256,6 +265,7 @@ def _sampling_partial_kernel(
         temperature = tl.load(temperature_ptr + b * temperature_stride)
     else:
         temperature = temperature_val
+    threshold = -float("inf")
     if HAS_THRESHOLD:
         threshold = tl.load(threshold_ptr + row)  # filters: the race keeps x >= threshold only
     seed = tl.load(seed_ptr + b * seed_stride)
@@ -317,6 +327,7 @@ def _sampling_partial_kernel(
     tl.store(out_f + 3, greedy)
     tl.store(out_f + 4, best)
     tl.store(out_f + 5, bad)
+    tl.store(out_f + 6, threshold)
     out_i = partial_i_ptr + (row * num_splits + split) * _PARTIAL_INTS
     tl.store(out_i + 0, greedy_idx)
     tl.store(out_i + 1, best_idx)
@@ -325,9 +336,10 @@ def _sampling_partial_kernel(
 @triton.jit
 def _sampling_combine_kernel(
     logits_ptr, stride_b, stride_k, temperature_ptr, temperature_stride, temperature_val, compute_mask_ptr,
+    seed_ptr, seed_stride, offset_ptr, offset_stride,
     partial_f_ptr, partial_i_ptr, tokens_ptr, entropy_ptr, logprob_ptr, valid_ptr,
-    positions, num_splits,
-    HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, SPLITS: tl.constexpr,
+    positions, vocab, mask_token_id, num_splits,
+    HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     b = row // positions
@@ -367,9 +379,34 @@ def _sampling_combine_kernel(
     best_token = tl.min(tl.where((best == best_max) & (best_idx >= 0), best_idx, _INT32_MAX))
     sampled = (temperature > 0) & (best_max > -float("inf"))
     token = tl.where(sampled, best_token, greedy_token)
+
+    # Overflow rule (naive.py): a sampled row whose best score is +-inf races again over its kept entries
+    # on (x - m) / T + g; the loop has no trip for any other row.
+    row_ptr = logits_ptr + b.to(tl.int64) * stride_b + j.to(tl.int64) * stride_k
+    rerun = valid & (temperature > 0) & ((best_max == float("inf")) | (best_max == -float("inf")))
+    threshold = tl.load(partial_f_ptr + row * num_splits * _PARTIAL_FLOATS + 6)
+    seed = tl.load(seed_ptr + b * seed_stride)
+    offset = tl.load(offset_ptr + b * offset_stride)
+    c1 = j.to(tl.uint32)
+    c2 = (offset & 0xFFFFFFFF).to(tl.uint32)
+    c3 = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    ROWS: tl.constexpr = BLOCK // 64
+    local = (tl.arange(0, ROWS)[:, None, None] * 64 + tl.arange(0, 4)[None, :, None] * 16
+             + tl.arange(0, 16)[None, None, :])                             # [ROWS, 4, 16]
+    rerun_best = -float("inf")
+    rerun_idx = -1
+    for start in range(0, tl.where(rerun, vocab, 0), BLOCK):
+        v = start + local
+        x = tl.load(row_ptr + v, mask=v < vocab, other=-float("inf")).to(tl.float32)
+        x = tl.where((v == mask_token_id) | (x < threshold), -float("inf"), x)
+        score = _sampling_gumbel_tile(x - ref, v, start, temperature, seed, c1, c2, c3, ROWS)
+        score_max = tl.max(score)
+        score_arg = tl.min(tl.where(score == score_max, v, _INT32_MAX))
+        rerun_idx = tl.where(score_max > rerun_best, score_arg, rerun_idx)
+        rerun_best = tl.maximum(rerun_best, score_max)
+    token = tl.where(rerun & (rerun_idx >= 0), rerun_idx, token)
     token = tl.where(valid, token, 0)
 
-    row_ptr = logits_ptr + b.to(tl.int64) * stride_b + j.to(tl.int64) * stride_k
     x_token = tl.load(row_ptr + token, mask=valid, other=0.0).to(tl.float32)
     log_z = tl.log(tl.where(valid, total_exp, 1.0))
     entropy = log_z - total_xexp / tl.where(valid, total_exp, 1.0)
@@ -510,10 +547,11 @@ def _sampling_launches(logits: torch.Tensor, seed: torch.Tensor, offset: torch.T
         "tiles_per_split": tiles_per_split, "num_splits": num_splits,
     }, {**flags, "HAS_THRESHOLD": has_threshold, "BLOCK": block}, _num_warps(block)))
     launches.append(KernelLaunch(_sampling_combine_kernel, (rows,), {
-        **row_args, "partial_f_ptr": partial_f, "partial_i_ptr": partial_i, "tokens_ptr": tokens,
-        "entropy_ptr": entropy, "logprob_ptr": logprob, "valid_ptr": valid.view(torch.int8),
-        "positions": positions, "num_splits": num_splits,
-    }, {**flags, "SPLITS": MAX_SPLITS}, 1))
+        **row_args, "seed_ptr": seed, "seed_stride": _per_row_stride(seed), "offset_ptr": offset,
+        "offset_stride": _per_row_stride(offset), "partial_f_ptr": partial_f, "partial_i_ptr": partial_i,
+        "tokens_ptr": tokens, "entropy_ptr": entropy, "logprob_ptr": logprob, "valid_ptr": valid.view(torch.int8),
+        "positions": positions, "vocab": vocab, "mask_token_id": mask_token_id, "num_splits": num_splits,
+    }, {**flags, "SPLITS": MAX_SPLITS, "BLOCK": RERUN_BLOCK}, 1))
     return outputs, launches
 
 
