@@ -3,6 +3,8 @@ torch SDPA, the SBD exactness property, errors, opcheck and torch.compile.
 
 The Triton backend is tested in test_attention_triton.py on the same cases (tests/attention_cases.py).
 """
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -237,6 +239,30 @@ def test_cached_decode_equals_full_recompute():
         assert torch.isfinite(k_cache[0, :15]).all() and torch.isnan(k_cache[0, 15:]).all()
 
 
+SCALE_MESSAGE = "softmax_scale must be finite and > 0 as a float32"
+# Doubles around the ends of float32's positive range (round to nearest even): FLT_MAX, the largest
+# double that still rounds to it, the midpoint to 2^128 (rounds to inf), the smallest subnormal 2^-149,
+# the midpoint 2^-150 (rounds to 0), the double above it (rounds to 2^-149).
+SCALE_EDGES = (torch.finfo(torch.float32).max, 2.0**128 - 2.0**103 - 2.0**75, 2.0**128 - 2.0**103, 2.0**-149,
+               2.0**-150, 2.0**-150 * (1 + 2.0**-52))
+
+
+@pytest.mark.parametrize("scale", SCALE_EDGES, ids=lambda s: f"{s:.17g}")
+def test_softmax_scale_is_checked_as_the_float32_used(scale):
+    """Guards against a softmax_scale checked as a double but used as a float32: 1e39 passed the check,
+    became inf and gave NaN. At the edges of float32's range the C++ and Python checks accept exactly the
+    doubles whose float32 is finite and > 0, with the same message."""
+    as_float32 = float(torch.tensor(scale, dtype=torch.float64).float())
+    accepted = math.isfinite(as_float32) and as_float32 > 0
+    for fn in (OP, naive.block_attention_with_kvcache):
+        case = make_case(**BASE, softmax_scale=scale)
+        if accepted:
+            fn(*case.args())
+        else:
+            with pytest.raises(RuntimeError, match=f"{SCALE_MESSAGE}, got "):
+                fn(*case.args())
+
+
 # Errors about values inside the index tensors: the fake kernel cannot see them.
 VALUE_ERRORS = ("capacity", "negative_length", "num_causal_range")
 
@@ -257,12 +283,16 @@ def error_cases():
         ("cache_dtype", lambda c: setattr(c, "v_cache", c.v_cache.half()), "v_cache must have the dtype of q"),
         ("block_size", set_("block_size", 9), "block_size must be in"),
         ("device", lambda c: setattr(c, "num_causal", c.num_causal.to("meta")), "num_causal must be on the device"),
-        ("scale_nan", set_("softmax_scale", float("nan")), "softmax_scale must be finite and > 0, got nan"),
-        ("scale_inf", set_("softmax_scale", float("inf")), "softmax_scale must be finite and > 0, got inf"),
-        ("scale_zero", set_("softmax_scale", 0.0), "softmax_scale must be finite and > 0, got 0"),
-        ("scale_negative", set_("softmax_scale", -0.3), r"softmax_scale must be finite and > 0, got -0\.3"),
-        ("scale_negative_nan", set_("softmax_scale", -float("nan")), "softmax_scale must be finite and > 0, got nan"),
-        ("scale_tiny_negative", set_("softmax_scale", -1e-30), "softmax_scale must be finite and > 0, got -1e-30"),
+        ("scale_nan", set_("softmax_scale", float("nan")), f"{SCALE_MESSAGE}, got nan"),
+        ("scale_inf", set_("softmax_scale", float("inf")), f"{SCALE_MESSAGE}, got inf"),
+        ("scale_zero", set_("softmax_scale", 0.0), f"{SCALE_MESSAGE}, got 0"),
+        ("scale_negative", set_("softmax_scale", -0.3), rf"{SCALE_MESSAGE}, got -0\.3"),
+        ("scale_negative_nan", set_("softmax_scale", -float("nan")), f"{SCALE_MESSAGE}, got nan"),
+        ("scale_tiny_negative", set_("softmax_scale", -1e-30), f"{SCALE_MESSAGE}, got -1e-30"),
+        # Finite doubles that are inf or 0 as the float32 the kernels use.
+        ("scale_1e39", set_("softmax_scale", 1e39), rf"{SCALE_MESSAGE}, got 1e\+39"),
+        ("scale_1e300", set_("softmax_scale", 1e300), rf"{SCALE_MESSAGE}, got 1e\+300"),
+        ("scale_1e-50", set_("softmax_scale", 1e-50), f"{SCALE_MESSAGE}, got 1e-50"),
         ("k_shape", lambda c: setattr(c, "k", c.k[:, :-1]), (r"k dimension 1 \(S\) is 7, q's is 8; q, k and v are "
          r"\[B, S, H, D\] \(Hugging Face attention passes \[B, H, S, D\]: call \.transpose\(1, 2\)")),
         ("hf_layout_qkv", lambda c: [setattr(c, t, getattr(c, t).transpose(1, 2)) for t in ("q", "k", "v")],

@@ -134,8 +134,11 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   TORCH_CHECK(block_size >= 0 && block_size <= seq, kOp, ": block_size must be in [0, S=", seq, "], got ",
               block_size);
   if (softmax_scale.has_value()) {
-    TORCH_CHECK(std::isfinite(*softmax_scale) && *softmax_scale > 0, kOp,
-                ": softmax_scale must be finite and > 0, got ", format_g(*softmax_scale));
+    // The kernel uses fp32(softmax_scale): the doubles strictly between 2^-150 and 2^128 - 2^103 (the
+    // midpoints that round to 0 and to inf) become finite and > 0; 1e39 would become inf, 1e-50 zero.
+    // Compared as doubles: converting an out-of-range double to float is undefined behaviour.
+    TORCH_CHECK(*softmax_scale > 0x1p-150 && *softmax_scale < 0x1p128 - 0x1p103, kOp,
+                ": softmax_scale must be finite and > 0 as a float32, got ", format_g(*softmax_scale));
   }
   check_cache("k_cache", k_cache, q, kv_heads);
   check_cache("v_cache", v_cache, q, kv_heads);

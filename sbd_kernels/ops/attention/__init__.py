@@ -39,7 +39,7 @@ def block_attention_with_kvcache(
         num_causal: [B] int32, 0 <= c_b <= C.
         block_size: K >= 0 (0: a prefill-only call, S = C).
         block_table: optional [B, max_pages] int32 page ids (paged cache; any page size).
-        softmax_scale: finite and > 0; default D ** -0.5.
+        softmax_scale: finite and > 0 as a float32 (the kernels' type); default D ** -0.5.
 
     Returns:
         out [B, S, Hq, D] (dtype of q) and lse [B, Hq, S] fp32 (natural log).
@@ -75,7 +75,8 @@ def block_attention_with_kvcache(
         - layout: a cache whose last dimension has stride != 1; the aliasing above ("... is written in
           place and must not share memory with ...", "... must not have elements sharing memory", or
           "... may share memory ..." when undecidable);
-        - softmax_scale NaN, infinite or <= 0;
+        - softmax_scale NaN, infinite or <= 0, or a finite double that is infinite or 0 as a float32
+          (>= 2^128 - 2^103 = 3.4028236e+38 or <= 2^-150 = 7.0e-46, e.g. 1e39 or 1e-50);
         - values: cache_seqlens < 0; num_causal outside [0, C]; L_b + c_b beyond the cache capacity
           (S_max, or max_pages * page_size); a page id outside [0, num_pages) for a page in use. On CUDA
           these come from `torch._assert_async` (no host sync: reported as a device-side assert at the

@@ -9,7 +9,6 @@ Two kinds, both with messages that name the argument (same wording as the C++ CP
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -20,6 +19,11 @@ from sbd_kernels.ops._trusted import values_trusted
 OP = "sbd.block_attention_with_kvcache"
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+# The kernels use softmax_scale as a float32 (round to nearest even): exactly the doubles strictly between
+# 2^-150 (the midpoint to the smallest subnormal, rounds to 0) and 2^128 - 2^103 (the midpoint between
+# the largest float32 and 2^128, rounds to inf) become finite and > 0. 1e39 would become inf, 1e-50 0.
+SCALE_LOWER_BOUND = 2.0**-150
+SCALE_UPPER_BOUND = 2.0**128 - 2.0**103
 
 
 class AttentionDims(NamedTuple):
@@ -160,7 +164,7 @@ def check_block_attention_args(
     cache_seqlens: torch.Tensor, num_causal: torch.Tensor, block_size: int,
     block_table: torch.Tensor | None = None, softmax_scale: float | None = None,
 ) -> AttentionDims:
-    """Check shapes, dtypes, devices, softmax_scale (finite, > 0) and that the caches alias nothing; return
+    """Check shapes, dtypes, devices, softmax_scale (finite, > 0 as a float32) and that the caches alias nothing; return
     the sizes of the call. Raises RuntimeError naming the argument(s), in the C++ kernel's words (dtypes
     as `torch.float32`, shapes as `[B, S, H, D]`)."""
     if q.dim() != 4:
@@ -187,8 +191,8 @@ def check_block_attention_args(
             _fail(f"{name} must be on the device of q ({q.device}), got {t.device}")
     if not 0 <= block_size <= seq:
         _fail(f"block_size must be in [0, S={seq}], got {block_size}")
-    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        _fail(f"softmax_scale must be finite and > 0, got {softmax_scale:g}")
+    if softmax_scale is not None and not SCALE_LOWER_BOUND < softmax_scale < SCALE_UPPER_BOUND:
+        _fail(f"softmax_scale must be finite and > 0 as a float32, got {softmax_scale:g}")
     _check_cache_pair(k_cache, v_cache, q, hkv)
     _check_int32_vector("cache_seqlens", cache_seqlens, batch, q.device)
     _check_int32_vector("num_causal", num_causal, batch, q.device)
