@@ -1,11 +1,13 @@
 """sbd.entropy_sample as a complete sampler: top-k, top-p and min-p per request on every backend (C++ CPU,
 Triton under the interpreter or compiled on CUDA with SBD_TEST_DEVICE=cuda, the oracle), against the literal sort-based oracle and Hugging Face's
 warpers, by statistics, on ties, in a batch, and with bad values."""
+import contextlib
 import math
 
 import pytest
 import torch
-from test_sampling import backend_op, op_on_given_tensors
+from test_sampling import BAD_CASES, backend_op, op_on_given_tensors
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sbd_kernels.ops.sampling import naive
 from sbd_kernels.testing import FLOAT_DTYPES, assert_close
@@ -490,11 +492,44 @@ def _error_message(op, kwargs) -> str:
 def test_error_messages_are_word_for_word_the_same():
     """Guards against the C++ checks and the Python checks (oracle, Triton launcher, fake kernel) drifting
     apart in wording: every bad case of both test files gives the same first line on every backend."""
-    from test_sampling import BAD_CASES
-
     for name, kwargs, _ in BAD_FILTER_CASES + BAD_CASES:
         messages = {backend: _error_message(op_on_given_tensors(backend), kwargs) for backend in ALL_BACKENDS}
         assert len(set(messages.values())) == 1, (name, messages)
+
+
+# Bad cases about the entries of a tensor (temperature, top_k, top_p, min_p values): a fake kernel has no
+# data to check; the real kernels raise them when they run.
+VALUE_CASES = {"temperature_negative", "temperature_nan", "top_k_negative", "top_p_zero", "top_p_above_one",
+               "top_p_nan", "min_p_one", "min_p_negative", "min_p_nan"}
+FAKE_KERNEL_CASES = [case for case in BAD_CASES + BAD_FILTER_CASES if case[0] not in VALUE_CASES]
+
+
+@pytest.mark.parametrize("mode", ["meta", "fake"])
+@pytest.mark.parametrize("case", FAKE_KERNEL_CASES, ids=[c[0] for c in FAKE_KERNEL_CASES])
+def test_fake_kernel_runs_the_argument_checks(case, mode):
+    """Guards against the fake kernel accepting a bad call: torch.compile would trace it (the error only
+    at the first run) and meta tensors would get output shapes for nonsense inputs. Every check that needs
+    no tensor data raises its message on meta tensors (strides kept) and under FakeTensorMode."""
+    _, kwargs, message = case
+    with FakeTensorMode() if mode == "fake" else contextlib.nullcontext() as fake:
+        def convert(value):
+            if not isinstance(value, torch.Tensor):
+                return value
+            if mode == "fake":
+                return fake.from_tensor(value)
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+
+        args = {name: convert(value) for name, value in kwargs.items()}
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.sbd.entropy_sample(**args)
+
+
+def test_fake_kernel_cases_cover_every_argument():
+    """Guards against the fake-kernel test above checking only some arguments."""
+    named = " ".join(message for _, _, message in FAKE_KERNEL_CASES)
+    for name in ("logits", "seed", "offset", "temperature", "temperature_val", "compute_mask", "mask_token_id",
+                 "top_k", "top_k_val", "top_p", "top_p_val", "min_p", "min_p_val"):
+        assert f"{name} must" in named, name
 
 
 # ------------------------------------------------------------------------------- torch integration
