@@ -29,7 +29,7 @@ from sbd_kernels.testing import FLOAT_DTYPES, Embedded, assert_close, poison_
 BACKENDS = ("cpu", "triton", "naive")
 # Default run: tiny vocabularies (the interpreter runs ~0.5 ms per program). Slow run: up to several
 # CPU tiles (2048) and Triton tiles (1024 from V = 4096) per row.
-FAST_CASES, FAST_MAX_VOCAB = 160, 300
+FAST_CASES, FAST_MAX_VOCAB = 300, 300
 SLOW_CASES, SLOW_MAX_VOCAB = 300, 9000
 ROW_KINDS = ("plain", "ties", "neg_inf_run", "finfo_min_run", "nan", "pos_inf", "all_neg_inf", "flat",
              "all_finfo_min", "huge_negative_head")
