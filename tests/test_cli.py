@@ -228,6 +228,24 @@ def test_bad_argument_exits_2_naming_it(paths, capsys, argv, words):
     assert words.format(**paths) in line
 
 
+@pytest.mark.parametrize("argv,words", BAD_ARGUMENTS, ids=[f"{argv[0]} {' '.join(argv[-2:])}" for argv, _ in BAD_ARGUMENTS])
+def test_bad_argument_in_a_real_process(paths, argv, words):
+    """Guards against a bad value that only the in-process test above sees rejected: a real `sbd` process
+    (python -m sbd_kernels.cli, what the `sbd` script runs) exits 2 with nothing on stdout, and its stderr
+    is argparse's usage and one `sbd <cmd>: error:` line naming the flag, without a traceback. Each process
+    takes ~1.7 s here, nearly all of it importing torch (the package loads its operator library)."""
+    argv = fill(argv, paths)
+    out = run_sbd(*argv)
+    words = words.format(**paths)
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert out.stdout == "", out.stdout
+    line = error_line(out.stderr, argv[0])
+    assert words in line and re.search(r"--[\w-]+", words), (words, line)
+    usage = out.stderr.splitlines()[:-1]
+    assert usage and usage[0].startswith(f"usage: sbd {argv[0]} "), out.stderr
+    assert all(row.startswith(" ") for row in usage[1:]), out.stderr
+
+
 def test_every_flag_that_takes_a_value_is_checked():
     """Guards against a new flag added without a type or choices (its bad values would reach the run)."""
     free_text = {("bench", "keyword")}      # a pytest -k expression: pytest checks it
