@@ -226,58 +226,96 @@ def filtered_softmax(row, temperature, **filters):
     return torch.softmax(torch.where(keep, row.double() / temperature, float("-inf")), -1)
 
 
-def draw_many(backend, row, temperature, batch, positions, **filters):
-    """Token counts of batch * positions independent draws from one row (distinct offsets and positions)."""
-    logits = row.expand(batch, positions, -1).contiguous()
-    seed = torch.full((batch,), 4321, dtype=torch.int64)
-    offset = torch.arange(batch, dtype=torch.int64)
-    tokens, *_ = backend_op(backend)(logits, seed, offset, temperature_val=temperature, **filters)
+def stat_seeds(draws: int, salt: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draws` full-range (seed, offset) pairs, one per draw."""
+    gen = torch.Generator().manual_seed(4321 + salt)
+    return (torch.randint(-2**62, 2**62, (draws,), generator=gen),
+            torch.randint(0, 2**40, (draws,), generator=gen))
+
+
+def draw_many(backend, row, temperature, draws, salt=0, as_tensors=False, **filters):
+    """Token counts of `draws` independent draws from one row: a batch of copies of it, each row with its
+    own seed and offset (`stat_seeds`). filters: top_k / top_p / min_p numbers, passed as scalars or, with
+    as_tensors, as [draws] tensors."""
+    logits = row.expand(draws, 1, -1).contiguous()
+    seed, offset = stat_seeds(draws, salt)
+    if as_tensors:
+        dtypes = {"top_k": torch.int64, "top_p": torch.float32, "min_p": torch.float32}
+        args = {name: torch.full((draws,), value, dtype=dtypes[name]) for name, value in filters.items()}
+    else:
+        args = _schema(filters)
+    tokens, *_ = backend_op(backend)(logits, seed, offset, temperature_val=temperature, **args)
     return torch.bincount(tokens.flatten(), minlength=row.numel()).double()
 
 
 CHI_SQUARE_P_MIN = 1e-4
+# CPU statistics: 4000 seeds per setting, a 12-token row at T = 1.5 where each setting removes 14-26% of
+# the mass, so that a sampler (or an expected distribution) that skips the renormalisation is rejected
+# (chi-square noncentrality > 170 for that error, against a critical value of ~25 at p = 1e-4).
 STAT_ROW = torch.linspace(-2.0, 2.0, 12)
-STAT_FILTERS = {"top_k": {"top_k": 6}, "top_p": {"top_p": 0.8}, "min_p": {"min_p": 0.15},
-                "all": {"top_k": 9, "top_p": 0.9, "min_p": 0.1}}
+STAT_T = 1.5
+STAT_DRAWS = 4000
+STAT_FILTERS = {"top_k": {"top_k": 5}, "top_p": {"top_p": 0.8}, "min_p": {"min_p": 0.2},
+                "all": {"top_k": 8, "top_p": 0.8, "min_p": 0.2}}
+# Triton under the interpreter (~60 ms per filtered row): 256 seeds of an 8-token row with all three
+# filters on, 3 tokens kept and 36% of the mass removed (noncentrality ~46 for a missing renormalisation).
+TRITON_STAT_ROW = torch.linspace(-1.0, 1.0, 8)
+TRITON_STAT_T = 1.0
+TRITON_STAT_DRAWS = 256
+TRITON_STAT_FILTERS = {"top_k": 6, "top_p": 0.7, "min_p": 0.3}
 
 
 def _schema(filters):
     return {f"{name}_val": value for name, value in filters.items()}
 
 
+def unrenormalised_softmax(row, temperature, **filters):
+    """softmax(x / T) with the removed tokens' mass given to the largest logit: a sampler whose removed draws
+    fall back to greedy, i.e. one that does not renormalise the kept set."""
+    keep = kept(row.view(1, 1, -1), temperature, **filters)[0, 0]
+    probs = torch.where(keep, torch.softmax(row.double() / temperature, -1), 0.0)
+    probs[row.argmax()] += 1 - probs.sum()
+    return probs
+
+
+@pytest.mark.parametrize("as_tensors", [False, True], ids=["scalars", "tensors"])
 @pytest.mark.parametrize("filters", sorted(STAT_FILTERS))
-def test_draws_follow_the_filtered_softmax(filters):
-    """Guards against a biased filtered sampler: draws outside the kept set, a kept set renormalised
-    wrongly, or noise no longer Gumbel once restricted (chi-square over 8192 CPU draws)."""
+def test_draws_follow_the_filtered_softmax(filters, as_tensors):
+    """Guards against a biased filtered sampler: draws outside the kept set, a kept set not renormalised,
+    noise no longer Gumbel once restricted, or draws correlated across seeds (chi-square over 4000 CPU
+    draws, one seed and offset each, against the renormalised softmax(x / T) of the kept set)."""
     settings = STAT_FILTERS[filters]
-    counts = draw_many("cpu", STAT_ROW, 0.7, 64, 128, **_schema(settings))
-    p_value = chi_square_p_value(counts, filtered_softmax(STAT_ROW, 0.7, **settings))
+    counts = draw_many("cpu", STAT_ROW, STAT_T, STAT_DRAWS, salt=sorted(STAT_FILTERS).index(filters),
+                       as_tensors=as_tensors, **settings)
+    p_value = chi_square_p_value(counts, filtered_softmax(STAT_ROW, STAT_T, **settings))
     assert p_value > CHI_SQUARE_P_MIN, (p_value, counts.tolist())
 
 
 def test_triton_draws_follow_the_filtered_softmax():
-    """Guards against the same in the Triton kernels. The interpreter runs ~3 programs per row, so this
-    takes 192 draws of a 6-entry row with all three filters on (4 tokens kept)."""
-    row = torch.linspace(-1.0, 1.0, 6)
-    settings = {"top_k": 5, "top_p": 0.9, "min_p": 0.15}
-    counts = draw_many("triton", row, 0.7, 8, 24, **_schema(settings))
-    probs = filtered_softmax(row, 0.7, **settings)
-    assert int((probs > 0).sum()) == 4
+    """Guards against the same in the Triton kernels: 256 draws over 256 seeds (the interpreter runs ~3
+    programs per row) of an 8-entry row with all three filters on (3 tokens kept)."""
+    counts = draw_many("triton", TRITON_STAT_ROW, TRITON_STAT_T, TRITON_STAT_DRAWS, **TRITON_STAT_FILTERS)
+    probs = filtered_softmax(TRITON_STAT_ROW, TRITON_STAT_T, **TRITON_STAT_FILTERS)
+    assert int((probs > 0).sum()) == 3
     p_value = chi_square_p_value(counts, probs)
     assert p_value > CHI_SQUARE_P_MIN, (p_value, counts.tolist())
-
-
-def test_chi_square_rejects_a_wrong_filter():
-    """Guards against a distribution test that cannot fail: the same draws, held against the softmax of a
-    filter off by one token, or at a slightly wrong temperature, are rejected."""
-    counts = draw_many("cpu", STAT_ROW, 0.7, 64, 128, top_k_val=6)
-    assert chi_square_p_value(counts, filtered_softmax(STAT_ROW, 0.7, top_k=6)) > CHI_SQUARE_P_MIN
-    assert chi_square_p_value(counts, filtered_softmax(STAT_ROW, 0.7, top_k=7)) < 1e-12
-    assert chi_square_p_value(counts, filtered_softmax(STAT_ROW, 0.8, top_k=6)) < CHI_SQUARE_P_MIN
-    counts = draw_many("cpu", STAT_ROW, 0.7, 64, 128, top_p_val=0.8)
-    unrenormalised = torch.softmax(STAT_ROW.double() / 0.7, -1) * kept(STAT_ROW.view(1, 1, -1), 0.7, top_p=0.8)[0, 0]
-    unrenormalised[-1] += 1 - unrenormalised.sum()  # the removed mass given to the top token
+    unrenormalised = unrenormalised_softmax(TRITON_STAT_ROW, TRITON_STAT_T, **TRITON_STAT_FILTERS)
     assert chi_square_p_value(counts, unrenormalised) < CHI_SQUARE_P_MIN
+
+
+@pytest.mark.parametrize("filters", sorted(STAT_FILTERS))
+def test_chi_square_rejects_a_wrong_distribution(filters):
+    """Guards against a distribution test that cannot fail: the same draws, held against the softmax
+    without renormalisation, at a slightly wrong temperature, or of a filter one token too wide, are
+    rejected."""
+    settings = STAT_FILTERS[filters]
+    counts = draw_many("cpu", STAT_ROW, STAT_T, STAT_DRAWS, **settings)
+    assert chi_square_p_value(counts, filtered_softmax(STAT_ROW, STAT_T, **settings)) > CHI_SQUARE_P_MIN
+    assert chi_square_p_value(counts, unrenormalised_softmax(STAT_ROW, STAT_T, **settings)) < 1e-12
+    assert chi_square_p_value(counts, filtered_softmax(STAT_ROW, 1.1, **settings)) < CHI_SQUARE_P_MIN
+    if "top_k" in settings:
+        wider = dict(settings, top_k=settings["top_k"] + 1, top_p=1.0, min_p=0.0)
+        assert chi_square_p_value(counts, filtered_softmax(STAT_ROW, STAT_T, **wider)) < 1e-12
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -570,7 +608,8 @@ def test_wrapper_takes_filters_as_tensors_or_numbers_and_compiles():
 def test_filter_distribution_is_not_degenerate():
     """Guards against the statistical fixtures testing nothing: each setting keeps several tokens and
     removes several (a test over a filter that keeps all or one could not tell the filters apart)."""
-    for settings in STAT_FILTERS.values():
-        kept_tokens = int(kept(STAT_ROW.view(1, 1, -1), 0.7, **settings).sum())
-        assert 2 < kept_tokens < STAT_ROW.numel(), settings
-    assert math.isclose(float(filtered_softmax(STAT_ROW, 0.7, top_k=6).sum()), 1.0)
+    for row, temperature, settings in [(STAT_ROW, STAT_T, s) for s in STAT_FILTERS.values()] + [
+            (TRITON_STAT_ROW, TRITON_STAT_T, TRITON_STAT_FILTERS)]:
+        kept_tokens = int(kept(row.view(1, 1, -1), temperature, **settings).sum())
+        assert 2 < kept_tokens < row.numel(), settings
+        assert math.isclose(float(filtered_softmax(row, temperature, **settings).sum()), 1.0)
