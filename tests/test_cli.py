@@ -228,12 +228,33 @@ def test_bad_argument_exits_2_naming_it(paths, capsys, argv, words):
     assert words.format(**paths) in line
 
 
-@pytest.mark.parametrize("argv,words", BAD_ARGUMENTS, ids=[f"{argv[0]} {' '.join(argv[-2:])}" for argv, _ in BAD_ARGUMENTS])
+# The bad arguments that a user reported ending in a traceback or running with a nonsensical meaning, one per
+# kind of check (a file that must exist, a choice, a positive integer, a finite number, a flag alias, a rule
+# between flags, an existing output): each also runs in a real process. A process costs ~2 s here, nearly all
+# of it importing torch, so the other cases of BAD_ARGUMENTS, which go through the same parser and the same
+# `main`, run in-process only (test_bad_argument_exits_2_naming_it).
+REAL_PROCESS_CASES = [
+    ("generate", "--checkpoint", "{missing}"), ("generate", "--task", "mul"), ("generate", "--block-size", "0"),
+    ("generate", "--gamma", "-1"), ("generate", "--temperature", "nan"), ("generate", "--threads", "0"),
+    ("generate", "--num-prompts", "-3"), ("generate", "--max-new-tokens", "0"), ("generate", "--batch-size", "0"),
+    ("train", "--steps", "-5"), ("train", "--checkpoint_every", "0"), ("train", "--out", "{file}"),
+    ("roofline", "--k", "0"), ("roofline", "--kv-len", "-100"),
+]
+REAL_PROCESS_ARGUMENTS = [(argv, words) for argv, words in BAD_ARGUMENTS
+                          if (argv[0], *argv[-2:]) in REAL_PROCESS_CASES]
+
+
+def test_real_process_cases_are_bad_arguments():
+    """Guards against a real-process case silently dropped by a change of BAD_ARGUMENTS."""
+    assert len(REAL_PROCESS_ARGUMENTS) == len(REAL_PROCESS_CASES)
+
+
+@pytest.mark.parametrize("argv,words", REAL_PROCESS_ARGUMENTS,
+                         ids=[f"{argv[0]} {' '.join(argv[-2:])}" for argv, _ in REAL_PROCESS_ARGUMENTS])
 def test_bad_argument_in_a_real_process(paths, argv, words):
     """Guards against a bad value that only the in-process test above sees rejected: a real `sbd` process
     (python -m sbd_kernels.cli, what the `sbd` script runs) exits 2 with nothing on stdout, and its stderr
-    is argparse's usage and one `sbd <cmd>: error:` line naming the flag, without a traceback. Each process
-    takes ~1.7 s here, nearly all of it importing torch (the package loads its operator library)."""
+    is argparse's usage and one `sbd <cmd>: error:` line naming the flag, without a traceback."""
     argv = fill(argv, paths)
     out = run_sbd(*argv)
     words = words.format(**paths)
