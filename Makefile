@@ -16,8 +16,9 @@ BUILD_ENV := $(if $(CCACHE),CC="ccache gcc" CXX="ccache g++",)
 demo: $(BUILT)
 	$(BIN)/python -m sbd_kernels.cli demo
 
+# One pytest process per core (tools/run_tests.py; TRITON_INTERPRET=1 in each).
 test: $(BUILT)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests -q
+	$(BIN)/python tools/run_tests.py
 
 # The demo's JSON feeds the report's accuracy-vs-NFE plot.
 bench: $(BUILT)
