@@ -97,7 +97,15 @@ def load_code_model(path: str | Path, device: str = "cpu"):
 
     from sbd_kernels import hf
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").to(device).eval()
+    # Without transformers' "Loading weights" progress bar, which would land in the middle of the demo's tables.
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+    model = model.to(device).eval()
     return model, hf.enable_sbd(model, mask_token_id=ByteTokenizer.MASK)
 
 

@@ -248,6 +248,19 @@ def test_training_steps_write_a_loadable_model(tmp_path, tiny_shape, objective):
     assert result.total_generated >= 2 and 0 <= scores.edit_similarity <= 100
 
 
+def test_loading_a_code_model_prints_no_progress_bar(tmp_path, tiny_shape, capfd):
+    """Guards against transformers' "Loading weights" progress bar landing between the demo's tables, and
+    against loading turning the user's own progress bars off."""
+    import transformers
+
+    _train(tmp_path / "m", objective="ntp")
+    capfd.readouterr()
+    assert transformers.utils.logging.is_progress_bar_enabled()
+    cm.load_code_model(tmp_path / "m")
+    assert "Loading weights" not in capfd.readouterr().err
+    assert transformers.utils.logging.is_progress_bar_enabled()
+
+
 def test_training_continues_and_resumes(tmp_path, tiny_shape):
     """Guards against a continued run that does not start from its init weights, and a resumed run that does
     not pick up its step count and optimizer state."""
