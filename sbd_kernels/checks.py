@@ -6,10 +6,15 @@ Two parts, both at temperature 0:
    later pass) equal those of a full recompute without a cache, within the tolerance row of the model's dtype
    (atol widened 10x for the sum over layers), on every prompt;
 2. the cached decode with the given kernels gives the same tokens and NFE as the full-recompute oracle decode
-   (`oracle_decode`: no cache, naive kernels), for NTP and for SBD.
+   (`oracle_decode`: no cache, naive kernels), for NTP and for SBD, near-ties aside: where the decodes differ,
+   the difference is a tie if a decision of the oracle decode at or before it (an argmax, the order of two
+   entropies, an entropy sum against gamma) would flip under a change of its logits within the bound of part 1.
+   Models in bf16 with near-uniform predictions (HF's default random init) tie at nearly every pass; a trained
+   model rarely does. A difference with no tie before it fails the check.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +23,7 @@ import torch
 from sbd_kernels.generate import (
     DecodeConfig,
     DecodeOps,
+    OraclePass,
     block_logit_error,
     fused_ops,
     generate,
@@ -32,20 +38,27 @@ class ExactKvReport:
     """Outcome of `exact_kv_check`.
 
     max_logit_error: max |cached - recomputed| block logit over the prompts; logit_bound: the bound it is held to
-    (for the prompt with the largest logits). decode_mismatches: "method: first differing prompt" entries.
+    (for the prompt with the largest logits). decode_mismatches: "method: first differing prompt" entries, for
+    differences with no near-tie before them; decode_ties: the same for differences at a near-tie.
     """
 
     max_logit_error: float
     logit_bound: float
     logits_ok: bool
     decode_mismatches: list[str] = field(default_factory=list)
+    decode_ties: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
         return self.logits_ok and not self.decode_mismatches
 
     def summary(self, what: str) -> str:
-        decodes = "yes" if not self.decode_mismatches else "NO (" + "; ".join(self.decode_mismatches) + ")"
+        if self.decode_mismatches:
+            decodes = "NO (" + "; ".join(self.decode_mismatches) + ")"
+        elif self.decode_ties:
+            decodes = "yes up to near-ties (" + "; ".join(self.decode_ties) + ")"
+        else:
+            decodes = "yes"
         return (f"exact-KV check ({what}): max |cached - recomputed| block logit {self.max_logit_error:.2e} "
                 f"({'within' if self.logits_ok else 'OUTSIDE'} the bound {self.logit_bound:.2e}); cached decode == "
                 f"full-recompute decode (NTP, SBD): {decodes} -> {'PASS' if self.passed else 'FAIL'}")
@@ -72,9 +85,61 @@ def exact_kv_check(model: SbdModel, prompts: list[list[int]], answers: list[list
     for method in ("ntp", "sbd"):
         cfg = DecodeConfig(method=method, block_size=block_size, gamma=gamma, max_new_tokens=max_new_tokens)
         cached = generate(model, prompts, cfg, eos_id=eos_id, pad_id=pad_id, ops=ops)
-        oracle = oracle_decode(model, prompts, cfg, eos_id=eos_id, pad_id=pad_id)
+        ties: list[list[int]] = [[] for _ in prompts]   # per prompt: `start` of each pass with a near-tie
+
+        def record(step: OraclePass, cfg=cfg, ties=ties) -> None:
+            if not decisions_are_robust(step, cfg.gamma, cfg.rule, atol, rtol):
+                ties[step.prompt].append(step.start)
+
+        oracle = oracle_decode(model, prompts, cfg, eos_id=eos_id, pad_id=pad_id, observer=record)
         for i, (a, b) in enumerate(zip(cached.tokens, oracle.tokens)):
-            if a != b or int(cached.nfe[i]) != int(oracle.nfe[i]):
-                report.decode_mismatches.append(f"{method}: prompt {i}")
-                break
+            if a == b and int(cached.nfe[i]) == int(oracle.nfe[i]):
+                continue
+            first_difference = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            tied = any(start <= first_difference for start in ties[i])
+            (report.decode_ties if tied else report.decode_mismatches).append(f"{method}: prompt {i}")
     return report
+
+
+def decisions_are_robust(step: OraclePass, gamma: float, rule: str, atol: float, rtol: float) -> bool:
+    """Whether every decision of a greedy oracle pass holds when each of its logits moves by at most
+    delta = 10 atol + rtol max|logit| (the bound of part 1 for these rows).
+
+    Argmax: the revealed tokens' top-two logit gap exceeds 2 delta. Entropies: to first order,
+    |dH| <= delta * E_p|log p + H| (dH = -Cov_p(log p, dx)), plus 1e-5 (1 + H) for fp32 rounding; call that e.
+    With A the accepted candidates and R the rejected ones (entropies H, margins e):
+    - "eb": the order between A and R holds (max_A (H + e) < min_R (H - e)), the last of A is still accepted
+      (sum_A (H + e) - max_A (H - e) <= gamma, when |A| >= 2), the first of R still rejected
+      (sum_A (H - e) > gamma, when R is not empty);
+    - "threshold": no candidate's entropy is within e of gamma, and a candidate accepted for being ranked
+      first (H >= gamma) stays first (H + e < min over the others of H - e).
+    """
+    cand = step.candidates.cpu()
+    if not bool(cand.any()):
+        return True
+    x = step.logits.cpu()[cand]                                         # [C, V] fp32
+    finite = x.isfinite()
+    delta = 10 * atol + rtol * float(torch.where(finite, x.abs(), 0).max())
+    accepted = step.accepted.cpu()[cand]
+    top2 = torch.where(finite, x, -math.inf).topk(min(2, x.shape[1]), dim=1).values
+    if top2.shape[1] == 2 and bool((top2[accepted, 0] - top2[accepted, 1] <= 2 * delta).any()):
+        return False
+    if len(x) == 1 or not bool(accepted.any()):                        # nothing to order
+        return True
+    logp = torch.log_softmax(torch.where(finite, x, -math.inf), dim=1)
+    p = logp.exp()
+    h = step.entropy.cpu()[cand].double()
+    spread = (p * (torch.where(p > 0, logp, 0) + h[:, None].float()).abs()).sum(dim=1).double()
+    e = delta * spread + 1e-5 * (1 + h)
+    a_h, a_e, r_h, r_e = h[accepted], e[accepted], h[~accepted], e[~accepted]
+    if rule == "eb":
+        if len(r_h) and float((a_h + a_e).max()) >= float((r_h - r_e).min()):
+            return False
+        if len(a_h) >= 2 and float((a_h + a_e).sum() - (a_h - a_e).max()) > gamma:
+            return False
+        return not (len(r_h) and float((a_h - a_e).sum()) <= gamma)
+    if bool(((h - gamma).abs() <= e).any()):
+        return False
+    first = int(torch.argmin(h))
+    others = torch.cat([h[:first] - e[:first], h[first + 1:] - e[first + 1:]])
+    return not (float(h[first]) >= gamma and float(h[first] + e[first]) >= float(others.min()))

@@ -575,13 +575,40 @@ def _oracle_logits(model: SbdModel, sequence: list[int], block_size: int) -> tor
     return model(tokens, positions, mask)
 
 
-def _oracle_ntp(model: SbdModel, prompt: list[int], seed: int, ops: DecodeOps, sp: DecodeConstants):
+@dataclass(frozen=True)
+class OraclePass:
+    """One pass of `oracle_decode`, as its observer sees it (`sbd_kernels.checks` judges near-ties from it).
+
+    prompt: index of the prompt decoded. start: answer tokens committed before the positions of the pass (NTP:
+    before its token; SBD: before its block). logits: [K, V] fp32 logits of the pass's positions (NTP: K = 1).
+    entropy: [K] fp32 entropies of softmax(logits). candidates: [K] bool, the positions the pass could reveal
+    (still masked, finite logits). accepted: [K] bool, those it revealed.
+    """
+
+    prompt: int
+    start: int
+    logits: torch.Tensor
+    entropy: torch.Tensor
+    candidates: torch.Tensor
+    accepted: torch.Tensor
+
+
+PassObserver = Callable[[OraclePass], None]
+# What the oracle loops call after each pass: (start, logits [K, V], entropy [K], candidates [K], accepted [K]).
+_PassHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _oracle_ntp(model: SbdModel, prompt: list[int], seed: int, ops: DecodeOps, sp: DecodeConstants,
+                observe: _PassHook):
     device = next(model.parameters()).device
     seq, answer = list(prompt), []
+    one = torch.ones(1, dtype=torch.bool, device=device)
     while len(answer) < sp.max_new_tokens:
         logits = _oracle_logits(model, seq, 0)[:, -1:]                                    # [1, 1, V]
         key = torch.tensor([seed], device=device), torch.tensor([len(answer)], device=device)
-        token = int(_sample(ops, logits, *key, torch.ones(1, 1, dtype=torch.bool, device=device), sp)[0])
+        tokens, entropy, valid = _sample(ops, logits, *key, one[None], sp)
+        observe(len(answer), logits[0], entropy[0], valid[0], one)
+        token = int(tokens[0])
         answer.append(token)
         seq.append(token)
         if token in sp.eos_ids:
@@ -589,7 +616,8 @@ def _oracle_ntp(model: SbdModel, prompt: list[int], seed: int, ops: DecodeOps, s
     return answer, len(answer), [0, len(answer)]
 
 
-def _oracle_sbd(model: SbdModel, prompt: list[int], seed: int, ops: DecodeOps, sp: DecodeConstants):
+def _oracle_sbd(model: SbdModel, prompt: list[int], seed: int, ops: DecodeOps, sp: DecodeConstants,
+                observe: _PassHook):
     device, k = next(model.parameters()).device, sp.block_size
     answer, nfe, hist = [], 0, [0] * (k + 1)
     while True:
@@ -600,8 +628,10 @@ def _oracle_sbd(model: SbdModel, prompt: list[int], seed: int, ops: DecodeOps, s
             logits = _oracle_logits(model, list(prompt) + answer + block[0].tolist(), k)[:, -k:]
             key = torch.tensor([seed], device=device), torch.tensor([nfe], device=device)
             sampled, entropy, valid = _sample(ops, logits, *key, is_masked.clone(), sp)
-            _, num_accepted, _ = ops.mask_scatter_(block, is_masked, sampled, entropy, gamma_val=sp.gamma,
-                                                   rule=sp.rule, valid=valid)
+            candidates = is_masked[0] & valid[0]
+            accepted, num_accepted, _ = ops.mask_scatter_(block, is_masked, sampled, entropy, gamma_val=sp.gamma,
+                                                          rule=sp.rule, valid=valid)
+            observe(len(answer), logits[0], entropy[0], candidates, accepted[0])
             nfe += 1
             hist[int(num_accepted[0])] += 1
             revealed = block[0].tolist()
@@ -651,9 +681,11 @@ def block_logit_error(model: SbdModel, prompt: list[int], answer: list[int], blo
 
 @torch.inference_mode()
 def oracle_decode(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *,
-                  eos_id: int | Sequence[int], pad_id: int, ops: DecodeOps | None = None) -> DecodeResult:
+                  eos_id: int | Sequence[int], pad_id: int, ops: DecodeOps | None = None,
+                  observer: PassObserver | None = None) -> DecodeResult:
     """Reference decode: no KV cache, each pass recomputes the sequence (docs/algorithm.md §3.10 mask), one
-    prompt at a time, with the naive ops by default. Same seeds, NFE accounting and EOS rule as `generate`."""
+    prompt at a time, with the naive ops by default. Same seeds, NFE accounting and EOS rule as `generate`.
+    `observer`, if given, is called after every pass with its `OraclePass`."""
     ops = ops or naive_ops()
     sp = DecodeConstants.of(model.mask_token_id, cfg, eos_id, pad_id)
     decode_one = _oracle_sbd if cfg.method == "sbd" else _oracle_ntp
@@ -661,7 +693,10 @@ def oracle_decode(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, 
     hist = torch.zeros(sp.block_size + 1, dtype=torch.int64)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        tokens, nfe, counts = decode_one(model, prompt, cfg.seed + i, ops, sp)
+        def observe(answer_len, logits, entropy, candidates, accepted, i=i):
+            if observer is not None:
+                observer(OraclePass(i, answer_len, logits.float(), entropy.float(), candidates, accepted))
+        tokens, nfe, counts = decode_one(model, prompt, cfg.seed + i, ops, sp, observe)
         answers.append(_strip_after_eos(tokens, sp.eos_ids))
         all_tokens.append(tokens)
         nfes.append(nfe)

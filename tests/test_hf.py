@@ -303,6 +303,20 @@ def test_cached_sbd_decode_equals_the_full_recompute_oracle(sbd_model):
     assert report.max_logit_error < 1e-4
 
 
+def test_check_passes_a_default_initialised_bf16_model_up_to_near_ties():
+    """Guards against hf.check failing every freshly initialised bf16 model (HF's std-0.02 init): its
+    near-uniform predictions tie in the EB ranking at nearly every pass, and the cached decode (fp32
+    accumulation) and the recompute then reveal different positions, with cached logits within their bound."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).to(torch.bfloat16).eval()
+    hf.enable_sbd(model.to(DEVICE), mask_token_id=MASK_ID, block_size=8)
+    prompts = torch.randint(4, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0)).tolist()
+    report = hf.check(model, prompts, max_new_tokens=24)
+    assert report.passed, report.summary("default init")
+    assert report.decode_ties, "the decodes of this model differ at near-ties: the judgement must have run"
+    assert "near-ties" in report.summary("default init")
+
+
 def test_sbd_generate_output_carries_statistics_and_respects_eos():
     """Guards against custom_generate returning HF's plain tensor without NFE, or decoding past an EOS."""
     model = tiny_model("llama").to(DEVICE)

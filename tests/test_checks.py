@@ -1,0 +1,112 @@
+"""The exact-KV check's judgement of decode differences (sbd_kernels.checks): which oracle decisions are
+near-ties, and that a difference with no tie before it still fails the check."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from sbd_kernels.checks import decisions_are_robust, exact_kv_check
+from sbd_kernels.generate import OraclePass, fused_ops
+from sbd_kernels.model import ModelConfig, Transformer
+from sbd_kernels.testing import tolerance
+
+ATOL, RTOL = tolerance(torch.float32)
+V = 64
+
+
+def one_hot_logits(tokens: list[int], height: float, runner_up: float = 0.0) -> torch.Tensor:
+    """[K, V] fp32 logits: `height` at each position's token, `runner_up` at the next id, 0 elsewhere."""
+    x = torch.zeros(len(tokens), V)
+    for j, t in enumerate(tokens):
+        x[j, t] = height
+        x[j, (t + 1) % V] = runner_up
+    return x
+
+
+def entropy_of(x: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(x, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def step_of(x: torch.Tensor, accepted: list[bool], candidates: list[bool] | None = None) -> OraclePass:
+    k = len(x)
+    return OraclePass(prompt=0, start=0, logits=x, entropy=entropy_of(x),
+                      candidates=torch.tensor(candidates or [True] * k), accepted=torch.tensor(accepted))
+
+
+def test_clear_decisions_are_robust():
+    """Guards against a judge that calls every pass a tie (the decode comparison could then never fail)."""
+    x = one_hot_logits([3, 9, 20], 12.0)
+    x[1] *= 0.75                                   # position 1 less certain than 0
+    x[2] *= 0.5                                    # position 2 the least certain
+    h = entropy_of(x)
+    assert h[0] < h[1] < h[2]
+    step = step_of(x, [True, True, False])
+    gamma = float(h[0] + h[1]) * 0.5 + float(h[0]) * 0.5   # between H0 and H0 + H1: accepts 0 and 1
+    assert decisions_are_robust(step, gamma, "eb", ATOL, RTOL)
+    assert decisions_are_robust(step_of(x, [True, True, False]), float(h[1] + h[2]) / 2, "threshold", ATOL, RTOL)
+
+
+def test_a_near_tie_of_a_revealed_token_is_a_tie():
+    """Guards against calling a decode difference a mismatch where the oracle's own argmax was within the
+    logit bound, and against judging argmax ties at positions the pass did not reveal."""
+    x = one_hot_logits([3, 9], 10.0)
+    x[1, 10] = 10.0 - 1e-4                         # position 1 torn between tokens 9 and 10
+    assert decisions_are_robust(step_of(x, [True, False]), 0.0, "eb", ATOL, RTOL)
+    assert not decisions_are_robust(step_of(x, [False, True], [False, True]), 0.0, "eb", ATOL, RTOL)
+
+
+def test_entropy_order_and_gamma_cut_near_ties():
+    """Guards against missing the EB rule's two fragile decisions: which position ranks first, and whether
+    the entropy sum of those before a position reaches gamma."""
+    x = one_hot_logits([3, 9, 20], 6.0)
+    x[1] = x[0].roll(6)                                       # same entropy as position 0: order is a tie
+    x[1, 0] += 1e-5
+    assert not decisions_are_robust(step_of(x, [True, False, False]), 0.0, "eb", ATOL, RTOL)
+    x = one_hot_logits([3, 9], 6.0)
+    x[1] *= 0.5
+    h = entropy_of(x)
+    assert decisions_are_robust(step_of(x, [True, False]), float(h[0]) * 0.5, "eb", ATOL, RTOL)
+    assert not decisions_are_robust(step_of(x, [True, False]), float(h[0]) + 1e-7, "eb", ATOL, RTOL)
+    assert not decisions_are_robust(step_of(x, [True, False]), float(h[1]) - 1e-7, "threshold", ATOL, RTOL)
+
+
+def test_nan_rows_are_not_candidates():
+    """Guards against a pass with a flagged (NaN) row making the judge raise or call it a tie."""
+    x = one_hot_logits([3, 9], 12.0)
+    x[1] = math.nan
+    assert decisions_are_robust(step_of(x, [True, False], [True, False]), 0.1, "eb", ATOL, RTOL)
+
+
+@pytest.fixture(scope="module")
+def sharp_model():
+    """A reference model at std 1: sharp, varied predictions, so its greedy decisions are far from ties."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                    max_seq_len=128, mask_token_id=V - 1)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 1.0)
+    return model
+
+
+def test_a_difference_without_a_tie_fails_the_check(sharp_model):
+    """Guards against the near-tie judgement excusing a real difference: a cached decode whose sampler picks
+    the second-best token fails, with no tie reported for it."""
+    ops = fused_ops()
+
+    def second_best(logits, *args, **kwargs):
+        _, entropy, logprob, valid = ops.entropy_sample(logits, *args, **kwargs)
+        return logits.float().topk(2, dim=-1).indices[..., 1], entropy, logprob, valid
+
+    prompts = [[3, 4, 5], [6, 7, 8, 9]]
+    honest = exact_kv_check(sharp_model, prompts, None, 4, eos_id=-1, pad_id=0, max_new_tokens=8, gamma=0.5)
+    assert honest.passed and not honest.decode_ties, honest.summary("sharp")
+    broken = exact_kv_check(sharp_model, prompts, None, 4, eos_id=-1, pad_id=0, max_new_tokens=8, gamma=0.5,
+                            ops=dataclasses.replace(ops, entropy_sample=second_best))
+    assert not broken.passed and broken.decode_mismatches and not broken.decode_ties, broken.summary("broken")
+    assert "FAIL" in broken.summary("broken")
