@@ -54,10 +54,10 @@ from sbd_kernels.argtypes import add_option
 from sbd_kernels.machine import machine_header
 
 # Seconds per stage. Estimates for an H100 machine with 16 cores (no GPU run has timed these stages yet; the
-# report prints each stage's time against its budget for tuning): a CPU-only `make test` takes 17 minutes of one
-# core's time on the 2-core reference machine, most of it the Triton interpreter; on CUDA the cost moves to compiling each
-# kernel configuration once (about a second each), spread over the shards; FlexAttention and torch.compile
-# compile per dtype and filter setting (tens of seconds per bench file).
+# report prints each stage's time against its budget for tuning): a CPU-only `make test` takes 17 minutes of
+# one core's time on the 2-core reference machine, most of it the Triton interpreter; on CUDA the cost moves to
+# compiling each kernel configuration once (about a second each), spread over the shards; FlexAttention and
+# torch.compile compile per dtype and filter setting (tens of seconds per bench file).
 BUDGETS_S = {"build": 90, "tests": 190, "bench-attention": 65, "bench-sampling": 60, "bench-scatter": 25,
              "bench-decode": 45, "bench-hf": 30}
 GRACE_S = 10  # from SIGINT to SIGKILL of a stage past its budget
