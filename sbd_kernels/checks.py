@@ -29,6 +29,7 @@ from sbd_kernels.generate import (
     generate,
     oracle_decode,
 )
+from sbd_kernels.ops.scatter._checks import RULES
 from sbd_kernels.protocol import SbdModel
 from sbd_kernels.testing import tolerance
 
@@ -114,6 +115,8 @@ def decisions_are_robust(step: OraclePass, gamma: float, rule: str, atol: float,
     - "threshold": no candidate's entropy is within e of gamma, and a candidate accepted for being ranked
       first (H >= gamma) stays first (H + e < min over the others of H - e).
     """
+    if rule not in RULES:
+        raise ValueError(f"decisions_are_robust: rule must be one of {RULES}, got {rule!r}")
     cand = step.candidates.cpu()
     if not bool(cand.any()):
         return True

@@ -74,6 +74,13 @@ def test_entropy_order_and_gamma_cut_near_ties():
     assert not decisions_are_robust(step_of(x, [True, False]), float(h[1]) - 1e-7, "threshold", ATOL, RTOL)
 
 
+def test_an_unknown_rule_is_an_error():
+    """Guards against a misspelt rule ("EB") being judged quietly as the threshold rule."""
+    x = one_hot_logits([3, 9], 12.0)
+    with pytest.raises(ValueError, match="rule must be one of"):
+        decisions_are_robust(step_of(x, [True, False]), 0.1, "EB", ATOL, RTOL)
+
+
 def test_nan_rows_are_not_candidates():
     """Guards against a pass with a flagged (NaN) row making the judge raise or call it a tie."""
     x = one_hot_logits([3, 9], 12.0)
