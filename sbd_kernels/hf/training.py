@@ -127,8 +127,12 @@ class SbdDataCollator:
         labels = sbd_labels(tokens, targets, noisy, self.mask_token_id)                   # [B, 2n]
         mask = sbd_training_mask(lengths, tokens.shape[1], k, self.implementation, self.dtype)
         input_ids, position_ids, attention_mask = sbd_train_inputs(tokens, noisy, k, mask)
-        return {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask,
-                "labels": labels, "shift_labels": labels}
+        batch = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask,
+                 "labels": labels, "shift_labels": labels}
+        # Every tensor contiguous: position_ids is one row expanded over the batch (stride 0), which a DataLoader
+        # with pin_memory=True (Trainer's default on a GPU) refuses ("more than one element of the written-to
+        # tensor refers to a single memory location").
+        return {name: value.contiguous() if isinstance(value, Tensor) else value for name, value in batch.items()}
 
     def _pad(self, examples: list[dict[str, Any]]) -> tuple[Tensor, Tensor, Tensor]:
         """(tokens [B, n] int64 right-padded, targets [B, n] bool, lengths [B] int64)."""
