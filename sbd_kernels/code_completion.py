@@ -90,8 +90,8 @@ class CorpusError(RuntimeError):
     """The installed package is not the pinned one, or a file differs from its wheel."""
 
 
-def _recorded_hashes() -> tuple[Path, dict[str, str]]:
-    """(site-packages folder, {relative path: urlsafe-base64 sha256}) of the pinned package's .py files."""
+def pinned_distribution() -> importlib.metadata.Distribution:
+    """The installed distribution of the pinned package; CorpusError when it is missing or another version."""
     try:
         dist = importlib.metadata.distribution(PACKAGE)
     except importlib.metadata.PackageNotFoundError as err:
@@ -100,6 +100,22 @@ def _recorded_hashes() -> tuple[Path, dict[str, str]]:
     if dist.version != VERSION:
         raise CorpusError(f"the code task reads the sources of {PACKAGE}=={VERSION}, found {dist.version}: other "
                           f"bytes would give another held-out set (pip install {PACKAGE}=={VERSION})")
+    return dist
+
+
+def corpus_unavailable() -> str | None:
+    """Why the corpus cannot be read here (the pinned package missing, or another version of it), or None.
+    Cheap: the files' bytes are checked when corpus() reads them."""
+    try:
+        pinned_distribution()
+    except CorpusError as err:
+        return str(err)
+    return None
+
+
+def _recorded_hashes() -> tuple[Path, dict[str, str]]:
+    """(site-packages folder, {relative path: urlsafe-base64 sha256}) of the pinned package's .py files."""
+    dist = pinned_distribution()
     root = Path(dist.locate_file(""))
     record = dist.read_text("RECORD") or ""
     hashes = {path: digest.removeprefix("sha256=") for path, digest, _ in csv.reader(io.StringIO(record))

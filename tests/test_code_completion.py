@@ -5,6 +5,7 @@ import argparse
 import json
 import random
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,11 +23,16 @@ CORPUS_SHA256 = {
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+# Tests that read the corpus run where the pinned transformers is installed: CI's (requirements-dev.txt, whose pin
+# test_the_dev_requirements_pin_the_corpus_version holds to cc.VERSION). Elsewhere (a GPU machine's own
+# transformers) they are skipped with the reason.
+needs_corpus = pytest.mark.skipif(cc.corpus_unavailable() is not None, reason=str(cc.corpus_unavailable()))
 
 
 # ----------------------------------------------------------------------------------------------------
 # Corpus and split
 # ----------------------------------------------------------------------------------------------------
+@needs_corpus
 def test_corpus_hashes_are_pinned():
     """Guards against a corpus that silently changes (another file set, another split rule, another hash input):
     the held-out numbers of the README would then be about other data."""
@@ -35,6 +41,7 @@ def test_corpus_hashes_are_pinned():
     assert (len(data.train), len(data.held_out)) == (2602, 258)
 
 
+@needs_corpus
 def test_split_is_by_file_deterministic_and_disjoint():
     """Guards against a split that depends on the machine or the visiting order, or that puts a file on both
     sides (or on none)."""
@@ -51,6 +58,7 @@ def test_split_is_by_file_deterministic_and_disjoint():
         data.files("test")
 
 
+@needs_corpus
 def test_corpus_refuses_other_bytes(monkeypatch):
     """Guards against a held-out set computed from a file that differs from the pinned wheel (a locally edited
     transformers): the corpus must refuse, naming the file."""
@@ -67,6 +75,12 @@ def test_corpus_refuses_other_bytes(monkeypatch):
         cc.corpus.cache_clear()
 
 
+def test_the_dev_requirements_pin_the_corpus_version():
+    """Guards against the corpus tests being skipped in CI: the pin CI installs is the corpus's version."""
+    pins = (Path(__file__).resolve().parent.parent / "requirements-dev.txt").read_text().split()
+    assert f"{cc.PACKAGE}=={cc.VERSION}" in pins
+
+
 def test_corpus_refuses_another_version(monkeypatch):
     """Guards against reading another transformers version without a word: its bytes give another data set."""
     fake = types.SimpleNamespace(version="4.0.0")
@@ -78,6 +92,7 @@ def test_corpus_refuses_another_version(monkeypatch):
 # ----------------------------------------------------------------------------------------------------
 # Examples
 # ----------------------------------------------------------------------------------------------------
+@needs_corpus
 @pytest.mark.parametrize("lines", [1, 4])
 def test_examples_are_deterministic_and_kept(lines):
     """Guards against examples that change between runs or machines, a prompt that is not the file's text right
@@ -99,6 +114,7 @@ def test_examples_are_deterministic_and_kept(lines):
             "the context is the file's text right before the target, from a line start"
 
 
+@needs_corpus
 def test_examples_refuse_more_than_exist():
     """Guards against a silent short list (or an endless loop) when more examples are asked than kept lines, and
     against a line count without a budget."""
@@ -205,6 +221,7 @@ def test_tokenizer_round_trip():
     assert cc.ByteTokenizer.VOCAB_SIZE % 8 == 0 and cc.ByteTokenizer.MASK < cc.ByteTokenizer.VOCAB_SIZE
 
 
+@needs_corpus
 def test_train_windows_start_at_line_starts():
     """Guards against training windows that do not look like prompts (BOS, then a line start) or that change
     between runs, which would break a resumed run."""
@@ -232,6 +249,7 @@ def _train(out, **overrides):
     return cm.train_code_model(cm.CodeTrainConfig(out=str(out), **settings))
 
 
+@needs_corpus
 @pytest.mark.parametrize("objective", ["ntp", "sbd"])
 def test_training_steps_write_a_loadable_model(tmp_path, tiny_shape, objective):
     """Guards against a training run that does not write a model folder `load_code_model` can decode, or a
@@ -248,6 +266,7 @@ def test_training_steps_write_a_loadable_model(tmp_path, tiny_shape, objective):
     assert result.total_generated >= 2 and 0 <= scores.edit_similarity <= 100
 
 
+@needs_corpus
 def test_loading_a_code_model_prints_no_progress_bar(tmp_path, tiny_shape, capfd):
     """Guards against transformers' "Loading weights" progress bar landing between the demo's tables, and
     against loading turning the user's own progress bars off."""
@@ -261,6 +280,7 @@ def test_loading_a_code_model_prints_no_progress_bar(tmp_path, tiny_shape, capfd
     assert transformers.utils.logging.is_progress_bar_enabled()
 
 
+@needs_corpus
 def test_training_continues_and_resumes(tmp_path, tiny_shape):
     """Guards against a continued run that does not start from its init weights, and a resumed run that does
     not pick up its step count and optimizer state."""
@@ -275,6 +295,7 @@ def test_training_continues_and_resumes(tmp_path, tiny_shape):
     assert resumed["steps"] == 3 and [e["step"] for e in resumed["eval"]] == [0, 1, 3]
 
 
+@needs_corpus
 def test_curve_command_writes_json_and_plot(tmp_path, tiny_shape):
     """Guards against a curve command whose JSON misses points (every setting for each model and line count),
     speedups taken against the wrong NTP row, or no plot."""
@@ -302,6 +323,7 @@ def test_curve_command_writes_json_and_plot(tmp_path, tiny_shape):
         assert 0 <= p["exact_match"] <= 1 and p["timing_examples"] == 1
 
 
+@needs_corpus
 def test_demo_code_task_quick(tmp_path):
     """Guards against the demo's code task failing on its quick path (random tiny HF models): table, JSON rows
     in the demo's schema with edit similarity, and the exact-KV check on the HF models."""

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from sbd_kernels import code_completion as cc
 from sbd_kernels import demo
 from sbd_kernels.model import load_checkpoint
 
@@ -14,6 +15,8 @@ ROW_KEYS = {"model": str, "method": str, "gamma": (float, type(None)), "accuracy
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+# The demo's code task reads the pinned transformers' sources (CI installs that pin; tests/test_code_completion.py).
+needs_corpus = pytest.mark.skipif(cc.corpus_unavailable() is not None, reason=str(cc.corpus_unavailable()))
 
 
 def demo_args(*argv: str) -> argparse.Namespace:
@@ -30,6 +33,7 @@ def quick_run(tmp_path_factory):
     return results, json_path, png_path
 
 
+@needs_corpus
 def test_quick_demo_writes_the_documented_json(quick_run):
     """Guards against a JSON file that drifts from the documented schema (keys, types, one object per
     task, one row per model/method/gamma)."""
@@ -52,6 +56,7 @@ def test_quick_demo_writes_the_documented_json(quick_run):
             assert (row["edit_similarity"] is not None) == (task["task"] == "code")
 
 
+@needs_corpus
 def test_speedups_are_relative_to_ntp_of_the_same_model(quick_run):
     """Guards against speedups taken against the wrong baseline row (the other model, or SBD itself)."""
     results, _, _ = quick_run
@@ -66,6 +71,7 @@ def test_speedups_are_relative_to_ntp_of_the_same_model(quick_run):
         assert base["sbd"]["nfe"] == base["sbd"]["answer_tokens"], "NTP must pay one pass per token"
 
 
+@needs_corpus
 def test_quick_demo_prints_table_and_plot(quick_run, capsys):
     """Guards against a demo that computes results but shows no table, no exact-KV line or no plot."""
     _, _, png_path = quick_run
@@ -93,6 +99,7 @@ def test_bundled_checkpoints_reach_the_headline():
     assert sbd.nfe_speedup >= 3.0
 
 
+@needs_corpus
 @pytest.mark.slow
 def test_bundled_code_models_decode_as_measured():
     """Guards against a regression of the HF decode path, or a damaged bundled code model: on 32 held-out
