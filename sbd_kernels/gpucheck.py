@@ -38,6 +38,7 @@ import argparse
 import collections
 import importlib.util
 import json
+import math
 import os
 import shlex
 import signal
@@ -46,28 +47,26 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from xml.etree import ElementTree
 
 import torch
 
 from sbd_kernels import argtypes, bench_report
 from sbd_kernels.argtypes import add_option
 from sbd_kernels.machine import machine_header
+from sbd_kernels.testing import GPU_TEST_FILES
 
-# Seconds per stage. Estimates for an H100 machine with 16 cores (no GPU run has timed these stages yet; the
-# report prints each stage's time against its budget for tuning): a CPU-only `make test` takes 17 minutes of
-# one core's time on the 2-core reference machine, most of it the Triton interpreter; on CUDA the cost moves to
-# compiling each kernel configuration once (about a second each), spread over the shards; FlexAttention and
-# torch.compile compile per dtype and filter setting (tens of seconds per bench file).
-BUDGETS_S = {"build": 90, "tests": 190, "bench-attention": 65, "bench-sampling": 60, "bench-scatter": 25,
-             "bench-decode": 45, "bench-hf": 30}
+# Seconds per stage, for a 16-core H100 or H200 machine. Every stage is bound by compiling (Triton kernels,
+# torch.compile, FlexAttention), not by the GPU; none finished in the budgets of the first H200 run (0.75x
+# these proportions' predecessors): the tests ran 484 of ~4,800 in 140 s on 4 processes, the attention grid
+# 2 cases in 48 s, sampling 33 timings in 44 s, scatter 13 in 18 s, decode 14 in 33 s, HF 1 in 22 s. The build
+# (30 s there) has nothing to do after `make gpu-check` built. The attention grid got the time the build and
+# the tests could give; a stage stopped at its budget keeps and reports what it finished.
+BUDGETS_S = {"build": 60, "tests": 150, "bench-attention": 110, "bench-sampling": 60, "bench-scatter": 30,
+             "bench-decode": 50, "bench-hf": 45}
 GRACE_S = 10  # from SIGINT to SIGKILL of a stage past its budget
 REPORT_BUDGET_S = 15  # NVML, this machine's header (CPU ceilings measured: a few seconds), the report
 TOTAL_BUDGET_S = 600  # sum(BUDGETS_S) + GRACE_S per stage + REPORT_BUDGET_S stays within it
-# Test files that run Triton kernels or `device=...` code: first in the run (and so in every shard), so
-# that a suite stopped at its budget has checked the GPU kernels.
-GPU_TEST_FILES = ("test_attention_triton.py", "test_fuzz_attention.py", "test_sampling.py",
-                  "test_sampling_filters.py", "test_fuzz_sampling.py", "test_scatter.py", "test_fuzz_scatter.py",
-                  "test_trusted_values.py", "test_compile.py", "test_generate.py", "test_hf.py")
 # Tests the check leaves out, with the reason (the report lists them).
 DESELECTED_TESTS = {
     "tests/test_package.py::test_plain_pip_install_keeps_the_installed_torch":
@@ -96,6 +95,10 @@ class Checkout:
     cpu_count: int
     missing: frozenset[str]  # OPTIONAL_MODULES that are not installed
     extension_current: bool  # the compiled extension is newer than every build input
+    budget_s: int = TOTAL_BUDGET_S  # the whole check, at most (`--budget`): the stages' budgets are scaled to it
+
+    def stage_budget(self, name: str) -> int:
+        return stage_budgets(self.budget_s)[name]
 
 
 @dataclass(frozen=True)
@@ -109,13 +112,17 @@ class Stage:
     env: tuple[tuple[str, str], ...] = ()  # set for every command (a shard's own SBD_TEST_SHARD: shard_env)
     shard_env: tuple[tuple[tuple[str, str], ...], ...] = ()
     raw_json: Path | None = None  # bench stages: the pytest-benchmark JSON they write
+    junit: tuple[Path, ...] = ()  # the test stage: the JUnit XML of each command (outcomes by file)
     skip: str | None = None  # why it cannot run; None when it can
     nothing_to_do: str | None = None  # why it need not run (a stage without commands that passes)
 
-    def environment(self, index: int) -> dict[str, str]:
+    def environment(self, index: int, repo: Path) -> dict[str, str]:
         """The environment of command `index`: this process's, without TRITON_INTERPRET (the kernels are to
-        be compiled), plus the stage's variables."""
+        be compiled), with the checkout first on PYTHONPATH (the extension is built in place, not installed:
+        the processes that tests start, torchrun's ranks among them, import it from there), plus the stage's
+        variables."""
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH")) if p)
         env.update(self.env)
         if self.shard_env:
             env.update(self.shard_env[index])
@@ -139,6 +146,7 @@ class StageResult:
     detail: str
     failures: list[str] = field(default_factory=list)  # FAILED / ERROR lines of pytest
     skipped: list[str] = field(default_factory=list)  # SKIPPED reasons of pytest
+    by_file: dict[str, dict[str, int]] = field(default_factory=dict)  # test file: {outcome: count} (JUnit XML)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -171,9 +179,37 @@ def extension_is_current(repo: Path) -> bool:
 
 
 def test_shards(cpu_count: int) -> int:
-    """pytest processes of the test stage: one per 4 cores, at most 4 (each compiles Triton kernels on one
-    core at a time, and runs its CPU tests with cpu_count / shards torch threads)."""
-    return max(1, min(4, cpu_count // 4))
+    """pytest processes of the test stage: one per 2 cores, at most 8. On CUDA the suite is bound by compiling
+    Triton kernels, one at a time per process (on an H200 with 16 cores, 4 processes ran 484 tests in 140 s,
+    mostly compiling), so more processes check more in the budget; each runs its CPU tests on
+    cpu_count / shards torch threads."""
+    return max(1, min(8, cpu_count // 2))
+
+
+def fixed_cost_s() -> int:
+    """Seconds of the check that no stage budget covers: each stage's grace period, and the report."""
+    return GRACE_S * len(BUDGETS_S) + REPORT_BUDGET_S
+
+
+def stage_budgets(total_s: int) -> dict[str, int]:
+    """BUDGETS_S scaled by (total_s - fixed) / (TOTAL_BUDGET_S - fixed), fixed = fixed_cost_s(): the default
+    total gives BUDGETS_S, a shorter one (a machine lent for less) or a longer one (a slower GPU, the whole suite
+    without a stop) keeps their proportions, and the stages, their grace and the report stay within total_s."""
+    if total_s < least_budget_s():
+        raise GpuCheckError(f"a budget of {total_s} s leaves a stage no second (at least {least_budget_s()} s)")
+    scale = (total_s - fixed_cost_s()) / (TOTAL_BUDGET_S - fixed_cost_s())
+    return {name: int(budget * scale) for name, budget in BUDGETS_S.items()}
+
+
+def least_budget_s() -> int:
+    """The shortest whole-check budget that gives the shortest stage one second."""
+    return fixed_cost_s() + math.ceil((TOTAL_BUDGET_S - fixed_cost_s()) / min(BUDGETS_S.values()))
+
+
+def budget_seconds(text: str) -> int:
+    """`--budget`: whole seconds that leave each stage at least one (stage_budgets)."""
+    least = least_budget_s()
+    return argtypes.checked_number(text, int, lambda n: n >= least, f"whole seconds, at least {least}")
 
 
 def gpu_slug(name: str) -> str:
@@ -192,11 +228,11 @@ def plan(checkout: Checkout) -> list[Stage]:
 def build_stage(checkout: Checkout) -> Stage:
     what = "the C++ extension, in place, with this interpreter"
     if checkout.extension_current:
-        return Stage("build", BUDGETS_S["build"], what, nothing_to_do="up to date: newer than every source")
+        return Stage("build", checkout.stage_budget("build"), what, nothing_to_do="up to date: newer than every source")
     # --force: distutils only compares the .cpp files with the library, not the headers. The build replaces the
     # library file (distutils unlinks it before copying), so this process's loaded copy stays intact.
     command = (checkout.python, "setup.py", "build_ext", "--inplace", "--force")
-    return Stage("build", BUDGETS_S["build"], what, commands=(command,))
+    return Stage("build", checkout.stage_budget("build"), what, commands=(command,))
 
 
 def test_files(checkout: Checkout) -> list[str]:
@@ -213,14 +249,16 @@ def test_stage(checkout: Checkout) -> Stage:
     what = ("the whole test suite on CUDA tensors, Triton kernels compiled, in "
             + (f"{shards} pytest processes side by side" if shards > 1 else "one pytest process"))
     if "pytest" in checkout.missing:
-        return Stage("tests", BUDGETS_S["tests"], what, skip="pytest not installed")
+        return Stage("tests", checkout.stage_budget("tests"), what, skip="pytest not installed")
     deselect = [arg for test in DESELECTED_TESTS for arg in ("--deselect", test)]
     command = (checkout.python, "-m", "pytest", *test_files(checkout), *deselect, "-q", "-rfEs", "-p",
                "no:cacheprovider")
     threads = str(max(1, checkout.cpu_count // shards))
-    return Stage("tests", BUDGETS_S["tests"], what, commands=(command,) * shards,
+    junit = tuple(checkout.out / "logs" / f"tests-{i}.xml" for i in range(shards))
+    return Stage("tests", checkout.stage_budget("tests"), what, commands=(command,) * shards,
                  env=(("SBD_TEST_DEVICE", "cuda"), ("OMP_NUM_THREADS", threads), *OFFLINE_ENV),
-                 shard_env=tuple((("SBD_TEST_SHARD", f"{i}/{shards}"),) for i in range(shards)))
+                 shard_env=tuple((("SBD_TEST_SHARD", f"{i}/{shards}"), ("PYTEST_ADDOPTS", f"--junitxml={junit[i]}"))
+                                 for i in range(shards)), junit=junit)
 
 
 BENCH_WHAT = {
@@ -239,14 +277,14 @@ def bench_stage(checkout: Checkout, family: str) -> Stage:
     if family == "hf" and "transformers" in checkout.missing:
         missing.append("transformers")
     if missing:
-        return Stage(name, BUDGETS_S[name], what, skip=f"{', '.join(missing)} not installed")
+        return Stage(name, checkout.stage_budget(name), what, skip=f"{', '.join(missing)} not installed")
     raw = checkout.out / "raw" / f"{family}.json"
     command = tuple(bench_report.benchmark_command(checkout.python, [f"bench/bench_{family}.py"], raw, ("-rs",)))
-    return Stage(name, BUDGETS_S[name], what, commands=(command,),
+    return Stage(name, checkout.stage_budget(name), what, commands=(command,),
                  env=(("SBD_BENCH_QUICK", "1"), ("SBD_BENCH_DEVICE", "cuda"), *OFFLINE_ENV), raw_json=raw)
 
 
-def plan_text(stages: list[Stage]) -> str:
+def plan_text(stages: list[Stage], budget_s: int = TOTAL_BUDGET_S) -> str:
     """The stages with their budgets, and the commands each runs (or why it does not)."""
     lines = []
     for s in stages:
@@ -255,7 +293,7 @@ def plan_text(stages: list[Stage]) -> str:
             lines.append(f"    skipped: {s.skip}" if s.skip is not None else f"    nothing to run: {s.nothing_to_do}")
         lines += [f"    {line}" for line in s.command_lines()]
     total = sum(s.budget_s for s in stages) + GRACE_S * len(stages) + REPORT_BUDGET_S
-    lines.append(f"budget: {total} s at most of {TOTAL_BUDGET_S} s (stages, {GRACE_S} s grace each, report)")
+    lines.append(f"budget: {total} s at most of {budget_s} s (stages, {GRACE_S} s grace each, report)")
     return "\n".join(lines)
 
 
@@ -272,16 +310,38 @@ def run_stage(stage: Stage, checkout: Checkout) -> StageResult:
     if stage.raw_json is not None:
         stage.raw_json.parent.mkdir(parents=True, exist_ok=True)
         stage.raw_json.unlink(missing_ok=True)
+    for path in stage.junit:
+        path.unlink(missing_ok=True)
     start = time.monotonic()
     processes = []
     for i, (command, log) in enumerate(zip(stage.commands, logs)):
         with open(log, "w") as handle:
-            processes.append(subprocess.Popen(command, cwd=checkout.repo, env=stage.environment(i), stdout=handle,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
+            processes.append(subprocess.Popen(command, cwd=checkout.repo, env=stage.environment(i, checkout.repo),
+                                              stdout=handle, stderr=subprocess.STDOUT, start_new_session=True))
     overran = wait_or_stop(processes, start + stage.budget_s)
     seconds = time.monotonic() - start
     texts = [log.read_text(errors="replace") for log in logs]
-    return judge(stage, [p.returncode for p in processes], texts, overran, seconds)
+    result = judge(stage, [p.returncode for p in processes], texts, overran, seconds)
+    result.by_file = outcomes_by_file(stage.junit)
+    return result
+
+
+def outcomes_by_file(junit: tuple[Path, ...]) -> dict[str, dict[str, int]]:
+    """{test file: {"passed" / "failed" / "skipped": count}} over pytest's JUnit XML files, in file order. A
+    file missing or cut short (a process killed while writing it) counts nothing; pytest writes it also when
+    stopped by SIGINT at the budget."""
+    counts: dict[str, collections.Counter] = {}
+    for path in junit:
+        try:
+            root = ElementTree.parse(path).getroot()
+        except (OSError, ElementTree.ParseError):
+            continue
+        for case in root.iter("testcase"):
+            test_file = case.get("classname", "").split("::")[0].replace(".", "/") + ".py"
+            kinds = {child.tag for child in case}
+            outcome = "failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"
+            counts.setdefault(test_file, collections.Counter())[outcome] += 1
+    return {name: dict(counts[name]) for name in sorted(counts)}
 
 
 def wait_or_stop(processes: list[subprocess.Popen], deadline: float) -> bool:
@@ -374,11 +434,18 @@ def judge(stage: Stage, returncodes: list[int | None], texts: list[str], overran
     return result
 
 
+def read_raw(raw_json: Path) -> list[dict]:
+    """The timings of a pytest-benchmark JSON; none when it is missing or unreadable (a stage killed while
+    writing it)."""
+    try:
+        return json.loads(raw_json.read_text()).get("benchmarks", [])
+    except (OSError, ValueError):
+        return []
+
+
 def raw_outcome(raw_json: Path) -> tuple[int, list[str]]:
     """(timings in a pytest-benchmark JSON, "family case provider" of those whose oracle check failed)."""
-    if not raw_json.exists():
-        return 0, []
-    benches = json.loads(raw_json.read_text()).get("benchmarks", [])
+    benches = read_raw(raw_json)
     bad = [f"{b['extra_info'].get('family')} {b['extra_info'].get('case')} {b['extra_info'].get('provider')}"
            for b in benches if b.get("extra_info", {}).get("correct") is False]
     return len(benches), bad
@@ -393,11 +460,7 @@ def not_run(stage: Stage, why: str) -> StageResult:
 # ----------------------------------------------------------------------------------------------------
 def merged_raw(stages: list[Stage]) -> dict:
     """The timings of every bench stage that wrote its JSON, as one pytest-benchmark JSON."""
-    benchmarks = []
-    for s in stages:
-        if s.raw_json is not None and s.raw_json.exists():
-            benchmarks += json.loads(s.raw_json.read_text()).get("benchmarks", [])
-    return {"benchmarks": benchmarks}
+    return {"benchmarks": [b for s in stages if s.raw_json is not None for b in read_raw(s.raw_json)]}
 
 
 def gpu_line(header: dict) -> str:
@@ -407,7 +470,7 @@ def gpu_line(header: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in gpu.items())
 
 
-def check_section(header: dict, results: list[StageResult], stages: list[Stage], missing: frozenset[str],
+def check_section(header: dict, results: list[StageResult], stages: list[Stage], checkout: Checkout,
                   seconds: float, dry_run: bool) -> str:
     """The gpu-check part of report.md: the GPU, the stages against their budgets, what was skipped and why,
     the failures, the commands."""
@@ -416,18 +479,26 @@ def check_section(header: dict, results: list[StageResult], stages: list[Stage],
              f"- GPU (NVML): {gpu_line(header)}",
              (f"- torch {header['torch']} (CUDA {torch.version.cuda or 'none'}), triton {header['triton']}, python "
               f"{header['python']}, commit {header['commit']}, {header['date']}"),
-             f"- `sbd gpu-check` took {seconds:.0f} s; budget {TOTAL_BUDGET_S} s (`make gpu-check` on an H100)", "",
+             (f"- `sbd gpu-check` took {seconds:.0f} s; budget {checkout.budget_s} s (default {TOTAL_BUDGET_S} s: "
+              "`make gpu-check` on an H100)"), "",
              "## Stages", "", "| stage | status | time s | budget s | result |", "|---|---|---|---|---|"]
     lines += [f"| {r.name} | {r.status} | {r.seconds:.0f} | {r.budget_s} | {r.detail} |" for r in results]
+    by_file = collections.defaultdict(collections.Counter)
+    for r in results:
+        for test_file, counts in r.by_file.items():
+            by_file[test_file].update(counts)
+    if by_file:
+        lines += ["", "## Tests run, by file", "", "| file | passed | failed | skipped |", "|---|---|---|---|"]
+        lines += [f"| {name} | {c['passed']} | {c['failed']} | {c['skipped']} |" for name, c in sorted(by_file.items())]
     lines += ["", "## Skipped, and why", ""]
     skips = [f"- {r.name}: {r.detail}" for r in results if r.status in ("skipped", "not run")]
-    if "transformers" in missing:
+    if "transformers" in checkout.missing:
         skips.append("- tests/test_hf.py: transformers is not installed")
     if any(s.name == "tests" and s.commands for s in stages):
         skips += [f"- {test}: {why}" for test, why in DESELECTED_TESTS.items()]
-    if "pynvml" in missing:
+    if "pynvml" in checkout.missing:
         skips.append("- NVML fields: nvidia-ml-py is not installed")
-    if "matplotlib" in missing:
+    if "matplotlib" in checkout.missing:
         skips.append("- plots: matplotlib is not installed")
     skips += [f"- {r.name}: {line}" for r in results for line in r.skipped]
     lines += skips or ["- nothing"]
@@ -451,9 +522,9 @@ def write_report(checkout: Checkout, header: dict, stages: list[Stage], results:
     families = bench_report.rows_from_raw(raw, ceilings)
     report = bench_report.write_outputs(checkout.out, header, families, bench_report.roofline_section(raw), ceilings)
     tables = report.read_text() if families else "## Benchmarks\n\nNo benchmark ran.\n"
-    report.write_text(check_section(header, results, stages, checkout.missing, seconds, dry_run) + "\n" + tables)
+    report.write_text(check_section(header, results, stages, checkout, seconds, dry_run) + "\n" + tables)
     (checkout.out / "gpu-check.json").write_text(json.dumps(
-        {"gpu": header.get("gpu"), "seconds": seconds, "dry_run": dry_run, "budget_s": TOTAL_BUDGET_S,
+        {"gpu": header.get("gpu"), "seconds": seconds, "dry_run": dry_run, "budget_s": checkout.budget_s,
          "stages": [asdict(r) for r in results], "missing": sorted(checkout.missing)}, indent=1))
     if families and "matplotlib" not in checkout.missing:
         from sbd_kernels.bench_plots import write_plots
@@ -498,7 +569,7 @@ def _span(values: list[float]) -> str:
 
 
 def summary(header: dict, results: list[StageResult], families: dict[str, list[dict]], ceilings: dict,
-            report: Path, seconds: float) -> str:
+            report: Path, seconds: float, budget_s: int = TOTAL_BUDGET_S) -> str:
     """What gets printed at the end: the GPU, each stage against its budget, the kernels, the skips, where the
     report is."""
     lines = [f"sbd gpu-check: {gpu_line(header)}",
@@ -510,7 +581,7 @@ def summary(header: dict, results: list[StageResult], families: dict[str, list[d
     skipped = [f"{r.name} ({r.detail})" for r in results if r.status in ("skipped", "not run")]
     if skipped:
         lines.append("skipped: " + "; ".join(skipped))
-    lines.append(f"total {seconds:.0f} s of {TOTAL_BUDGET_S} s; report: {report}")
+    lines.append(f"total {seconds:.0f} s of {budget_s} s; report: {report}")
     return "\n".join(lines)
 
 
@@ -538,11 +609,11 @@ def run(args: argparse.Namespace) -> int:
     default_out = (repo / "bench" / "results" / "gpu-check-dry-run" if args.dry_run
                    else repo / "bench" / "reference" / gpu_slug((header.get("gpu") or {}).get("name", "")))
     checkout = Checkout(repo, (args.out or default_out).resolve(), sys.executable, os.cpu_count() or 1, missing,
-                        extension_is_current(repo))
+                        extension_is_current(repo), args.budget)
     checkout.out.mkdir(parents=True, exist_ok=True)
     stages = plan(checkout)
-    print(f"sbd gpu-check{' --dry-run' if args.dry_run else ''}: {len(stages)} stages\n{plan_text(stages)}",
-          flush=True)
+    print(f"sbd gpu-check{' --dry-run' if args.dry_run else ''}: {len(stages)} stages\n"
+          f"{plan_text(stages, checkout.budget_s)}", flush=True)
     results = []
     for stage in stages:
         if stage.skip is not None:
@@ -559,7 +630,7 @@ def run(args: argparse.Namespace) -> int:
         results.append(result)
     seconds = time.monotonic() - started
     report, families, ceilings = write_report(checkout, header, stages, results, seconds, args.dry_run)
-    print(summary(header, results, families, ceilings, report, seconds))
+    print(summary(header, results, families, ceilings, report, seconds, checkout.budget_s))
     return 1 if any(r.status in ("failed", "overran") for r in results) else 0
 
 
@@ -567,6 +638,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--out", type=lambda text: Path(argtypes.output_dir(text)),
                         help="report folder (default: bench/reference/<gpu-name>; with --dry-run "
                              "bench/results/gpu-check-dry-run)")
+    add_option(parser, "--budget", type=budget_seconds, default=TOTAL_BUDGET_S, metavar="SECONDS",
+               help=f"the whole check's time at most (default {TOTAL_BUDGET_S}: 10 minutes on an H100); the stages' "
+                    "budgets are scaled to it, keeping their proportions")
     add_option(parser, "--dry-run", action="store_true",
                help="no GPU needed: print the plan and its commands, write the report of stages not run")
     return parser

@@ -204,6 +204,35 @@ def select_shard(items: list, spec: str) -> tuple[list, list]:
     return items[index::count], [item for i, item in enumerate(items) if i % count != index]
 
 
+# Test files that run Triton kernels or `device=...` code: first in a run on a GPU (`gpu_run_order`), and
+# first on `sbd gpu-check`'s command line.
+GPU_TEST_FILES = ("test_attention_triton.py", "test_fuzz_attention.py", "test_sampling.py",
+                  "test_sampling_filters.py", "test_fuzz_sampling.py", "test_scatter.py", "test_fuzz_scatter.py",
+                  "test_trusted_values.py", "test_compile.py", "test_generate.py", "test_hf.py")
+
+
+def gpu_run_order(items: list, file_of: Callable[[Any], str], cuda_only: Callable[[Any], bool]) -> list:
+    """The order of a run on a GPU, which a time budget may stop early (`sbd gpu-check`): the CUDA-only tests,
+    then the GPU_TEST_FILES taken in turns (one test of each in its collection order), then the other files'
+    tests as collected. A run stopped after any number of tests has then checked every kernel family as evenly
+    as it could: on the first H200 run, 4 processes ran 484 tests in 140 s, mostly compiling Triton kernels,
+    and files in sequence were all the attention kernel's; in a second run, turns over every file spent the
+    budget on CPU-bound builds and trainings."""
+    first = [item for item in items if cuda_only(item)]
+    by_file: dict[str, list] = {}
+    rest = []
+    for item in items:
+        if cuda_only(item):
+            continue
+        if file_of(item) in GPU_TEST_FILES:
+            by_file.setdefault(file_of(item), []).append(item)
+        else:
+            rest.append(item)
+    queues = list(by_file.values())
+    turns = [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
+    return first + turns + rest
+
+
 def on_device(fn: Callable, device: str) -> Callable:
     """`fn` called on `device` copies of its CPU tensor arguments, with its tensor results copied back to the
     CPU; `fn` itself when `device` is "cpu" (nothing copied, nothing changed).

@@ -8,10 +8,11 @@ settings collect the same tests.
 
 SBD_TEST_SHARD=i/n keeps every n-th test from the i-th on (0 <= i < n), so that n pytest processes started
 side by side run the suite once between them (`sbd gpu-check` does, to compile Triton kernels on several cores).
+On CUDA the tests run in `gpu_run_order`: the `cuda_only` ones first, then the files in turns.
 """
 import os
 
-from sbd_kernels.testing import SHARD_VARIABLE, configure_triton_environment, select_shard
+from sbd_kernels.testing import SHARD_VARIABLE, configure_triton_environment, gpu_run_order, select_shard
 
 TRITON_DEVICE = configure_triton_environment(os.environ)
 
@@ -39,6 +40,9 @@ torch.ops.sbd._set_cpu_isa(_BEST_ISA)
 
 
 def pytest_collection_modifyitems(config, items):
+    if TRITON_DEVICE == "cuda":
+        items[:] = gpu_run_order(items, lambda item: item.path.name,
+                                 lambda item: item.get_closest_marker("cuda_only") is not None)
     spec = os.environ.get(SHARD_VARIABLE)
     if spec:
         kept, dropped = select_shard(items, spec)

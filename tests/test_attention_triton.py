@@ -273,6 +273,7 @@ def test_bad_page_id():
         LAUNCH(*c.args())
 
 
+@pytest.mark.cuda_only
 @pytest.mark.skipif(not ON_GPU, reason="the CUDA registration runs on CUDA tensors (no GPU here)")
 def test_opcheck_cuda():
     """Guards against the CUDA registration, fake kernel and aliasing of the Triton path being out of step."""
@@ -280,6 +281,7 @@ def test_opcheck_cuda():
     torch.library.opcheck(torch.ops.sbd.block_attention_with_kvcache, c.args())
 
 
+@pytest.mark.cuda_only
 @pytest.mark.skipif(not ON_GPU, reason="compiles a CUDA decode step (no GPU here)")
 def test_decode_step_compiles_fullgraph_cuda():
     """Guards against graph breaks or a host sync in the CUDA path of a compiled decode step."""

@@ -109,6 +109,7 @@ def test_compiled_filtered_sampling_equals_eager(filters):
     assert_same_samples(compiled(**args), sample(**args), "compiled, new filters")
 
 
+@pytest.mark.cuda_only
 @pytest.mark.skipif(DEVICE != "cuda", reason="captures a CUDA graph (SBD_TEST_DEVICE=cuda on a GPU)")
 @pytest.mark.parametrize("checks", ["value checks", "trusted values"])
 def test_cuda_graph_replay_of_filtered_sampling_equals_eager(checks):

@@ -337,6 +337,7 @@ def test_cuda_graph_needs_a_cuda_model(prompts):
         generate(cpu_model, prompts, DecodeConfig(max_new_tokens=4), eos_id=EOS, pad_id=PAD, cuda_graph=True)
 
 
+@pytest.mark.cuda_only
 @pytest.mark.skipif(DEVICE != "cuda", reason="replays CUDA graphs (no GPU here)")
 @pytest.mark.parametrize("method", ["ntp", "sbd"])
 def test_cuda_graph_decode_gives_the_eager_tokens(model, prompts, method):

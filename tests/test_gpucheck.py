@@ -18,6 +18,7 @@ from sbd_kernels.testing import (
     backend_op,
     call_on_copies,
     configure_triton_environment,
+    gpu_run_order,
     on_device,
     op_on_given_tensors,
     select_shard,
@@ -119,6 +120,39 @@ def test_cuda_run_without_a_gpu_stops_in_one_line():
     assert "SBD_TEST_DEVICE=cuda, but torch" in proc.stdout and "sees no CUDA device" in proc.stdout
 
 
+def test_gpu_run_order_puts_cuda_only_first_then_takes_the_gpu_files_in_turns():
+    """Guards against a GPU run stopped at its budget having checked one kernel family only (files in sequence),
+    or spent its time on CPU-only files before the kernels, or run the CUDA-only tests late, or lost or
+    repeated a test."""
+    items = [("test_attention_triton.py", 1), ("test_attention_triton.py", 2), ("test_cmake.py", 1),
+             ("test_attention_triton.py", 3), ("test_sampling.py", 1), ("test_generate.py", "graph"),
+             ("test_scatter.py", 1), ("test_scatter.py", 2), ("test_demo.py", 1), ("test_sampling.py", "cuda")]
+    order = gpu_run_order(items, lambda item: item[0], lambda item: item[1] in ("cuda", "graph"))
+    assert order == [("test_generate.py", "graph"), ("test_sampling.py", "cuda"),
+                     ("test_attention_triton.py", 1), ("test_sampling.py", 1), ("test_scatter.py", 1),
+                     ("test_attention_triton.py", 2), ("test_scatter.py", 2), ("test_attention_triton.py", 3),
+                     ("test_cmake.py", 1), ("test_demo.py", 1)]
+    assert gpu_run_order([], str, bool) == []
+
+
+def test_the_cuda_only_tests_carry_their_marker():
+    """Guards against a CUDA-only test losing its `cuda_only` marker: it would come late in a budgeted GPU run
+    (gpu_run_order), maybe after the stop."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda_only", "tests/"],
+                          check=True, cwd=REPO, capture_output=True, text=True,
+                          env={**{k: v for k, v in os.environ.items() if k != "SBD_TEST_SHARD"},
+                               "SBD_TEST_DEVICE": "cpu"})  # the whole suite, also when this test runs in a shard
+    marked = {line.split("::")[0] + "::" + line.split("::")[1].split("[")[0]
+              for line in proc.stdout.splitlines() if "::" in line}
+    assert marked == {
+        "tests/test_attention_triton.py::test_opcheck_cuda",
+        "tests/test_attention_triton.py::test_decode_step_compiles_fullgraph_cuda",
+        "tests/test_compile.py::test_cuda_graph_replay_of_filtered_sampling_equals_eager",
+        "tests/test_generate.py::test_cuda_graph_decode_gives_the_eager_tokens",
+        "tests/test_hf.py::test_cuda_graph_decode_through_hf_gives_the_eager_tokens",
+    }
+
+
 def test_shards_split_the_run_once():
     """Guards against shards that skip or repeat tests: n shards keep every item exactly once."""
     items = list(range(23))
@@ -173,16 +207,44 @@ def test_budgets_fit_in_ten_minutes(tmp_path):
     assert worst <= gpucheck.TOTAL_BUDGET_S == 600
 
 
-def test_plan_runs_the_suite_on_cuda_without_installing_anything(tmp_path):
+@pytest.mark.parametrize("total", [gpucheck.least_budget_s(), gpucheck.least_budget_s() + 1, 300, 480, 530, 600, 1200])
+def test_a_budget_scales_every_stage_and_the_worst_case_fits_in_it(tmp_path, total):
+    """Guards against `--budget` that leaves the worst case (every stage to its budget and grace, then the
+    report) longer than asked, changes the default plan, or starves a stage of all its time."""
+    stages = gpucheck.plan(dataclasses.replace(checkout(tmp_path, current=False), budget_s=total))
+    budgets = {s.name: s.budget_s for s in stages}
+    worst = sum(b + gpucheck.GRACE_S for b in budgets.values()) + gpucheck.REPORT_BUDGET_S
+    assert worst <= total and min(budgets.values()) >= 1
+    if total == gpucheck.TOTAL_BUDGET_S:
+        assert budgets == gpucheck.BUDGETS_S
+    else:  # proportions kept (to the whole second), more or less time than the default as asked
+        scale = budgets["tests"] / gpucheck.BUDGETS_S["tests"]
+        assert (scale < 1) == (total < gpucheck.TOTAL_BUDGET_S)
+        assert all(abs(b - gpucheck.BUDGETS_S[n] * scale) <= 1 + scale for n, b in budgets.items())
+
+
+@pytest.mark.parametrize("text", [str(gpucheck.least_budget_s() - 1), "0", "-5", "5.5", "ten"])
+def test_a_budget_too_short_for_the_stages_is_refused_by_name(text, capsys):
+    """Guards against a `--budget` whose stages would get no time (or a negative one) being accepted."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["gpu-check", "--dry-run", "--budget", text])
+    assert info.value.code == 2
+    assert "argument --budget" in capsys.readouterr().err
+
+
+def test_plan_runs_the_suite_on_cuda_without_installing_anything(tmp_path, monkeypatch):
     """Guards against a test stage that interprets the kernels (TRITON_INTERPRET inherited), runs the suite once
-    per shard instead of once in all, leaves GPU test files to the end, or any stage that installs or
-    downloads (pip, venv) instead of using this interpreter."""
+    per shard instead of once in all, leaves GPU test files to the end, any stage that installs or downloads
+    (pip, venv) instead of using this interpreter, or one whose subprocesses (torchrun's ranks) cannot import
+    the package built in place, not installed."""
+    monkeypatch.setenv("PYTHONPATH", "/wheels/carried")
     stages = {s.name: s for s in gpucheck.plan(checkout(tmp_path, current=False))}
     tests = stages["tests"]
-    assert len(tests.commands) == 4 and len(set(tests.commands)) == 1
-    env = [tests.environment(i) for i in range(4)]
+    assert len(tests.commands) == 8 and len(set(tests.commands)) == 1
+    env = [tests.environment(i, REPO) for i in range(8)]
+    assert all(e["PYTHONPATH"] == f"{REPO}{os.pathsep}/wheels/carried" for e in env)
     assert all(e["SBD_TEST_DEVICE"] == "cuda" and "TRITON_INTERPRET" not in e for e in env)
-    assert sorted(e["SBD_TEST_SHARD"] for e in env) == ["0/4", "1/4", "2/4", "3/4"]
+    assert sorted(e["SBD_TEST_SHARD"] for e in env) == [f"{i}/8" for i in range(8)]
     assert all(e["HF_HUB_OFFLINE"] == "1" for e in env)
     assert "tests/test_package.py::test_plain_pip_install_keeps_the_installed_torch" in tests.commands[0]
     files = [a for a in tests.commands[0] if a.startswith("tests/") and "::" not in a]
@@ -191,7 +253,8 @@ def test_plan_runs_the_suite_on_cuda_without_installing_anything(tmp_path):
     assert stages["build"].commands == ((sys.executable, "setup.py", "build_ext", "--inplace", "--force"),)
     for family in gpucheck.BENCH_FAMILIES:
         stage = stages[f"bench-{family}"]
-        assert stage.environment(0)["SBD_BENCH_DEVICE"] == "cuda" and stage.environment(0)["SBD_BENCH_QUICK"] == "1"
+        env = stage.environment(0, REPO)
+        assert env["SBD_BENCH_DEVICE"] == "cuda" and env["SBD_BENCH_QUICK"] == "1" and env["PYTHONPATH"].startswith(str(REPO))
         assert f"bench/bench_{family}.py" in stage.commands[0] and stage.raw_json == tmp_path / "raw" / f"{family}.json"
     words = [word for s in stages.values() for command in s.commands for word in command]
     assert all(c[0] == sys.executable for s in stages.values() for c in s.commands)
@@ -208,12 +271,60 @@ def test_plan_skips_what_cannot_run_and_says_why(tmp_path):
     assert stages["bench-attention"].skip == "pytest_benchmark not installed"
     without_pytest = gpucheck.plan(checkout(tmp_path, missing={"pytest"}))
     assert {s.skip for s in without_pytest[1:]} == {"pytest not installed"}
-    assert [gpucheck.test_shards(n) for n in (1, 2, 8, 16, 64)] == [1, 1, 2, 4, 4]
+    assert [gpucheck.test_shards(n) for n in (1, 2, 8, 16, 64)] == [1, 1, 4, 8, 8]
 
 
 # ----------------------------------------------------------------------------------------------------
 # Running a stage
 # ----------------------------------------------------------------------------------------------------
+def test_a_bench_run_interrupted_in_a_timing_keeps_the_timings_it_finished(tmp_path):
+    """Guards against losing a whole bench stage's JSON when its budget stops it in the middle of a timing:
+    pytest-benchmark's writer failed on the unfinished entry (seen on an H200: bench-hf wrote 0 bytes)."""
+    (tmp_path / "test_interrupted.py").write_text(
+        "def test_finished(benchmark):\n"
+        "    benchmark.pedantic(lambda: None, rounds=2)\n\n"
+        "def test_stopped(benchmark):\n"
+        "    def stop():\n"
+        "        raise KeyboardInterrupt\n"
+        "    benchmark.pedantic(stop, rounds=2)\n")
+    raw = tmp_path / "raw.json"
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(tmp_path / "test_interrupted.py"), "-p",
+                           "bench.conftest", "-q", "-p", "no:cacheprovider", f"--benchmark-json={raw}"],
+                          check=False, cwd=REPO, capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr  # interrupted
+    assert [b["name"] for b in json.loads(raw.read_text())["benchmarks"]] == ["test_finished"]
+    assert gpucheck.raw_outcome(raw) == (1, [])
+
+
+def test_test_outcomes_are_counted_by_file_from_the_junit_files(tmp_path):
+    """Guards against a report that cannot say which test files a budget-stopped GPU run checked: the outcomes of
+    every shard's JUnit XML, by file; a missing or cut-short file counts nothing."""
+    folder = tmp_path / "tests"
+    folder.mkdir()
+    (folder / "test_a.py").write_text("import pytest\n\ndef test_ok():\n    pass\n\ndef test_bad():\n    assert 0\n\n"
+                                      "@pytest.mark.skip(reason='no')\ndef test_skip():\n    pass\n")
+    (folder / "test_b.py").write_text("def test_ok():\n    pass\n")
+    junit = (tmp_path / "0.xml", tmp_path / "1.xml", tmp_path / "missing.xml", tmp_path / "cut.xml")
+    for path, name in zip(junit[:2], ("test_a.py", "test_b.py")):
+        subprocess.run([sys.executable, "-m", "pytest", f"tests/{name}", "-q", "-p", "no:cacheprovider",
+                        f"--junitxml={path}", "--rootdir", str(tmp_path)], check=False, cwd=tmp_path,
+                       capture_output=True)
+    junit[3].write_text(junit[0].read_text()[:100])
+    assert gpucheck.outcomes_by_file(junit) == {"tests/test_a.py": {"passed": 1, "failed": 1, "skipped": 1},
+                                                "tests/test_b.py": {"passed": 1}}
+
+
+def test_an_unreadable_bench_json_counts_no_timings(tmp_path):
+    """Guards against the report crashing on a bench stage's JSON left empty or cut short (a stage killed while
+    writing it): its timings are lost, the rest of the report is written."""
+    for text in ("", '{"benchmarks": [{"name": "x"'):
+        (tmp_path / "raw.json").write_text(text)
+        assert gpucheck.raw_outcome(tmp_path / "raw.json") == (0, [])
+        stage = gpucheck.Stage("bench-hf", 30, "", raw_json=tmp_path / "raw.json")
+        assert gpucheck.merged_raw([stage]) == {"benchmarks": []}
+
+
 def test_a_stage_past_its_budget_is_stopped_and_says_so(tmp_path, monkeypatch):
     """Guards against a stage that overruns its budget holding up the whole check (the 10 minutes): it is
     interrupted at the budget, a process that ignores the interrupt is killed after the grace period, and
@@ -305,12 +416,24 @@ def test_dry_run_prints_the_plan_and_writes_the_report(tmp_path, capsys):
         cli.main(["gpu-check", "--dry-run", "--out", str(tmp_path)])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    assert "SBD_TEST_DEVICE=cuda" in out and "bench/bench_attention.py" in out and "190 s" in out
+    assert "SBD_TEST_DEVICE=cuda" in out and "bench/bench_attention.py" in out and "150 s" in out
     assert "budget: 590 s at most of 600 s" in out and "dry run" in out
     assert {p.name for p in tmp_path.iterdir()} >= {"report.md", "report.json", "report.csv", "gpu-check.json"}
     report = (tmp_path / "report.md").read_text()
-    assert "NVML fields missing" in report and "| tests | not run | 0 | 190 | dry run |" in report
+    assert "NVML fields missing" in report and "| tests | not run | 0 | 150 | dry run |" in report
     assert json.loads((tmp_path / "gpu-check.json").read_text())["dry_run"] is True
+
+
+def test_a_dry_run_with_a_budget_plans_and_reports_against_it(tmp_path, capsys):
+    """Guards against `--budget` reaching the stages but not the plan's total, the report or its JSON."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["gpu-check", "--dry-run", "--budget", "480", "--out", str(tmp_path)])
+    assert info.value.code == 0
+    budgets = gpucheck.stage_budgets(480)
+    out = capsys.readouterr().out
+    assert "of 480 s (stages" in out and f"tests             {budgets['tests']} s" in out
+    assert "budget 480 s (default 600 s" in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "gpu-check.json").read_text())["budget_s"] == 480
 
 
 def test_without_a_gpu_one_line_and_status_1(tmp_path, capsys, monkeypatch):
@@ -354,7 +477,8 @@ def stub_runner(stage: gpucheck.Stage, checkout_: gpucheck.Checkout) -> gpucheck
     outcome = {"tests": ("failed", "3 passed, 1 failed"), "bench-attention": ("overran", "stopped at the 65 s budget")}
     status, detail = outcome.get(stage.name, ("passed", "ok"))
     failures = ["FAILED tests/test_x.py::test_y - boom"] if stage.name == "tests" else []
-    return gpucheck.StageResult(stage.name, status, 1.0, stage.budget_s, detail, failures, [])
+    by_file = {"tests/test_x.py": {"passed": 3, "failed": 1}} if stage.name == "tests" else {}
+    return gpucheck.StageResult(stage.name, status, 1.0, stage.budget_s, detail, failures, [], by_file)
 
 
 def test_a_run_reports_stages_skips_failures_and_kernels(tmp_path, capsys, monkeypatch):
@@ -374,10 +498,11 @@ def test_a_run_reports_stages_skips_failures_and_kernels(tmp_path, capsys, monke
     assert ("sampling: 1 rows, 10.00x vs eager per call, 40.00x on CUDA-graph time; best 1.64 TB/s = 49% of the "
             "3.35 TB/s datasheet (B=1 K=16 V=128256 bf16)") in out
     report = (tmp_path / "report.md").read_text()
-    for expected in ("# sbd gpu-check: NVIDIA H100 80GB HBM3", "| tests | failed | 1 | 190 | 3 passed, 1 failed |",
+    for expected in ("# sbd gpu-check: NVIDIA H100 80GB HBM3", "| tests | failed | 1 | 150 | 3 passed, 1 failed |",
                      "| bench-attention | overran |", "- tests/test_hf.py: transformers is not installed",
                      "- tests: FAILED tests/test_x.py::test_y - boom", "GPU ceilings: 3.35 TB/s, dense TFLOP/s bf16 989",
-                     "| graph ms | TB/s | % datasheet BW |", "| 0.0025 | 1.642 | 49 |"):
+                     "| graph ms | TB/s | % datasheet BW |", "| 0.0025 | 1.642 | 49 |",
+                     "| file | passed | failed | skipped |\n|---|---|---|---|\n| tests/test_x.py | 3 | 1 | 0 |"):
         assert expected in report, expected
     stages = json.loads((tmp_path / "gpu-check.json").read_text())["stages"]
     assert {s["name"]: s["status"] for s in stages}["bench-hf"] == "skipped"
