@@ -1,5 +1,7 @@
-"""Benchmarks time the compiled kernels: the Triton interpreter must be off, and the ops registered. A run
-stopped in the middle of a timing still writes the timings it finished."""
+"""Benchmarks time the compiled kernels: the Triton interpreter must be off, and the ops registered. Every
+case's own kernel and its plain baseline run before the providers that compile per case or run the oracle,
+and a run stopped in the middle of a timing still writes the timings it finished: a run stopped at a time
+budget (`sbd gpu-check`) keeps complete comparisons."""
 import os
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -17,3 +19,22 @@ def pytest_benchmark_generate_json(config, benchmarks, include_data, machine_inf
     and the writer would fail on it (min() of no data) and lose every timing taken before it."""
     benchmarks[:] = [bench for bench in benchmarks if bench]
     yield
+
+
+# Providers timed after every other row of their file, in this order: FlexAttention and torch.compile compile
+# per case (on an H200, 2 attention cases in 48 s when FlexAttention came right after each case's sbd and
+# SDPA rows), the oracle takes up to seconds per call.
+LATE_PROVIDERS = ("flex", "compile", "naive")
+
+
+def late_rank(item) -> int:
+    """0 for a test whose `provider` is not late (or that has none), else 1 + its place in LATE_PROVIDERS."""
+    provider = getattr(item, "callspec", None) and item.callspec.params.get("provider")
+    return LATE_PROVIDERS.index(provider) + 1 if provider in LATE_PROVIDERS else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {}
+    for index, item in enumerate(items):
+        first.setdefault(item.path, index)
+    items.sort(key=lambda item: (first[item.path], late_rank(item)))  # stable: cases keep their order

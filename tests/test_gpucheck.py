@@ -315,6 +315,23 @@ def test_test_outcomes_are_counted_by_file_from_the_junit_files(tmp_path):
                                                 "tests/test_b.py": {"passed": 1}}
 
 
+def test_bench_rows_that_compile_per_case_come_last_in_each_file():
+    """Guards against a budget-stopped bench stage without complete comparisons: every case's kernel and plain
+    baseline (sbd, SDPA, eager) are timed before any FlexAttention, torch.compile or oracle row of the file."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "bench/bench_attention.py", "bench/bench_sampling.py",
+                           "--collect-only", "-q", "-p", "no:cacheprovider"], check=True, cwd=REPO,
+                          capture_output=True, text=True,
+                          env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "SBD_BENCH_QUICK": "1"})
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
+    files = [i.split("::")[0] for i in ids]
+    assert files == sorted(files, key=files.index) and len(set(files)) == 2  # each file's rows together
+    late = ("flex", "compile", "naive")
+    for name in set(files):
+        providers = [i.rsplit("-", 1)[1].rstrip("]") for i in ids if i.startswith(name)]
+        ranks = [late.index(p) + 1 if p in late else 0 for p in providers]
+        assert ranks == sorted(ranks) and ranks[0] == 0 and ranks[-1] > 0, name
+
+
 def test_an_unreadable_bench_json_counts_no_timings(tmp_path):
     """Guards against the report crashing on a bench stage's JSON left empty or cut short (a stage killed while
     writing it): its timings are lost, the rest of the report is written."""
