@@ -65,9 +65,9 @@ RERUN_BLOCK = SMALL_BLOCK_V
 # THRESHOLD_PIVOTS pivots at once, [1024, 16] = 16384 values (32 per thread at 16 warps); each pass narrows
 # the range of 32-bit keys 17-fold, so 8 passes always end it (17^8 > 2^32), most rows far sooner. One
 # program walks a whole row, so its loads in flight set the speed: on an H200 the former [256, 16] tile at
-# 4 warps (1 KB of fp32 per step, three block reductions per tile) took 3.0 ms for top-k 50 and 5.0 ms for
-# top-p 0.9 on 16 rows of 128256 (CUDA-graph time), 10x eager torch. 1024 x 16 at 16 warps: 83 registers
-# (fp32) and 128 (bf16), no spill on sm_90 (ptxas, triton 3.8); 2048 x 16 spilled 280-428 bytes.
+# 4 warps (1 KB of fp32 per step, three block reductions per tile) took 3.0 ms for top-k 50 and 4.9 ms for
+# top-p 0.9 on 16 rows of 128256 (CUDA-graph time), 7-10x slower than eager torch. 1024 x 16 at 16 warps: 83
+# registers (fp32) and 128 (bf16), no spill on sm_90 (ptxas, triton 3.8); 2048 x 16 spilled 280-428 bytes.
 THRESHOLD_BLOCK = 1024
 THRESHOLD_PIVOTS = 16
 THRESHOLD_NUM_WARPS = 16
