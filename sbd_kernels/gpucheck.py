@@ -54,7 +54,7 @@ import torch
 from sbd_kernels import argtypes, bench_report
 from sbd_kernels.argtypes import add_option
 from sbd_kernels.machine import machine_header
-from sbd_kernels.testing import GPU_TEST_FILES
+from sbd_kernels.testing import GPU_TEST_FILES, PLAN_VARIABLE
 
 # Seconds per stage, for a 16-core H100 or H200 machine. Every stage is bound by compiling (Triton kernels,
 # torch.compile, FlexAttention), not by the GPU; none finished in the budgets of the first H200 run (0.75x
@@ -113,6 +113,7 @@ class Stage:
     shard_env: tuple[tuple[tuple[str, str], ...], ...] = ()
     raw_json: Path | None = None  # bench stages: the pytest-benchmark JSON they write
     junit: tuple[Path, ...] = ()  # the test stage: the JUnit XML of each command (outcomes by file)
+    plans: tuple[Path, ...] = ()  # the test stage: the node ids each command collected to run (SBD_TEST_PLAN)
     skip: str | None = None  # why it cannot run; None when it can
     nothing_to_do: str | None = None  # why it need not run (a stage without commands that passes)
 
@@ -255,10 +256,11 @@ def test_stage(checkout: Checkout) -> Stage:
                "no:cacheprovider")
     threads = str(max(1, checkout.cpu_count // shards))
     junit = tuple(checkout.out / "logs" / f"tests-{i}.xml" for i in range(shards))
+    plans = tuple(checkout.out / "logs" / f"tests-{i}.plan" for i in range(shards))
     return Stage("tests", checkout.stage_budget("tests"), what, commands=(command,) * shards,
                  env=(("SBD_TEST_DEVICE", "cuda"), ("OMP_NUM_THREADS", threads), *OFFLINE_ENV),
-                 shard_env=tuple((("SBD_TEST_SHARD", f"{i}/{shards}"), ("PYTEST_ADDOPTS", f"--junitxml={junit[i]}"))
-                                 for i in range(shards)), junit=junit)
+                 shard_env=tuple((("SBD_TEST_SHARD", f"{i}/{shards}"), ("PYTEST_ADDOPTS", f"--junitxml={junit[i]}"),
+                                  (PLAN_VARIABLE, str(plans[i]))) for i in range(shards)), junit=junit, plans=plans)
 
 
 BENCH_WHAT = {
@@ -310,7 +312,7 @@ def run_stage(stage: Stage, checkout: Checkout) -> StageResult:
     if stage.raw_json is not None:
         stage.raw_json.parent.mkdir(parents=True, exist_ok=True)
         stage.raw_json.unlink(missing_ok=True)
-    for path in stage.junit:
+    for path in (*stage.junit, *stage.plans):
         path.unlink(missing_ok=True)
     start = time.monotonic()
     processes = []
@@ -322,15 +324,23 @@ def run_stage(stage: Stage, checkout: Checkout) -> StageResult:
     seconds = time.monotonic() - start
     texts = [log.read_text(errors="replace") for log in logs]
     result = judge(stage, [p.returncode for p in processes], texts, overran, seconds)
-    result.by_file = outcomes_by_file(stage.junit)
+    result.by_file = outcomes_by_file(stage.junit, stage.plans)
     return result
 
 
-def outcomes_by_file(junit: tuple[Path, ...]) -> dict[str, dict[str, int]]:
-    """{test file: {"passed" / "failed" / "skipped": count}} over pytest's JUnit XML files, in file order. A
-    file missing or cut short (a process killed while writing it) counts nothing; pytest writes it also when
-    stopped by SIGINT at the budget."""
+def outcomes_by_file(junit: tuple[Path, ...], plans: tuple[Path, ...] = ()) -> dict[str, dict[str, int]]:
+    """{test file: {"planned" / "passed" / "failed" / "skipped": count}}: the node ids the processes collected
+    to run (their SBD_TEST_PLAN files) and the outcomes of pytest's JUnit XML files, by file, sorted. A file
+    missing or cut short (a process killed while writing it) counts nothing; pytest writes its JUnit XML also
+    when stopped by SIGINT at the budget. Planned minus the three outcomes is what the budget did not reach."""
     counts: dict[str, collections.Counter] = {}
+    for path in plans:
+        try:
+            node_ids = path.read_text().splitlines()
+        except OSError:
+            continue
+        for node_id in node_ids:
+            counts.setdefault(node_id.split("::")[0], collections.Counter())["planned"] += 1
     for path in junit:
         try:
             root = ElementTree.parse(path).getroot()
@@ -488,8 +498,17 @@ def check_section(header: dict, results: list[StageResult], stages: list[Stage],
         for test_file, counts in r.by_file.items():
             by_file[test_file].update(counts)
     if by_file:
-        lines += ["", "## Tests run, by file", "", "| file | passed | failed | skipped |", "|---|---|---|---|"]
-        lines += [f"| {name} | {c['passed']} | {c['failed']} | {c['skipped']} |" for name, c in sorted(by_file.items())]
+        lines += ["", "## Tests by file", "",
+                  "Planned: collected to run; not reached: planned, but the budget stopped the run first.", "",
+                  "| file | planned | passed | failed | skipped | not reached |", "|---|---|---|---|---|---|"]
+        for name, c in sorted(by_file.items()):
+            ran = c["passed"] + c["failed"] + c["skipped"]
+            lines.append(f"| {name} | {c['planned']} | {c['passed']} | {c['failed']} | {c['skipped']} | "
+                         f"{max(0, c['planned'] - ran)} |")
+        total = sum(by_file.values(), collections.Counter())
+        ran = total["passed"] + total["failed"] + total["skipped"]
+        lines.append(f"| all | {total['planned']} | {total['passed']} | {total['failed']} | {total['skipped']} | "
+                     f"{max(0, total['planned'] - ran)} |")
     lines += ["", "## Skipped, and why", ""]
     skips = [f"- {r.name}: {r.detail}" for r in results if r.status in ("skipped", "not run")]
     if "transformers" in checkout.missing:
@@ -575,6 +594,11 @@ def summary(header: dict, results: list[StageResult], families: dict[str, list[d
     lines = [f"sbd gpu-check: {gpu_line(header)}",
              f"{'stage':<16} {'status':<8} {'time / budget':>14}  result"]
     lines += [f"{r.name:<16} {r.status:<8} {r.seconds:>5.0f} / {r.budget_s:>3} s  {r.detail}" for r in results]
+    planned = sum((collections.Counter(c) for r in results for c in r.by_file.values()), collections.Counter())
+    if planned["planned"]:
+        ran = planned["passed"] + planned["failed"] + planned["skipped"]
+        lines.append(f"tests: {ran} of {planned['planned']} run ({planned['failed']} failed), "
+                     f"{max(0, planned['planned'] - ran)} not reached in the budget; by file in the report")
     kernels = kernel_lines(families, ceilings)
     if kernels:
         lines += ["kernels (sbd rows against the baseline of each case; TB/s from CUDA-graph times):", *kernels]

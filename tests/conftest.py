@@ -8,11 +8,18 @@ settings collect the same tests.
 
 SBD_TEST_SHARD=i/n keeps every n-th test from the i-th on (0 <= i < n), so that n pytest processes started
 side by side run the suite once between them (`sbd gpu-check` does, to compile Triton kernels on several cores).
-On CUDA the tests run in `gpu_run_order`: the `cuda_only` ones first, then the files in turns.
+On CUDA the tests run in `gpu_run_order`: the `cuda_only` ones first, then the kernel test files in turns.
+SBD_TEST_PLAN=path writes the node ids about to run there, in order.
 """
 import os
 
-from sbd_kernels.testing import SHARD_VARIABLE, configure_triton_environment, gpu_run_order, select_shard
+from sbd_kernels.testing import (
+    PLAN_VARIABLE,
+    SHARD_VARIABLE,
+    configure_triton_environment,
+    gpu_run_order,
+    select_shard,
+)
 
 TRITON_DEVICE = configure_triton_environment(os.environ)
 
@@ -48,6 +55,10 @@ def pytest_collection_modifyitems(config, items):
         kept, dropped = select_shard(items, spec)
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+    plan = os.environ.get(PLAN_VARIABLE)
+    if plan:
+        with open(plan, "w") as handle:
+            handle.writelines(item.nodeid + "\n" for item in items)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -298,8 +298,9 @@ def test_a_bench_run_interrupted_in_a_timing_keeps_the_timings_it_finished(tmp_p
 
 
 def test_test_outcomes_are_counted_by_file_from_the_junit_files(tmp_path):
-    """Guards against a report that cannot say which test files a budget-stopped GPU run checked: the outcomes of
-    every shard's JUnit XML, by file; a missing or cut-short file counts nothing."""
+    """Guards against a report that cannot say which test files a budget-stopped GPU run checked, or how many it
+    did not reach: the planned node ids and the outcomes of every shard's JUnit XML, by file; a missing or
+    cut-short file counts nothing."""
     folder = tmp_path / "tests"
     folder.mkdir()
     (folder / "test_a.py").write_text("import pytest\n\ndef test_ok():\n    pass\n\ndef test_bad():\n    assert 0\n\n"
@@ -313,6 +314,21 @@ def test_test_outcomes_are_counted_by_file_from_the_junit_files(tmp_path):
     junit[3].write_text(junit[0].read_text()[:100])
     assert gpucheck.outcomes_by_file(junit) == {"tests/test_a.py": {"passed": 1, "failed": 1, "skipped": 1},
                                                 "tests/test_b.py": {"passed": 1}}
+    (tmp_path / "0.plan").write_text("tests/test_a.py::test_ok\ntests/test_a.py::test_bad\ntests/test_a.py::test_skip\n"
+                                     "tests/test_a.py::test_not_reached\n")
+    counts = gpucheck.outcomes_by_file(junit, (tmp_path / "0.plan", tmp_path / "missing.plan"))
+    assert counts["tests/test_a.py"] == {"planned": 4, "passed": 1, "failed": 1, "skipped": 1}
+
+
+def test_a_shard_writes_the_tests_it_is_about_to_run(tmp_path):
+    """Guards against a plan file that differs from what the shard runs (other tests, another order): it is
+    what gpu-check counts the tests not reached against."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("SBD_TEST_SHARD", "SBD_TEST_PLAN")},
+           "SBD_TEST_SHARD": "1/3", "SBD_TEST_PLAN": str(tmp_path / "plan")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_overlap.py", "--collect-only", "-q", "-p",
+                           "no:cacheprovider"], check=True, cwd=REPO, capture_output=True, text=True, env=env)
+    collected = [line for line in proc.stdout.splitlines() if "::" in line]
+    assert collected and (tmp_path / "plan").read_text().splitlines() == collected
 
 
 def test_bench_rows_that_compile_per_case_come_last_in_each_file():
@@ -494,7 +510,7 @@ def stub_runner(stage: gpucheck.Stage, checkout_: gpucheck.Checkout) -> gpucheck
     outcome = {"tests": ("failed", "3 passed, 1 failed"), "bench-attention": ("overran", "stopped at the 65 s budget")}
     status, detail = outcome.get(stage.name, ("passed", "ok"))
     failures = ["FAILED tests/test_x.py::test_y - boom"] if stage.name == "tests" else []
-    by_file = {"tests/test_x.py": {"passed": 3, "failed": 1}} if stage.name == "tests" else {}
+    by_file = {"tests/test_x.py": {"planned": 6, "passed": 3, "failed": 1}} if stage.name == "tests" else {}
     return gpucheck.StageResult(stage.name, status, 1.0, stage.budget_s, detail, failures, [], by_file)
 
 
@@ -512,6 +528,7 @@ def test_a_run_reports_stages_skips_failures_and_kernels(tmp_path, capsys, monke
     out, err = capsys.readouterr()
     assert err == ""
     assert "name NVIDIA H100 80GB HBM3, driver 550.54.15" in out and "bench-hf (transformers not installed)" in out
+    assert "tests: 4 of 6 run (1 failed), 2 not reached in the budget" in out
     assert ("sampling: 1 rows, 10.00x vs eager per call, 40.00x on CUDA-graph time; best 1.64 TB/s = 49% of the "
             "3.35 TB/s datasheet (B=1 K=16 V=128256 bf16)") in out
     report = (tmp_path / "report.md").read_text()
@@ -519,7 +536,7 @@ def test_a_run_reports_stages_skips_failures_and_kernels(tmp_path, capsys, monke
                      "| bench-attention | overran |", "- tests/test_hf.py: transformers is not installed",
                      "- tests: FAILED tests/test_x.py::test_y - boom", "GPU ceilings: 3.35 TB/s, dense TFLOP/s bf16 989",
                      "| graph ms | TB/s | % datasheet BW |", "| 0.0025 | 1.642 | 49 |",
-                     "| file | passed | failed | skipped |\n|---|---|---|---|\n| tests/test_x.py | 3 | 1 | 0 |"):
+                     "| tests/test_x.py | 6 | 3 | 1 | 0 | 2 |\n| all | 6 | 3 | 1 | 0 | 2 |"):
         assert expected in report, expected
     stages = json.loads((tmp_path / "gpu-check.json").read_text())["stages"]
     assert {s["name"]: s["status"] for s in stages}["bench-hf"] == "skipped"
