@@ -32,7 +32,8 @@ aot: $(BUILT)
 # On a machine with an NVIDIA GPU and a CUDA build of torch and triton already installed: no .venv, nothing
 # downloaded. Builds the extension in place with $(PYTHON), then runs the tests on CUDA, the benchmarks on the
 # GPU and writes bench/reference/<gpu>/ within 10 minutes on an H100 (`sbd gpu-check --dry-run`: the plan).
-# GPU_CHECK_FLAGS="--budget 480" fits the check into less time (the build before it is not counted).
+# GPU_CHECK_FLAGS="--budget 480" fits the check into less time (the build before it is not counted);
+# "--only tests,bench-sampling" runs those stages alone, sharing the budget.
 GPU_CHECK_FLAGS ?=
 gpu-check:
 	@$(PYTHON) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make gpu-check: no NVIDIA GPU visible to torch ' + torch.__version__ + '; nothing was built or run')"

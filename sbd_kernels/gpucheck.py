@@ -3,6 +3,7 @@ their report, in one command that fits in 10 minutes on an H100.
 
     make gpu-check                 # builds the extension in place with $(PYTHON), then `sbd gpu-check`
     sbd gpu-check [--out DIR]      # at the root of a checkout whose extension is built
+    sbd gpu-check --budget 480 --only tests,bench-sampling   # less time; some stages, sharing it
     sbd gpu-check --dry-run        # any machine: the plan and its commands, a report of stages not run
 
 It is meant for a machine with a CUDA build of torch and triton already installed: nothing is downloaded or
@@ -11,9 +12,10 @@ root of the checkout. The stages, in order, each with a time budget (BUDGETS_S):
 
     build            the C++ extension, in place, when a source is newer than it (`make gpu-check` builds first)
     tests            the whole suite with SBD_TEST_DEVICE=cuda: the Triton kernels compiled (not interpreted)
-                     on CUDA tensors against the oracles on CPU copies, the CUDA-only tests included; in
-                     `test_shards()` pytest processes side by side (SBD_TEST_SHARD), the files that run
-                     Triton kernels first
+                     on CUDA tensors against the oracles on CPU copies; in `test_shards()` pytest processes
+                     side by side (SBD_TEST_SHARD), in `gpu_run_order` (the CUDA-only tests, then the kernel
+                     test files in turns), each writing what it is about to run (SBD_TEST_PLAN) and its
+                     outcomes (JUnit XML): the report counts the tests run and not reached, by file
     bench-attention  quick grid (SBD_BENCH_QUICK=1), on CUDA: sbd (Triton) against SDPA + cache append,
                      FlexAttention and the oracle
     bench-sampling   quick grid, on CUDA: sbd against eager torch, torch.compile and the oracle
@@ -24,8 +26,11 @@ root of the checkout. The stages, in order, each with a time budget (BUDGETS_S):
 Every stage runs offline (HF_HUB_OFFLINE=1); the one test that needs the network (a `pip install --dry-run`
 with build isolation) is left out and listed in the report (DESELECTED_TESTS).
 
-A stage still running at its budget gets SIGINT (pytest then prints its summary and pytest-benchmark writes
-the timings it has), GRACE_S later SIGKILL, and the summary says it overran. A stage that cannot run (pytest,
+The budgets are BUDGETS_S scaled to `--budget` (default TOTAL_BUDGET_S) and shared among the stages that run
+(`--only`; the build only when it has work). On a GPU every stage is bound by compiling, so a stage is
+ordered for a stop: a stage still running at its budget gets SIGINT (pytest then prints its summary, writes
+its JUnit XML, and pytest-benchmark the timings it finished), GRACE_S later SIGKILL, and the summary says it
+overran. A stage that cannot run (pytest,
 pytest-benchmark or transformers missing, or the build failed) is skipped with the reason. The report goes to
 bench/reference/<gpu-name>/: report.md (the GPU from NVML: name, driver, clocks; the stages; what was skipped
 and why; the benchmark tables with achieved TB/s and TFLOP/s against the GPU's datasheet), report.json,
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import importlib.util
 import json
 import math
@@ -96,9 +102,17 @@ class Checkout:
     missing: frozenset[str]  # OPTIONAL_MODULES that are not installed
     extension_current: bool  # the compiled extension is newer than every build input
     budget_s: int = TOTAL_BUDGET_S  # the whole check, at most (`--budget`): the stages' budgets are scaled to it
+    only: tuple[str, ...] = ()  # the stages to run (`--only`; the build always); empty: all of them
+
+    def selected(self) -> tuple[str, ...]:
+        """The stages that get a budget: those of `only` (all when empty), and the build when it has work."""
+        if self.extension_current:
+            return tuple(name for name in BUDGETS_S if name != "build" and (not self.only or name in self.only))
+        return tuple(name for name in BUDGETS_S if not self.only or name == "build" or name in self.only)
 
     def stage_budget(self, name: str) -> int:
-        return stage_budgets(self.budget_s)[name]
+        """The budget of stage `name`; 0 for a stage not selected."""
+        return stage_budgets(self.budget_s, self.selected()).get(name, 0)
 
 
 @dataclass(frozen=True)
@@ -187,19 +201,26 @@ def test_shards(cpu_count: int) -> int:
     return max(1, min(8, cpu_count // 2))
 
 
-def fixed_cost_s() -> int:
+def fixed_cost_s(stages: int = len(BUDGETS_S)) -> int:
     """Seconds of the check that no stage budget covers: each stage's grace period, and the report."""
-    return GRACE_S * len(BUDGETS_S) + REPORT_BUDGET_S
+    return GRACE_S * stages + REPORT_BUDGET_S
 
 
-def stage_budgets(total_s: int) -> dict[str, int]:
-    """BUDGETS_S scaled by (total_s - fixed) / (TOTAL_BUDGET_S - fixed), fixed = fixed_cost_s(): the default
-    total gives BUDGETS_S, a shorter one (a machine lent for less) or a longer one (a slower GPU, the whole suite
-    without a stop) keeps their proportions, and the stages, their grace and the report stay within total_s."""
-    if total_s < least_budget_s():
+def stage_budgets(total_s: int, names: tuple[str, ...] = tuple(BUDGETS_S)) -> dict[str, int]:
+    """The budgets of the stages `names` (default: all) within total_s, in BUDGETS_S's proportions.
+
+    budget = BUDGETS_S[name] * (total_s - fixed) * u / sum(BUDGETS_S[n] for n in names), fixed =
+    fixed_cost_s(len(names)), u = sum(BUDGETS_S) / (TOTAL_BUDGET_S - fixed_cost_s()) the share of its room the
+    default plan gives its stages (505 / 515): all stages at the default total get BUDGETS_S; a shorter total (a
+    machine lent for less), a longer one (a slower GPU) or fewer stages (`--only`) keep the proportions, and the
+    stages, their grace and the report stay within total_s."""
+    fixed = fixed_cost_s(len(names))
+    share = sum(BUDGETS_S.values()) / (TOTAL_BUDGET_S - fixed_cost_s())
+    scale = (total_s - fixed) * share / sum(BUDGETS_S[name] for name in names)
+    budgets = {name: int(BUDGETS_S[name] * scale) for name in names}
+    if min(budgets.values()) < 1:
         raise GpuCheckError(f"a budget of {total_s} s leaves a stage no second (at least {least_budget_s()} s)")
-    scale = (total_s - fixed_cost_s()) / (TOTAL_BUDGET_S - fixed_cost_s())
-    return {name: int(budget * scale) for name, budget in BUDGETS_S.items()}
+    return budgets
 
 
 def least_budget_s() -> int:
@@ -223,7 +244,9 @@ def gpu_slug(name: str) -> str:
 # ----------------------------------------------------------------------------------------------------
 def plan(checkout: Checkout) -> list[Stage]:
     """Every stage, in order, with its commands or the reason it is skipped."""
-    return [build_stage(checkout), test_stage(checkout), *(bench_stage(checkout, f) for f in BENCH_FAMILIES)]
+    stages = [build_stage(checkout), test_stage(checkout), *(bench_stage(checkout, f) for f in BENCH_FAMILIES)]
+    return [s if s.name in checkout.selected() or s.nothing_to_do is not None
+            else dataclasses.replace(s, skip="not selected (--only)") for s in stages]
 
 
 def build_stage(checkout: Checkout) -> Stage:
@@ -294,7 +317,7 @@ def plan_text(stages: list[Stage], budget_s: int = TOTAL_BUDGET_S) -> str:
         if s.skip is not None or s.nothing_to_do is not None:
             lines.append(f"    skipped: {s.skip}" if s.skip is not None else f"    nothing to run: {s.nothing_to_do}")
         lines += [f"    {line}" for line in s.command_lines()]
-    total = sum(s.budget_s for s in stages) + GRACE_S * len(stages) + REPORT_BUDGET_S
+    total = sum(s.budget_s for s in stages) + fixed_cost_s(sum(s.budget_s > 0 for s in stages))
     lines.append(f"budget: {total} s at most of {budget_s} s (stages, {GRACE_S} s grace each, report)")
     return "\n".join(lines)
 
@@ -633,7 +656,7 @@ def run(args: argparse.Namespace) -> int:
     default_out = (repo / "bench" / "results" / "gpu-check-dry-run" if args.dry_run
                    else repo / "bench" / "reference" / gpu_slug((header.get("gpu") or {}).get("name", "")))
     checkout = Checkout(repo, (args.out or default_out).resolve(), sys.executable, os.cpu_count() or 1, missing,
-                        extension_is_current(repo), args.budget)
+                        extension_is_current(repo), args.budget, tuple(args.only.split(",")) if args.only else ())
     checkout.out.mkdir(parents=True, exist_ok=True)
     stages = plan(checkout)
     print(f"sbd gpu-check{' --dry-run' if args.dry_run else ''}: {len(stages)} stages\n"
@@ -665,6 +688,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_option(parser, "--budget", type=budget_seconds, default=TOTAL_BUDGET_S, metavar="SECONDS",
                help=f"the whole check's time at most (default {TOTAL_BUDGET_S}: 10 minutes on an H100); the stages' "
                     "budgets are scaled to it, keeping their proportions")
+    add_option(parser, "--only", type=argtypes.choice_list(name for name in BUDGETS_S if name != "build"),
+               metavar="STAGES", help="comma-separated stages to run (the build always runs when needed), e.g. "
+                                      "bench-attention,bench-sampling; the budget is shared among them")
     add_option(parser, "--dry-run", action="store_true",
                help="no GPU needed: print the plan and its commands, write the report of stages not run")
     return parser

@@ -223,6 +223,30 @@ def test_a_budget_scales_every_stage_and_the_worst_case_fits_in_it(tmp_path, tot
         assert all(abs(b - gpucheck.BUDGETS_S[n] * scale) <= 1 + scale for n, b in budgets.items())
 
 
+@pytest.mark.parametrize("only", [(), ("bench-sampling",), ("tests", "bench-attention")])
+@pytest.mark.parametrize("current", [True, False])
+def test_only_the_selected_stages_share_the_budget(tmp_path, only, current):
+    """Guards against `--only` running stages it does not name, giving a stage not run a budget (the build with
+    nothing to do included), or a worst case past the total."""
+    plan = gpucheck.plan(dataclasses.replace(checkout(tmp_path, current=current), budget_s=300, only=only))
+    budgeted = {s.name: s.budget_s for s in plan if s.budget_s}
+    expected = set(only or gpucheck.BUDGETS_S) - {"build"} | (set() if current else {"build"})
+    assert set(budgeted) == expected
+    assert all(s.skip == "not selected (--only)" for s in plan if s.name not in expected and s.name != "build")
+    assert sum(budgeted.values()) + gpucheck.fixed_cost_s(len(budgeted)) <= 300
+    if only:  # the named stages get the time of the others, in proportion
+        ratio = {n: b / gpucheck.BUDGETS_S[n] for n, b in budgeted.items()}
+        assert max(ratio.values()) - min(ratio.values()) < 0.05
+        assert min(ratio.values()) > gpucheck.stage_budgets(300)["tests"] / gpucheck.BUDGETS_S["tests"]
+
+
+def test_only_names_stages_or_is_refused(capsys):
+    """Guards against a misspelt stage in `--only` being ignored (a check that silently runs less)."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["gpu-check", "--dry-run", "--only", "bench-attention,benchmarks"])
+    assert info.value.code == 2 and "argument --only" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text", [str(gpucheck.least_budget_s() - 1), "0", "-5", "5.5", "ten"])
 def test_a_budget_too_short_for_the_stages_is_refused_by_name(text, capsys):
     """Guards against a `--budget` whose stages would get no time (or a negative one) being accepted."""
