@@ -189,8 +189,9 @@ def configure_triton_environment(environ: MutableMapping[str, str]) -> str:
 
 
 SHARD_VARIABLE = "SBD_TEST_SHARD"
-# A file to which the run writes the node ids it is about to run, one per line, in order (`sbd gpu-check`
-# compares them with the JUnit outcomes to count the tests a budget-stopped run did not reach).
+# A file to which the run writes the node ids it is about to run, one per line, in order, unless it exists
+# (`sbd gpu-check` removes it first, and compares it with the JUnit outcomes to count the tests a budget-stopped
+# run did not reach).
 PLAN_VARIABLE = "SBD_TEST_PLAN"
 
 

@@ -9,7 +9,7 @@ settings collect the same tests.
 SBD_TEST_SHARD=i/n keeps every n-th test from the i-th on (0 <= i < n), so that n pytest processes started
 side by side run the suite once between them (`sbd gpu-check` does, to compile Triton kernels on several cores).
 On CUDA the tests run in `gpu_run_order`: the `cuda_only` ones first, then the kernel test files in turns.
-SBD_TEST_PLAN=path writes the node ids about to run there, in order.
+SBD_TEST_PLAN=path writes the node ids about to run there, in order, unless the file exists.
 """
 import os
 
@@ -57,8 +57,11 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
     plan = os.environ.get(PLAN_VARIABLE)
     if plan:
-        with open(plan, "w") as handle:
-            handle.writelines(item.nodeid + "\n" for item in items)
+        try:  # written once: the pytest runs that tests start inherit the variable and must not overwrite it
+            with open(plan, "x") as handle:
+                handle.writelines(item.nodeid + "\n" for item in items)
+        except FileExistsError:
+            pass
 
 
 @pytest.fixture(scope="session", autouse=True)

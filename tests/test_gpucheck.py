@@ -96,8 +96,10 @@ def test_conftest_sets_the_interpreter_only_without_cuda():
 
 
 def collected(**env: str | None) -> list[str]:
+    """The node ids of the whole suite under `env`, sorted (also when this test runs in a shard: the CUDA setting
+    orders the tests before the shard takes its share)."""
     code = ("import sys, pytest; sys.exit(pytest.main(['tests', '--collect-only', '-q', '-p', 'no:cacheprovider']))")
-    proc = run_python(code, **env)
+    proc = run_python(code, **{"SBD_TEST_SHARD": None, **env})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return sorted(line for line in proc.stdout.splitlines() if "::" in line)
 
@@ -264,7 +266,8 @@ def test_plan_runs_the_suite_on_cuda_without_installing_anything(tmp_path, monke
     monkeypatch.setenv("PYTHONPATH", "/wheels/carried")
     stages = {s.name: s for s in gpucheck.plan(checkout(tmp_path, current=False))}
     tests = stages["tests"]
-    assert len(tests.commands) == 8 and len(set(tests.commands)) == 1
+    assert len(tests.commands) == 8 and len({c[:-1] for c in tests.commands}) == 1
+    assert [c[-1] for c in tests.commands] == [f"--junitxml={tmp_path}/logs/tests-{i}.xml" for i in range(8)]
     env = [tests.environment(i, REPO) for i in range(8)]
     assert all(e["PYTHONPATH"] == f"{REPO}{os.pathsep}/wheels/carried" for e in env)
     assert all(e["SBD_TEST_DEVICE"] == "cuda" and "TRITON_INTERPRET" not in e for e in env)
@@ -353,6 +356,9 @@ def test_a_shard_writes_the_tests_it_is_about_to_run(tmp_path):
                            "no:cacheprovider"], check=True, cwd=REPO, capture_output=True, text=True, env=env)
     collected = [line for line in proc.stdout.splitlines() if "::" in line]
     assert collected and (tmp_path / "plan").read_text().splitlines() == collected
+    subprocess.run([sys.executable, "-m", "pytest", "tests/test_overlap.py", "--collect-only", "-q", "-p",
+                    "no:cacheprovider"], check=True, cwd=REPO, capture_output=True, env={**env, "SBD_TEST_SHARD": "0/3"})
+    assert (tmp_path / "plan").read_text().splitlines() == collected  # a later run (a test's own) leaves it
 
 
 def test_bench_rows_that_compile_per_case_come_last_in_each_file():
