@@ -30,8 +30,8 @@ The budgets are BUDGETS_S scaled to `--budget` (default TOTAL_BUDGET_S) and shar
 (`--only`; the build only when it has work). On a GPU every stage is bound by compiling, so a stage is
 ordered for a stop: a stage still running at its budget gets SIGINT (pytest then prints its summary, writes
 its JUnit XML, and pytest-benchmark the timings it finished), GRACE_S later SIGKILL, and the summary says it
-overran. A stage that cannot run (pytest,
-pytest-benchmark or transformers missing, or the build failed) is skipped with the reason. The report goes to
+overran. A stage that cannot run (pytest, pytest-benchmark or transformers missing, or the build failed) is
+skipped with the reason. The report goes to
 bench/reference/<gpu-name>/: report.md (the GPU from NVML: name, driver, clocks; the stages; what was skipped
 and why; the benchmark tables with achieved TB/s and TFLOP/s against the GPU's datasheet), report.json,
 report.csv, gpu-check.json (the stages), raw/ (pytest-benchmark JSON) and logs/. Exit status: 0 when every
@@ -63,11 +63,11 @@ from sbd_kernels.machine import machine_header
 from sbd_kernels.testing import GPU_TEST_FILES, PLAN_VARIABLE
 
 # Seconds per stage, for a 16-core H100 or H200 machine. Every stage is bound by compiling (Triton kernels,
-# torch.compile, FlexAttention), not by the GPU; none finished in the budgets of the first H200 run (0.75x
-# these proportions' predecessors): the tests ran 484 of ~4,800 in 140 s on 4 processes, the attention grid
-# 2 cases in 48 s, sampling 33 timings in 44 s, scatter 13 in 18 s, decode 14 in 33 s, HF 1 in 22 s. The build
-# (30 s there) has nothing to do after `make gpu-check` built. The attention grid got the time the build and
-# the tests could give; a stage stopped at its budget keeps and reports what it finished.
+# torch.compile, FlexAttention), not by the GPU. On the first H200 run (a 470 s budget) no stage finished: the
+# tests ran 484 of ~4,800 in 140 s on 4 processes, the attention grid 2 cases in 48 s, sampling 33 timings in
+# 44 s, scatter 13 in 18 s, decode 14 in 33 s, HF 1 in 22 s. So the attention grid got the time the build
+# (30 s there, and nothing to do after `make gpu-check` built) and the tests could give; a stage stopped at its
+# budget keeps and reports what it finished.
 BUDGETS_S = {"build": 60, "tests": 150, "bench-attention": 110, "bench-sampling": 60, "bench-scatter": 30,
              "bench-decode": 50, "bench-hf": 45}
 GRACE_S = 10  # from SIGINT to SIGKILL of a stage past its budget
@@ -102,7 +102,7 @@ class Checkout:
     missing: frozenset[str]  # OPTIONAL_MODULES that are not installed
     extension_current: bool  # the compiled extension is newer than every build input
     budget_s: int = TOTAL_BUDGET_S  # the whole check, at most (`--budget`): the stages' budgets are scaled to it
-    only: tuple[str, ...] = ()  # the stages to run (`--only`; the build always); empty: all of them
+    only: tuple[str, ...] = ()  # the stages to run (`--only`; the build too when it has work); empty: all
 
     def selected(self) -> tuple[str, ...]:
         """The stages that get a budget: those of `only` (all when empty), and the build when it has work."""
@@ -161,7 +161,7 @@ class StageResult:
     detail: str
     failures: list[str] = field(default_factory=list)  # FAILED / ERROR lines of pytest
     skipped: list[str] = field(default_factory=list)  # SKIPPED reasons of pytest
-    by_file: dict[str, dict[str, int]] = field(default_factory=dict)  # test file: {outcome: count} (JUnit XML)
+    by_file: dict[str, dict[str, int]] = field(default_factory=dict)  # outcomes_by_file of the test stage
 
 
 # ----------------------------------------------------------------------------------------------------
