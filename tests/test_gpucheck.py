@@ -473,8 +473,9 @@ def test_judge_reads_pytest_summaries():
 # ----------------------------------------------------------------------------------------------------
 # The command: dry run, no GPU, a whole run with stubbed stages
 # ----------------------------------------------------------------------------------------------------
-def test_dry_run_prints_the_plan_and_writes_the_report(tmp_path, capsys):
+def test_dry_run_prints_the_plan_and_writes_the_report(tmp_path, capsys, monkeypatch):
     """Guards against a dry run that needs a GPU, hides the commands it would run, or writes no report."""
+    monkeypatch.setattr(gpucheck, "extension_is_current", lambda repo: False)  # the default plan: build budgeted
     with pytest.raises(SystemExit) as info:
         cli.main(["gpu-check", "--dry-run", "--out", str(tmp_path)])
     assert info.value.code == 0
@@ -487,8 +488,9 @@ def test_dry_run_prints_the_plan_and_writes_the_report(tmp_path, capsys):
     assert json.loads((tmp_path / "gpu-check.json").read_text())["dry_run"] is True
 
 
-def test_a_dry_run_with_a_budget_plans_and_reports_against_it(tmp_path, capsys):
+def test_a_dry_run_with_a_budget_plans_and_reports_against_it(tmp_path, capsys, monkeypatch):
     """Guards against `--budget` reaching the stages but not the plan's total, the report or its JSON."""
+    monkeypatch.setattr(gpucheck, "extension_is_current", lambda repo: False)  # every stage budgeted
     with pytest.raises(SystemExit) as info:
         cli.main(["gpu-check", "--dry-run", "--budget", "480", "--out", str(tmp_path)])
     assert info.value.code == 0
