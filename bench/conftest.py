@@ -8,8 +8,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     raise RuntimeError("bench: unset TRITON_INTERPRET; the interpreter would time Python, not kernels")
 
 import pytest
+from pytest_benchmark.utils import safe_dumps
 
 import sbd_kernels  # noqa: F401
+from sbd_kernels.bench_report import PARTIAL_VARIABLE
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -19,6 +21,19 @@ def pytest_benchmark_generate_json(config, benchmarks, include_data, machine_inf
     and the writer would fail on it (min() of no data) and lose every timing taken before it."""
     benchmarks[:] = [bench for bench in benchmarks if bench]
     yield
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    """With SBD_BENCH_PARTIAL set, appends the test's finished timing (its pytest-benchmark JSON entry, with the
+    extra_info the test added after timing) to that file at once: a run killed later (a compile that ignores
+    SIGINT past gpu-check's grace period) keeps it."""
+    path = os.environ.get(PARTIAL_VARIABLE)
+    fixture = getattr(item, "funcargs", {}).get("benchmark") if path else None
+    stats = getattr(fixture, "stats", None)
+    if stats and not fixture.has_error:
+        with open(path, "a") as handle:
+            handle.write(safe_dumps(stats.as_dict(include_data=True)) + "\n")
 
 
 # Providers timed after every other row of their file, in this order: FlexAttention and torch.compile compile

@@ -97,6 +97,37 @@ def find_bench_dir(given: Path | None) -> Path:
     return folder.resolve()
 
 
+# SBD_BENCH_PARTIAL=path: the bench run appends each finished timing there at once, one pytest-benchmark JSON
+# entry per line (bench/conftest.py), so that a run killed before pytest-benchmark writes its JSON at the end
+# keeps them (read_raw).
+PARTIAL_VARIABLE = "SBD_BENCH_PARTIAL"
+
+
+def partial_path(raw_json: Path) -> Path:
+    """Where the timings of the run writing `raw_json` are appended as they finish (PARTIAL_VARIABLE)."""
+    return raw_json.with_suffix(".partial.jsonl")
+
+
+def read_raw(raw_json: Path) -> list[dict]:
+    """The timings of a pytest-benchmark JSON; when it is missing or unreadable (a run killed before writing
+    it, or while), those appended to its partial_path as they finished; none when neither is there."""
+    try:
+        return json.loads(raw_json.read_text()).get("benchmarks", [])
+    except (OSError, ValueError):
+        pass
+    try:
+        lines = partial_path(raw_json).read_text().splitlines()
+    except OSError:
+        return []
+    timings = []
+    for line in lines:
+        try:
+            timings.append(json.loads(line))
+        except ValueError:  # the last line, cut short by the kill
+            continue
+    return timings
+
+
 def benchmark_command(python: str, files: list[str], raw_json: Path,
                       pytest_args: tuple[str, ...] = ()) -> list[str]:
     """The pytest-benchmark command line that times `files` with `python` and writes the raw timings to

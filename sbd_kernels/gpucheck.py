@@ -29,8 +29,8 @@ with build isolation) is left out and listed in the report (DESELECTED_TESTS).
 The budgets are BUDGETS_S scaled to `--budget` (default TOTAL_BUDGET_S) and shared among the stages that run
 (`--only`; the build only when it has work). On a GPU every stage is bound by compiling, so a stage is
 ordered for a stop: a stage still running at its budget gets SIGINT (pytest then prints its summary, writes
-its JUnit XML, and pytest-benchmark the timings it finished), GRACE_S later SIGKILL, and the summary says it
-overran. A stage that cannot run (pytest, pytest-benchmark or transformers missing, or the build failed) is
+its JUnit XML, and pytest-benchmark the timings it finished), GRACE_S later SIGKILL (a bench stage's finished
+timings are also appended one by one as they end: SBD_BENCH_PARTIAL), and the summary says it overran. A stage that cannot run (pytest, pytest-benchmark or transformers missing, or the build failed) is
 skipped with the reason. The report goes to
 bench/reference/<gpu-name>/: report.md (the GPU from NVML: name, driver, clocks; the stages; what was skipped
 and why; the benchmark tables with achieved TB/s and TFLOP/s against the GPU's datasheet), report.json,
@@ -308,7 +308,8 @@ def bench_stage(checkout: Checkout, family: str) -> Stage:
     raw = checkout.out / "raw" / f"{family}.json"
     command = tuple(bench_report.benchmark_command(checkout.python, [f"bench/bench_{family}.py"], raw, ("-rs",)))
     return Stage(name, checkout.stage_budget(name), what, commands=(command,),
-                 env=(("SBD_BENCH_QUICK", "1"), ("SBD_BENCH_DEVICE", "cuda"), *OFFLINE_ENV), raw_json=raw)
+                 env=(("SBD_BENCH_QUICK", "1"), ("SBD_BENCH_DEVICE", "cuda"), *OFFLINE_ENV,
+                      (bench_report.PARTIAL_VARIABLE, str(bench_report.partial_path(raw)))), raw_json=raw)
 
 
 def plan_text(stages: list[Stage], budget_s: int = TOTAL_BUDGET_S) -> str:
@@ -337,6 +338,7 @@ def run_stage(stage: Stage, checkout: Checkout) -> StageResult:
     if stage.raw_json is not None:
         stage.raw_json.parent.mkdir(parents=True, exist_ok=True)
         stage.raw_json.unlink(missing_ok=True)
+        bench_report.partial_path(stage.raw_json).unlink(missing_ok=True)
     for path in (*stage.junit, *stage.plans):
         path.unlink(missing_ok=True)
     start = time.monotonic()
@@ -469,18 +471,9 @@ def judge(stage: Stage, returncodes: list[int | None], texts: list[str], overran
     return result
 
 
-def read_raw(raw_json: Path) -> list[dict]:
-    """The timings of a pytest-benchmark JSON; none when it is missing or unreadable (a stage killed while
-    writing it)."""
-    try:
-        return json.loads(raw_json.read_text()).get("benchmarks", [])
-    except (OSError, ValueError):
-        return []
-
-
 def raw_outcome(raw_json: Path) -> tuple[int, list[str]]:
     """(timings in a pytest-benchmark JSON, "family case provider" of those whose oracle check failed)."""
-    benches = read_raw(raw_json)
+    benches = bench_report.read_raw(raw_json)
     bad = [f"{b['extra_info'].get('family')} {b['extra_info'].get('case')} {b['extra_info'].get('provider')}"
            for b in benches if b.get("extra_info", {}).get("correct") is False]
     return len(benches), bad
@@ -495,7 +488,7 @@ def not_run(stage: Stage, why: str) -> StageResult:
 # ----------------------------------------------------------------------------------------------------
 def merged_raw(stages: list[Stage]) -> dict:
     """The timings of every bench stage that wrote its JSON, as one pytest-benchmark JSON."""
-    return {"benchmarks": [b for s in stages if s.raw_json is not None for b in read_raw(s.raw_json)]}
+    return {"benchmarks": [b for s in stages if s.raw_json is not None for b in bench_report.read_raw(s.raw_json)]}
 
 
 def gpu_line(header: dict) -> str:

@@ -4,6 +4,7 @@ report against the GPU's datasheet and the one-line failure without a GPU."""
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -376,6 +377,31 @@ def test_bench_rows_that_compile_per_case_come_last_in_each_file():
         providers = [i.rsplit("-", 1)[1].rstrip("]") for i in ids if i.startswith(name)]
         ranks = [late.index(p) + 1 if p in late else 0 for p in providers]
         assert ranks == sorted(ranks) and ranks[0] == 0 and ranks[-1] > 0, name
+
+
+def test_a_bench_run_killed_keeps_the_timings_it_finished(tmp_path):
+    """Guards against losing every timing of a bench stage killed after its grace period (a compile that ignores
+    SIGINT; seen on an H200: bench-attention kept none of the timing it had finished): each finished timing is
+    appended at once, with the extra_info the test adds after timing, and read back when no JSON was written."""
+    (tmp_path / "test_killed.py").write_text(
+        "import os, signal\n\n"
+        "def test_finished(benchmark):\n"
+        "    benchmark.pedantic(lambda: None, rounds=2)\n"
+        "    benchmark.extra_info['graph_ms'] = 1.5\n\n"
+        "def test_killed(benchmark):\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    raw = tmp_path / "raw.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(tmp_path / "test_killed.py"), "-p", "bench.conftest",
+                           "-q", "-p", "no:cacheprovider", f"--benchmark-json={raw}"], check=False, cwd=REPO,
+                          capture_output=True, env={**env, bench_report.PARTIAL_VARIABLE: str(bench_report.partial_path(raw))})
+    assert proc.returncode == -signal.SIGKILL and not raw.exists()
+    (timing,) = bench_report.read_raw(raw)
+    assert timing["name"] == "test_finished" and timing["extra_info"]["graph_ms"] == 1.5
+    assert len(timing["stats"]["data"]) == 2 and timing["stats"]["median"] >= 0
+    with open(bench_report.partial_path(raw), "a") as handle:
+        handle.write('{"name": "cut sh')  # a line cut short by the kill
+    assert len(bench_report.read_raw(raw)) == 1 and gpucheck.raw_outcome(raw) == (1, [])
 
 
 def test_an_unreadable_bench_json_counts_no_timings(tmp_path):
