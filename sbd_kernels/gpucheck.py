@@ -30,12 +30,13 @@ The budgets are BUDGETS_S scaled to `--budget` (default TOTAL_BUDGET_S) and shar
 (`--only`; the build only when it has work). On a GPU every stage is bound by compiling, so a stage is
 ordered for a stop: a stage still running at its budget gets SIGINT (pytest then prints its summary, writes
 its JUnit XML, and pytest-benchmark the timings it finished), GRACE_S later SIGKILL (a bench stage's finished
-timings are also appended one by one as they end: SBD_BENCH_PARTIAL), and the summary says it overran. A stage that cannot run (pytest, pytest-benchmark or transformers missing, or the build failed) is
-skipped with the reason. The report goes to
-bench/reference/<gpu-name>/: report.md (the GPU from NVML: name, driver, clocks; the stages; what was skipped
-and why; the benchmark tables with achieved TB/s and TFLOP/s against the GPU's datasheet), report.json,
-report.csv, gpu-check.json (the stages), raw/ (pytest-benchmark JSON) and logs/. Exit status: 0 when every
-stage that ran passed, 1 when one failed or overran, 1 with one line when torch sees no GPU.
+timings are also appended one by one as they end: SBD_BENCH_PARTIAL), and the summary says it overran. A
+stage that cannot run (pytest, pytest-benchmark or transformers missing, or the build failed) is skipped with
+the reason. The report goes to bench/reference/<gpu-name>/: report.md (the GPU from NVML: name, driver,
+clocks; the stages; the tests by file; what was skipped and why; the benchmark tables with achieved TB/s and
+TFLOP/s against the GPU's datasheet), report.json, report.csv, gpu-check.json (the stages), raw/
+(pytest-benchmark JSON) and logs/. Exit status: 0 when every stage that ran passed, 1 when one failed or
+overran, 1 with one line when torch sees no GPU.
 """
 from __future__ import annotations
 
