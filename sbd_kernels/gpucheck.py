@@ -107,9 +107,8 @@ class Checkout:
 
     def selected(self) -> tuple[str, ...]:
         """The stages that get a budget: those of `only` (all when empty), and the build when it has work."""
-        if self.extension_current:
-            return tuple(name for name in BUDGETS_S if name != "build" and (not self.only or name in self.only))
-        return tuple(name for name in BUDGETS_S if not self.only or name == "build" or name in self.only)
+        return tuple(name for name in BUDGETS_S
+                     if (not self.extension_current if name == "build" else not self.only or name in self.only))
 
     def stage_budget(self, name: str) -> int:
         """The budget of stage `name`; 0 for a stage not selected."""
@@ -499,6 +498,20 @@ def gpu_line(header: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in gpu.items())
 
 
+def tests_by_file(results: list[StageResult]) -> dict[str, collections.Counter]:
+    """The `by_file` counts of every stage, merged by test file."""
+    merged: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for r in results:
+        for test_file, counts in r.by_file.items():
+            merged[test_file].update(counts)
+    return merged
+
+
+def not_reached(counts: collections.Counter) -> int:
+    """Tests planned but neither passed, failed nor skipped: those the budget stopped the run before."""
+    return max(0, counts["planned"] - counts["passed"] - counts["failed"] - counts["skipped"])
+
+
 def check_section(header: dict, results: list[StageResult], stages: list[Stage], checkout: Checkout,
                   seconds: float, dry_run: bool) -> str:
     """The gpu-check part of report.md: the GPU, the stages against their budgets, what was skipped and why,
@@ -512,22 +525,14 @@ def check_section(header: dict, results: list[StageResult], stages: list[Stage],
               "`make gpu-check` on an H100)"), "",
              "## Stages", "", "| stage | status | time s | budget s | result |", "|---|---|---|---|---|"]
     lines += [f"| {r.name} | {r.status} | {r.seconds:.0f} | {r.budget_s} | {r.detail} |" for r in results]
-    by_file = collections.defaultdict(collections.Counter)
-    for r in results:
-        for test_file, counts in r.by_file.items():
-            by_file[test_file].update(counts)
+    by_file = tests_by_file(results)
     if by_file:
         lines += ["", "## Tests by file", "",
                   "Planned: collected to run; not reached: planned, but the budget stopped the run first.", "",
                   "| file | planned | passed | failed | skipped | not reached |", "|---|---|---|---|---|---|"]
-        for name, c in sorted(by_file.items()):
-            ran = c["passed"] + c["failed"] + c["skipped"]
-            lines.append(f"| {name} | {c['planned']} | {c['passed']} | {c['failed']} | {c['skipped']} | "
-                         f"{max(0, c['planned'] - ran)} |")
-        total = sum(by_file.values(), collections.Counter())
-        ran = total["passed"] + total["failed"] + total["skipped"]
-        lines.append(f"| all | {total['planned']} | {total['passed']} | {total['failed']} | {total['skipped']} | "
-                     f"{max(0, total['planned'] - ran)} |")
+        rows = [*sorted(by_file.items()), ("all", sum(by_file.values(), collections.Counter()))]
+        lines += [f"| {name} | {c['planned']} | {c['passed']} | {c['failed']} | {c['skipped']} | {not_reached(c)} |"
+                  for name, c in rows]
     lines += ["", "## Skipped, and why", ""]
     skips = [f"- {r.name}: {r.detail}" for r in results if r.status in ("skipped", "not run")]
     if "transformers" in checkout.missing:
@@ -613,11 +618,11 @@ def summary(header: dict, results: list[StageResult], families: dict[str, list[d
     lines = [f"sbd gpu-check: {gpu_line(header)}",
              f"{'stage':<16} {'status':<8} {'time / budget':>14}  result"]
     lines += [f"{r.name:<16} {r.status:<8} {r.seconds:>5.0f} / {r.budget_s:>3} s  {r.detail}" for r in results]
-    planned = sum((collections.Counter(c) for r in results for c in r.by_file.values()), collections.Counter())
-    if planned["planned"]:
-        ran = planned["passed"] + planned["failed"] + planned["skipped"]
-        lines.append(f"tests: {ran} of {planned['planned']} run ({planned['failed']} failed), "
-                     f"{max(0, planned['planned'] - ran)} not reached in the budget; by file in the report")
+    total = sum(tests_by_file(results).values(), collections.Counter())
+    if total["planned"]:
+        ran = total["passed"] + total["failed"] + total["skipped"]
+        lines.append(f"tests: {ran} of {total['planned']} run ({total['failed']} failed), {not_reached(total)} "
+                     "not reached in the budget; by file in the report")
     kernels = kernel_lines(families, ceilings)
     if kernels:
         lines += ["kernels (sbd rows against the baseline of each case; TB/s from CUDA-graph times):", *kernels]

@@ -4,8 +4,8 @@ import argparse
 import json
 
 import pytest
+from test_code_completion import needs_corpus  # the demo's code task reads the same pinned corpus
 
-from sbd_kernels import code_completion as cc
 from sbd_kernels import demo
 from sbd_kernels.model import load_checkpoint
 
@@ -15,8 +15,6 @@ ROW_KEYS = {"model": str, "method": str, "gamma": (float, type(None)), "accuracy
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-# The demo's code task reads the pinned transformers' sources (CI installs that pin; tests/test_code_completion.py).
-needs_corpus = pytest.mark.skipif(cc.corpus_unavailable() is not None, reason=str(cc.corpus_unavailable()))
 
 
 def demo_args(*argv: str) -> argparse.Namespace:
