@@ -5,21 +5,26 @@
 
 Each `sbd_kernels/ops/<family>/triton.py` lists in `aot_specs()` every configuration its launcher can pick,
 derived from the launcher's own launch-building code run on META tensors (`sbd_kernels.ops._aot`): each
-argument is typed as Triton's JIT types it at run time. Each is compiled to PTX and cubin for the target
+argument is typed as Triton's JIT types it at run time, and the kernels are built without Triton's
+specialisation on argument values (`unspecialised_jit`), so these are exactly the compiles a GPU runs. Each
+is compiled to PTX and cubin for the target
 (what the interpreter cannot catch: tl.dot shape limits, shared memory overflow, unsupported ops, register
 pressure), then `ptxas -v` is run on the PTX with the flags Triton uses to read registers and spill bytes,
 and the theoretical occupancy is derived from registers, shared memory and warps.
 
 A second table shows, for every shape of the benchmark grid (`sbd_kernels.benchmark_grid`, the shapes
 `bench/` times), the configurations the launchers pick there (each family's `picked_specs()`: the same
-launch-building code on META tensors of that shape) with their registers, spills and occupancy. Exits 1 if
-any configuration fails to compile or spills registers, or if a picked configuration is not among the
-listed ones.
+launch-building code on META tensors of that shape) with their registers, spills and occupancy. A third
+checks the alignment hints: each picked configuration with ALIGNED set is compiled again with it off (same
+tiles and warps), and must need fewer global load and store instructions, i.e. load its rows as vectors.
+Exits 1 if any configuration fails to compile or spills registers, if a picked configuration is not among
+the listed ones, or if the hints of an aligned pick save no access.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import importlib
 import io
@@ -58,6 +63,7 @@ class CompileResult:
     shared_bytes: int | None = None
     occupancy: float | None = None
     error: str | None = None
+    global_accesses: int | None = None  # ld.global / st.global instructions in the PTX
 
 
 def theoretical_occupancy(arch: int, regs: int, shared: int, num_warps: int) -> float:
@@ -95,6 +101,12 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     return parse_ptxas_log(proc.stderr + proc.stdout)
 
 
+def count_global_accesses(ptx: str) -> int:
+    """Global load and store instructions in PTX (`ld.global...`, `st.global...`): a tile that loads as
+    16-byte vectors needs 4-8 times fewer than one loaded element by element."""
+    return len(re.findall(r"\b(?:ld|st)\.global\.", ptx))
+
+
 def compile_spec(spec, arch: int) -> CompileResult:
     import triton
     from triton import knobs
@@ -115,6 +127,7 @@ def compile_spec(spec, arch: int) -> CompileResult:
         result.regs, result.spill_bytes = usage
         result.shared_bytes = compiled.metadata.shared
         result.occupancy = theoretical_occupancy(arch, result.regs, result.shared_bytes, spec.num_warps)
+        result.global_accesses = count_global_accesses(compiled.asm["ptx"])
         result.ok = True
     except Exception as err:  # noqa: BLE001  (report every failing configuration, not just the first)
         lines = [line for line in str(err).splitlines() if line.strip()]
@@ -158,20 +171,61 @@ def collect_picks(families=FAMILIES) -> list[tuple[str, str]]:
             for family in families for shape in grid.GRIDS[family]() for spec in picked_at(family, shape)]
 
 
-def _compile_job(job: tuple[int, int]) -> CompileResult:
+HINT_ARCH = 90  # the architecture the hint check compiles for
+
+
+def unhinted(spec):
+    """The spec compiled as if its rows were not aligned (ALIGNED False), tiles and warps unchanged: what
+    the kernel would run without the launcher's alignment hints."""
+    return dataclasses.replace(spec, name=f"{spec.name} (unhinted)", constexprs={**spec.constexprs, "ALIGNED": False})
+
+
+def hinted_picks(picks: list[tuple[str, str]]) -> list[int]:
+    """Indices in `collect_specs()` of the configurations picked for the benchmark shapes with ALIGNED set."""
+    picked = {spec for _, spec in picks}
+    return [i for i, spec in enumerate(collect_specs()) if spec.name in picked and spec.constexprs.get("ALIGNED")]
+
+
+def _compile_job(job: tuple[int, int, bool]) -> CompileResult:
     """Worker side of `compile_all`: specs are rebuilt in the worker (jit functions do not pickle)."""
-    index, arch = job
-    return compile_spec(collect_specs()[index], arch)
+    index, arch, without_hints = job
+    spec = collect_specs()[index]
+    return compile_spec(unhinted(spec) if without_hints else spec, arch)
 
 
-def compile_all(archs, jobs: int) -> list[CompileResult]:
-    """Every spec for every arch, in `jobs` processes (one compile keeps one core busy for 2-5 s and there
-    are a few hundred), in spec order."""
-    todo = [(i, arch) for i in range(len(collect_specs())) for arch in archs]
+def compile_all(archs, jobs: int, unhinted_indices: list[int] = ()) -> list[CompileResult]:
+    """Every spec for every arch, then the `unhinted` twin of each spec of `unhinted_indices` for
+    HINT_ARCH, in `jobs` processes (one compile keeps one core busy for 2-5 s and there are a few hundred),
+    in that order."""
+    todo = [(i, arch, False) for i in range(len(collect_specs())) for arch in archs]
+    todo += [(i, HINT_ARCH, True) for i in unhinted_indices]
     if jobs <= 1:
         return [_compile_job(job) for job in todo]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(_compile_job, todo, chunksize=4))
+
+
+def format_hints(results: list[CompileResult], twins: list[CompileResult]) -> tuple[str, list[str]]:
+    """Table of the global memory instructions of each hinted configuration against its unhinted twin
+    (HINT_ARCH), and the configurations whose hints saved none: the compiler did not take the alignment
+    the launcher checked, so their rows load element by element."""
+    by_name = {r.kernel: r for r in results if r.arch == HINT_ARCH}
+    width = max([len("aligned configuration")] + [len(t.kernel) for t in twins])
+    lines = [f"{'aligned configuration':<{width}} {'accesses':>9} {'unhinted':>9}  status"]
+    bad = []
+    for twin in twins:
+        name = twin.kernel.removesuffix(" (unhinted)")
+        hinted = by_name.get(name)
+        if hinted is None or not hinted.ok or not twin.ok:
+            status = "FAILED"
+        else:
+            status = "ok" if hinted.global_accesses < twin.global_accesses else "NO VECTORS"
+        if status != "ok":
+            bad.append(f"{name}: {status}")
+        counts = (f"{hinted.global_accesses:>9} {twin.global_accesses:>9}" if status != "FAILED"
+                  else f"{'-':>9} {'-':>9}")
+        lines.append(f"{name:<{width}} {counts}  {status}")
+    return "\n".join(lines), bad
 
 
 def format_table(results: list[CompileResult]) -> str:
@@ -236,20 +290,26 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("unset TRITON_INTERPRET: interpreted kernels cannot be compiled for a GPU")
 
     archs = args.arch or DEFAULT_ARCHS
-    results = compile_all(archs, args.jobs)
+    picks = collect_picks()
+    hinted = hinted_picks(picks) if HINT_ARCH in archs else []
+    results = compile_all(archs, args.jobs, hinted)
+    results, twins = results[:len(results) - len(hinted)], results[len(results) - len(hinted):]
     print(format_table(results))
     failed = [r for r in results if not r.ok]
     spilled = [r for r in results if r.ok and r.spill_bytes]
     print(f"\n{len(results)} compiles: {len(results) - len(failed)} ok, {len(failed)} failed, "
           f"{len(spilled)} with register spills")
-    picks = collect_picks()
     picks_table, bad_picks = format_picks(picks, results, archs)
     print("\nconfigurations picked for the benchmark shapes\n" + picks_table)
     print(f"\n{len(picks)} picks: {len(bad_picks)} not listed, failed or spilling")
+    hints_table, bad_hints = format_hints(results, twins)
+    print(f"\nglobal memory instructions (sm_{HINT_ARCH} PTX) of the aligned configurations picked for the "
+          f"benchmark shapes, against the same configuration compiled unhinted\n{hints_table}")
+    print(f"\n{len(twins)} aligned picks: {len(bad_hints)} without fewer accesses than unhinted")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)
-    return 1 if failed or spilled or bad_picks else 0
+    return 1 if failed or spilled or bad_picks or bad_hints else 0
 
 
 if __name__ == "__main__":

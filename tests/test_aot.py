@@ -1,5 +1,5 @@
 """Tests of the AOT compile specs and the GPU static report's bookkeeping (`sbd_kernels.ops._aot`,
-`sbd_kernels.aot`), without compiling any kernel.
+`sbd_kernels.aot`), without compiling any kernel (`make aot`, in CI, compiles them).
 
 The specs are derived from the launchers' own launch-building code run on META tensors; the sweeps below
 run that code on many more shapes and layouts than `aot_specs()` enumerates and check that each launch's
@@ -16,7 +16,18 @@ import pytest
 import torch
 import triton
 
-from sbd_kernels.aot import FAMILIES, CompileResult, collect_picks, format_picks, theoretical_occupancy
+from sbd_kernels.aot import (
+    FAMILIES,
+    HINT_ARCH,
+    CompileResult,
+    collect_picks,
+    count_global_accesses,
+    format_hints,
+    format_picks,
+    hinted_picks,
+    theoretical_occupancy,
+    unhinted,
+)
 from sbd_kernels.ops import _aot
 from sbd_kernels.ops._aot import (
     DEFAULT_SM_COUNT,
@@ -84,7 +95,20 @@ def test_specs_type_every_kernel_argument(family, listed):
             if is_constexpr:
                 assert spec.signature[name] == "constexpr" and name in spec.constexprs, (spec.name, name)
             else:
-                assert spec.signature[name] != "constexpr" or spec.constexprs[name] == 1, (spec.name, name)
+                assert spec.signature[name] != "constexpr", (spec.name, name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kernels_compile_without_value_specialisation(family, listed):
+    """Guards against a kernel built with a plain `@triton.jit`: Triton would then compile it apart for each
+    runtime int equal to 1 and each int or pointer divisible by 16 or not (4148 compiles for the kernel test
+    files on CUDA, against 175), variants that `aot_specs()` never compiles nor checks for spills."""
+    for spec in listed[family].values():
+        runtime = [name for name, is_constexpr, _ in kernel_parameters(spec.fn) if not is_constexpr]
+        options = getattr(spec.fn, "kwargs", None) or vars(spec.fn)  # interpreted, or compiled, kernels
+        assert not [name for name, is_constexpr, specialised in kernel_parameters(spec.fn)
+                    if specialised and not is_constexpr], spec.name
+        assert set(options.get("do_not_specialize_on_alignment") or ()) >= set(runtime), spec.name
 
 
 def test_triton_type_is_the_jit_specialisation():
@@ -146,10 +170,11 @@ def test_unique_specs_rejects_one_name_for_two_configurations():
 
 
 def _assert_listed(family: str, launches: list[KernelLaunch], listed, case) -> None:
+    """Each launch compiles exactly a listed spec: its name, argument types, constexprs, warps and stages."""
     for spec in _module(family).specs_of_launches(launches):
         aot = listed[family].get(spec.name)
         assert aot is not None, f"{case}: {spec.name} not in aot_specs()"
-        assert spec.configuration == aot.configuration, f"{case}: {spec.name} differs from its aot spec"
+        assert spec == aot, f"{case}: {spec.name} differs from its aot spec:\n{spec}\n{aot}"
 
 
 def _meta(shape, dtype, layout: str = "contiguous") -> torch.Tensor:
@@ -206,6 +231,25 @@ def test_attention_launches_of_unaligned_layouts_are_listed(layout, listed):
         _assert_listed("attention", launches, listed, (layout, dtype, head_dim, paged))
 
 
+def test_attention_rows_aligned_only_when_the_head_dim_fills_16_bytes():
+    """Guards against ALIGNED on a head dim whose rows are padded to 16 bytes but not filled (bf16 D = 12 in
+    rows of 16): the head-dim mask's hint would then load elements 12-15 of each row as if they were in it,
+    a silently wrong result. Every input is padded to 16-byte rows here: only `out` tells them apart.
+    fp32 D = 12 (48 bytes) is aligned."""
+    def aligned(dtype, head_dim, stored):
+        def rows(*shape):  # every input's rows padded from head_dim to `stored` entries
+            return torch.empty(*shape, stored, dtype=dtype, device="meta")[..., :head_dim]
+
+        q, kv, caches = rows(2, 8, 8), [rows(2, 8, 2) for _ in range(2)], [rows(2, 64, 2) for _ in range(2)]
+        index = [torch.empty(2, dtype=torch.int32, device="meta") for _ in range(2)]
+        launches = attention_triton._attention_launches(q, *kv, *caches, *index, 4)[2]
+        return launches[0].constexprs["ALIGNED"]
+
+    assert not aligned(torch.bfloat16, 12, 16)
+    assert aligned(torch.float32, 12, 16)
+    assert aligned(torch.bfloat16, 16, 24)  # padded q rows, each 32 bytes: aligned
+
+
 def _scatter_call(batch, k, rule, gamma_tensor, valid, layout):
     """Launches of a META call; `layout` applies to every [B, K] tensor ("transposed": [K, B].T)."""
     def make(dtype):
@@ -252,6 +296,24 @@ def _sampling_call(batch, positions, vocab, dtype, temperature, compute_mask, fi
         _meta((batch, positions, vocab), dtype, layout), seed, offset, vector.clone() if tensor else None,
         0.0 if tensor else temperature,
         torch.empty(batch, positions, dtype=torch.bool, **meta) if compute_mask else None, vocab - 1, **kwargs)[1]
+
+
+def test_sampling_rows_are_aligned_only_when_they_load_as_vectors():
+    """Guards against ALIGNED (16-byte vector loads of the logits) on rows that do not start on 16 bytes or
+    whose last tile's mask would split a vector (V * element size % 16 != 0): a misaligned vector load faults
+    on a GPU; and against losing it on the layouts most vocabularies have."""
+    def flags(vocab, dtype=torch.float32, layout="contiguous"):
+        launches = _sampling_call(2, 4, vocab, dtype, 1.0, False, "top_k", layout)
+        return [kl.constexprs["ALIGNED"] for kl in launches if "ALIGNED" in kl.constexprs]
+
+    assert flags(32000) == [True, True]  # threshold, partial
+    assert flags(128256, torch.bfloat16) == [True, True]
+    assert flags(32004, torch.bfloat16) == [False, False]  # 64 008 bytes a row: not a multiple of 16
+    assert flags(32001) == [False, False]
+    assert flags(32000, layout="offset") == [False, False]
+    assert flags(32000, layout="padded") == [False, False]
+    assert flags(32000, layout="strided") == [True, True]  # copied to contiguous rows first
+    assert flags(1024) == [True, False]  # the small tile has no aligned configuration
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
@@ -348,3 +410,50 @@ def test_format_picks_flags_spills_and_unlisted():
     table, bad = format_picks(picks, results, (80, 90))
     assert len(table.splitlines()) == 1 + len(picks)
     assert bad == ["shape b: spilling SPILLS", "shape c: unknown NOT LISTED"]
+
+
+def test_count_global_accesses_reads_loads_and_stores_of_any_width():
+    ptx = """
+    ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+    @%p1 ld.global.b16 { %rs1 }, [ %rd2 + 0 ];
+    st.global.v2.b32 [ %rd3 + 0 ], { %r5, %r6 };
+    ld.shared.b32 %r7, [ %r8 ];
+    ld.param.u64 %rd4, [param_0];
+    """
+    assert count_global_accesses(ptx) == 3
+
+
+def test_unhinted_twin_differs_in_alignment_only():
+    """Guards against the hint check comparing a configuration with another tile or warp count (the saving
+    would then not be the hints')."""
+    spec = next(s for s in _module("attention").aot_specs() if s.constexprs.get("ALIGNED"))
+    twin = unhinted(spec)
+    assert twin.constexprs == {**spec.constexprs, "ALIGNED": False}
+    assert (twin.signature, twin.num_warps, twin.num_stages, twin.fn) == (
+        spec.signature, spec.num_warps, spec.num_stages, spec.fn)
+    assert twin.name == f"{spec.name} (unhinted)"
+
+
+def test_hinted_picks_are_the_aligned_benchmark_configurations():
+    """Guards against the hint check missing the configurations the benchmarks run (every family with an
+    ALIGNED constexpr has aligned picks) or taking an unaligned one."""
+    from sbd_kernels.aot import collect_specs
+
+    specs = collect_specs()
+    indices = hinted_picks(collect_picks())
+    assert all(specs[i].constexprs["ALIGNED"] for i in indices)
+    families = {specs[i].name.split("/")[0] for i in indices}
+    assert families == {"attention", "entropy_sample"}
+
+
+def test_format_hints_flags_hints_that_save_no_access():
+    """Guards against the hint check passing an aligned configuration that loads element by element (the
+    compiler ignored the hints) or one that failed to compile."""
+    results = [CompileResult(name, HINT_ARCH, 4, True, 40, 0, 0, 0.5, global_accesses=n)
+               for name, n in (("vectors", 6), ("scalars", 162), ("broken", None))]
+    results[2].ok = False
+    twins = [CompileResult(f"{name} (unhinted)", HINT_ARCH, 4, True, 40, 0, 0, 0.5, global_accesses=162)
+             for name in ("vectors", "scalars", "broken")]
+    table, bad = format_hints(results, twins)
+    assert len(table.splitlines()) == 4
+    assert bad == ["scalars: NO VECTORS", "broken: FAILED"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+import triton
 
 # Streaming multiprocessors of an H100 SXM, the GPU the launchers' occupancy targets were measured on: the
 # count used where no CUDA device is asked (CPU tensors under TRITON_INTERPRET, META tensors of the AOT
@@ -26,6 +27,25 @@ DEFAULT_SM_COUNT = 132
 # Software-pipelining depth of a launch that does not choose one: Triton's own default on CUDA
 # (`CUDAOptions.num_stages` in Triton 3.8), passed explicitly so that the AOT compile uses it too.
 TRITON_DEFAULT_NUM_STAGES = 3
+
+
+def unspecialised_jit(fn):
+    """`@triton.jit` with Triton's specialisation on argument values turned off: no int argument becomes a
+    constexpr when it equals 1, and no int or pointer argument is compiled apart when it is divisible by
+    16 (`do_not_specialize` and `do_not_specialize_on_alignment` name every runtime argument). A kernel then
+    compiles once per configuration its launcher picks (dtypes, the constexprs, warps, stages; an int
+    argument is still i32 or i64 by its range), exactly the configurations `aot_specs()` lists, and what
+    alignment buys is passed on purpose: each launcher checks pointers and strides on the host and sets a
+    constexpr under which the kernel hints the compiler (`tl.multiple_of`, `tl.max_contiguous`).
+
+    Why: with the JIT's own specialisation, the 5477 launches of the kernel test files (keys recorded under
+    the interpreter) ask for 4148 distinct compiles on CUDA (offset views, strides and sizes of 1, sizes off
+    a multiple of 16: each combination is one more variant), 175 without it; at 2-5 s a compile on one
+    core, that is what kept the test stage of `sbd gpu-check` from finishing in 10 minutes. In an engine,
+    each new batch size or block length whose divisibility differs would likewise stall a step for a
+    compile."""
+    runtime = [name for name, p in inspect.signature(fn).parameters.items() if "constexpr" not in str(p.annotation)]
+    return triton.jit(fn, do_not_specialize=runtime, do_not_specialize_on_alignment=runtime)
 
 
 class KernelLaunch(NamedTuple):
@@ -76,6 +96,19 @@ def sm_count(device: torch.device) -> int:
     return count
 
 
+def rows_aligned(*tensors: torch.Tensor) -> bool:
+    """True when every tensor has a contiguous last dim and 16-byte aligned data and row strides: what a
+    kernel's ALIGNED constexpr promises, under which its rows load and store as 16-byte vectors (kernels
+    compile without Triton's own alignment specialisation, see `unspecialised_jit`). Reads pointers and
+    strides only, never data; META tensors (data pointer 0) of contiguous shapes are aligned."""
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
+            return False
+    return True
+
+
 def compiles_for_gpu(device: torch.device) -> bool:
     """Whether a launch on `device` runs compiled GPU code: CUDA tensors, and the META tensors that stand for
     them in the AOT enumeration; CPU tensors run under the interpreter."""
@@ -102,14 +135,10 @@ class KernelSpec:
 
     @property
     def configuration(self) -> tuple:
-        """What the launcher chose, without the specialisations Triton adds for runtime values equal to 1:
-        (kernel, argument types with such a constexpr 1 read as i32, the kernel's constexprs, warps, stages).
-        A launch whose strides or sizes happen to be 1 compiles another variant of the same configuration."""
-        constexpr_params = {name for name, is_constexpr, _ in kernel_parameters(self.fn) if is_constexpr}
-        types = tuple((name, "i32" if ty == "constexpr" and name not in constexpr_params else ty)
-                      for name, ty in self.signature.items())
-        constexprs = tuple((name, self.constexprs[name]) for name in self.signature if name in constexpr_params)
-        return (_function_name(self.fn), types, constexprs, self.num_warps, self.num_stages)
+        """What is compiled: (kernel, argument types, constexpr values, warps, stages). The kernels are built
+        with `unspecialised_jit`, so every GPU launch of this configuration runs this one compile."""
+        return (_function_name(self.fn), tuple(self.signature.items()), tuple(sorted(self.constexprs.items())),
+                self.num_warps, self.num_stages)
 
 
 def _function_name(kernel) -> str:

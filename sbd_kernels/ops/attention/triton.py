@@ -52,9 +52,11 @@ from sbd_kernels.ops._aot import (
     compiles_for_gpu,
     launch,
     next_power_of_2,
+    rows_aligned,
     sm_count,
     spec_of_launch,
     unique_specs,
+    unspecialised_jit,
 )
 from sbd_kernels.ops.attention._checks import (
     AttentionDims,
@@ -75,22 +77,26 @@ class _Tiles(NamedTuple):
 # M = (C + K) * G rows, e.g. 32 * 4 = 128; BLOCK_M is the smallest power of two >= M (tl.dot needs >= 16)
 # up to max_block_m. Measured at D = 128: fp16 64 x 64 tiles spill 28-372 bytes with 4 warps and use
 # 214-230 registers with 8; fp32 (3xTF32 dots hold hi/lo halves of each operand) spills from 32 x 32, and
-# 16 x 32 with 8 warps uses 177-216 registers. At D <= 64, 8 warps on such small tiles spilled where 4 did
-# not. Unaligned rows keep one 64-bit address per element, hence 16 x 16 tiles (fp16 at D = 64: 4 warps
-# spill 20 bytes on sm_90, 2 warps use 205 registers and none). fp32 at D = 256 spills with
-# 3xTF32 and uses plain fp32 dots instead; unaligned it also needs one pipeline stage and 16 warps (8 warps
-# spilled 20-112 bytes, 16 use 92-120 registers).
+# 16 x 32 with 8 warps uses 177-216 registers. Unaligned rows keep one 64-bit address per element, hence
+# 16 x 16 tiles (fp16 at D = 64: 4 warps spill 20 bytes on sm_90, 2 warps use 205 registers and none).
+# fp32 at D = 256 spills with 3xTF32 and uses plain fp32 dots instead; unaligned it also needs one pipeline
+# stage and 16 warps (8 warps spilled 20-112 bytes, 16 use 92-120 registers).
+# At D <= 64, compiled with 16-byte vector accesses (the ALIGNED hints), ptxas caps many of these tiles at
+# 128 registers and spills 8-20 bytes in some of the 18 shapes of a class (BLOCK_D 16-64 x BLOCK_M x
+# paged) whatever the tile: no spill in any of them with 8 warps and 3 stages for fp16/bf16 (4 x 2 spilled
+# in 3, 8 x 2 in 1, 4 x 3 in 2), 8 warps and 1 stage for aligned fp32 (8 x 2 spilled in 6, 4 x 1 in 1) and
+# 2 warps and 1 stage for unaligned fp32 (4 x 2 spilled in 1, 8 x 2 in 2).
 _TILES = {
-    (True, True, "small"): _Tiles(64, 64, 4, 2),
+    (True, True, "small"): _Tiles(64, 64, 8, 3),
     (True, True, "mid"): _Tiles(64, 64, 8, 2),
     (True, True, "large"): _Tiles(64, 16, 8, 2),
-    (False, True, "small"): _Tiles(16, 32, 4, 2),
+    (False, True, "small"): _Tiles(16, 32, 8, 1),
     (False, True, "mid"): _Tiles(16, 32, 8, 2),
     (False, True, "large"): _Tiles(16, 16, 8, 2),
     (True, False, "small"): _Tiles(16, 16, 2, 2),
     (True, False, "mid"): _Tiles(16, 16, 4, 2),
     (True, False, "large"): _Tiles(16, 16, 8, 2),
-    (False, False, "small"): _Tiles(16, 16, 4, 2),
+    (False, False, "small"): _Tiles(16, 16, 2, 1),
     (False, False, "mid"): _Tiles(16, 16, 8, 2),
     (False, False, "large"): _Tiles(16, 16, 16, 1),
 }
@@ -132,6 +138,18 @@ def _tile_ptrs(base, row_offsets, d_idx, stride_d, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _head_dim_mask(d_idx, D, io_ptr, ALIGNED: tl.constexpr):
+    """d_idx < D, the head-dim mask of a tile. ALIGNED (rows of 16 bytes: D * element size of `io_ptr`'s
+    dtype is a multiple of 16, and D of 4) tells the compiler that the mask is constant over each run of
+    16 bytes, so that masked rows still load and store as 16-byte vectors: the kernels are compiled without
+    Triton's specialisation on D % 16 (`unspecialised_jit`), which was what gave the masks that constancy."""
+    d_ok = d_idx < D
+    if ALIGNED:
+        d_ok = tl.max_constancy(d_ok, [128 // io_ptr.dtype.element_ty.primitive_bitwidth])
+    return d_ok
+
+
+@triton.jit
 def _online_softmax_update(q, k, v, valid, m_i, l_i, acc, qk_scale,
                            HALF_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """One key tile of base-2 online softmax. q [BM, BD], k/v [BN, BD], valid [BM, BN] -> (m, l, acc)."""
@@ -163,7 +181,7 @@ def _cache_rows(slots, live, b, block_table_ptr, stride_btb, stride_btp, page_si
         return tl.zeros_like(slots).to(tl.int64) + b, slots.to(tl.int64), live
 
 
-@triton.jit
+@unspecialised_jit
 def _attention_split_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, cache_seqlens_ptr, num_causal_ptr, block_table_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
@@ -199,7 +217,7 @@ def _attention_split_kernel(
     row_block = (row >= C) & (row < S)
     row_live = (row_causal | row_block) & (m_idx < M)
     d_idx = tl.arange(0, BLOCK_D)
-    d_ok = d_idx < D
+    d_ok = _head_dim_mask(d_idx, D, q_ptr, ALIGNED)
     q_ptrs = _tile_ptrs(q_ptr + b.to(tl.int64) * stride_qb, row * stride_qs + q_head * stride_qh, d_idx,
                         stride_qd, ALIGNED)
     q = tl.load(q_ptrs, mask=row_live[:, None] & d_ok[None, :], other=0.0)
@@ -265,7 +283,7 @@ def _attention_split_kernel(
     tl.store(_tile_ptrs(part_acc_ptr, state * D, d_idx, 1, ALIGNED), acc, mask=m_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@unspecialised_jit
 def _attention_combine_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, cache_seqlens_ptr, out_ptr, lse_ptr,
     stride_len, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
@@ -283,7 +301,7 @@ def _attention_combine_kernel(
     m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m_idx < M
     d_idx = tl.arange(0, BLOCK_D)
-    tile_ok = m_ok[:, None] & (d_idx < D)[None, :]
+    tile_ok = m_ok[:, None] & _head_dim_mask(d_idx, D, out_ptr, ALIGNED)[None, :]
     m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -361,17 +379,6 @@ def _plan_splits(dims: AttentionDims, config: _Config, target_programs: int) -> 
     return _SplitPlan(m_tiles, split_len, 1 + cache_splits)
 
 
-def _rows_aligned(*tensors: torch.Tensor) -> bool:
-    """True when every tensor has a contiguous last dim and 16-byte aligned data and row strides, so the
-    kernels may use 16-byte vector accesses (ALIGNED). Reads pointers and strides only, never data."""
-    for t in tensors:
-        if t.stride(-1) != 1 or t.data_ptr() % 16:
-            return False
-        if any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
-            return False
-    return True
-
-
 def _attention_launches(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor, num_causal: torch.Tensor, block_size: int,
@@ -391,7 +398,9 @@ def _attention_launches(
     rows = dims.seq * group
     bh = dims.batch * dims.kv_heads
     # The fp32 partial accumulator (a fresh allocation) has rows of D * 4 bytes: aligned when D % 4 == 0.
-    aligned = _rows_aligned(q, k, v, k_cache, v_cache, out) and dims.head_dim % 4 == 0
+    # `out` (contiguous, q's dtype) has a head stride of D, so ALIGNED also means D * element size % 16 ==
+    # 0, on which the head-dim mask's hint (`_head_dim_mask`) relies whatever the strides of q, k and v.
+    aligned = rows_aligned(q, k, v, k_cache, v_cache, out) and dims.head_dim % 4 == 0
     config = _pick_config(dims.head_dim, rows, q.dtype, dims.paged, aligned, compiles_for_gpu(q.device))
     plan = _plan_splits(dims, config, PROGRAMS_PER_SM * sm_count(q.device))
     part_m = torch.empty((bh, plan.num_splits, rows), dtype=torch.float32, device=q.device)

@@ -26,9 +26,11 @@ from sbd_kernels.ops._aot import (
     KernelSpec,
     cdiv,
     launch,
+    rows_aligned,
     sm_count,
     spec_of_launch,
     unique_specs,
+    unspecialised_jit,
 )
 from sbd_kernels.ops.sampling._checks import (
     check_entropy_sample_args,
@@ -121,11 +123,32 @@ def _sampling_key_value(key):
 
 
 @triton.jit
-def _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK: tl.constexpr):
-    """(logits of entries start + [0, BLOCK) in fp32, -inf beyond V and at the mask token; their indices)."""
+def _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """(logits of entries start + [0, BLOCK) in fp32, -inf beyond V and at the mask token; their indices).
+    ALIGNED: see `_sampling_tile_ptrs`."""
     v = start + tl.arange(0, BLOCK)
-    x = tl.load(row_ptr + v, mask=v < vocab, other=-float("inf")).to(tl.float32)
+    ptrs = row_ptr + v
+    in_row = v < vocab
+    if ALIGNED:
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16]), [BLOCK])
+        in_row = tl.max_constancy(in_row, [128 // row_ptr.dtype.element_ty.primitive_bitwidth])
+    x = tl.load(ptrs, mask=in_row, other=-float("inf")).to(tl.float32)
     return tl.where(v == mask_token_id, -float("inf"), x), v
+
+
+@triton.jit
+def _sampling_tile_ptrs(row_ptr, v, vocab, ALIGNED: tl.constexpr):
+    """(pointers, in-row mask) of a tile of entries v laid out [ROWS, 4, 16]. ALIGNED (checked by the
+    launcher: 16-byte aligned rows, V * element size a multiple of 16) tells the compiler that each run of
+    16 entries starts on 16 bytes and that the mask is constant over 16 bytes, so the tile loads as 16-byte
+    vectors (fp32: 4 entries per thread in one load). The kernels compile without Triton's specialisation
+    on pointer alignment and V % 16 (`unspecialised_jit`), which had given them that knowledge."""
+    ptrs = row_ptr + v
+    in_row = v < vocab
+    if ALIGNED:
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 16, 16]), [1, 1, 16])
+        in_row = tl.max_constancy(in_row, [1, 1, 128 // row_ptr.dtype.element_ty.primitive_bitwidth])
+    return ptrs, in_row
 
 
 @triton.jit
@@ -137,7 +160,7 @@ def _sampling_top_p_weight(x, m, temperature):
 @triton.jit
 def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target,
                          MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
-                         MAX_ROUNDS: tl.constexpr):
+                         MAX_ROUNDS: tl.constexpr, ALIGNED: tl.constexpr):
     """The largest key K in [lo, hi) with W(K) >= target, where W(K) = sum of w over the entries whose key
     is >= K, w = 1 for entries above -inf (MASS False) or the top-p weight (MASS True); needs
     W(lo) >= target > W(hi). hi <= lo + 1 on entry returns lo at once.
@@ -159,7 +182,7 @@ def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, 
         x_min = tl.full([BLOCK], float("inf"), dtype=tl.float32)
         x_max = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
         for start in range(0, vocab, BLOCK):
-            x, _ = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
+            x, _ = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK, ALIGNED)
             key = _sampling_key(x)
             if MASS:
                 w = _sampling_top_p_weight(x, m, temperature)
@@ -182,13 +205,13 @@ def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, 
     return lo
 
 
-@triton.jit
+@unspecialised_jit
 def _sampling_threshold_kernel(
     logits_ptr, stride_b, stride_k, temperature_ptr, temperature_stride, temperature_val, compute_mask_ptr,
     top_k_ptr, top_k_stride, top_k_val, top_p_ptr, top_p_stride, top_p_val, min_p_ptr, min_p_stride,
     min_p_val, threshold_ptr, positions, vocab, mask_token_id,
     HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, FILTER_TENSORS: tl.constexpr,
-    BLOCK: tl.constexpr, PIVOTS: tl.constexpr, MAX_ROUNDS: tl.constexpr,
+    BLOCK: tl.constexpr, PIVOTS: tl.constexpr, MAX_ROUNDS: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """threshold[row] = max(tau_k, tau_p, tau_m) of a sampled row with a filter on, else -inf."""
     row = tl.program_id(0)
@@ -219,7 +242,7 @@ def _sampling_threshold_kernel(
     bad_lane = tl.zeros([BLOCK], dtype=tl.int32)
     live_lane = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, tl.where(wanted, vocab, 0), BLOCK):
-        x, _ = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
+        x, _ = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK, ALIGNED)
         bad_lane = tl.maximum(bad_lane, ((x != x) | (x == float("inf"))).to(tl.int32))  # noqa: PLR0124 (NaN test)
         m_lane = tl.maximum(m_lane, x)
         live_lane += (x > -float("inf")).to(tl.int32)
@@ -234,20 +257,20 @@ def _sampling_threshold_kernel(
     need_k = active & top_k_on & (live >= top_k)
     key_k = _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lowest,
                                  tl.where(need_k, top, lowest + 1), top_k, False, BLOCK, PIVOTS,
-                                 MAX_ROUNDS)
+                                 MAX_ROUNDS, ALIGNED)
     tau_k = tl.where(need_k, _sampling_key_value(key_k), -float("inf"))
 
     # top-p over the entries >= tau_k: the largest logit whose upper set holds top_p of their mass.
     need_p = active & (top_p < 1)
     total_lane = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, tl.where(need_p, vocab, 0), BLOCK):
-        x, _ = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
+        x, _ = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK, ALIGNED)
         total_lane += tl.where(x >= tau_k, _sampling_top_p_weight(x, m, temperature), 0.0)
     total = tl.sum(total_lane)
     lo_p = tl.maximum(key_k, lowest)
     key_p = _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo_p,
                                  tl.where(need_p, top, lo_p + 1), top_p * total, True, BLOCK, PIVOTS,
-                                 MAX_ROUNDS)
+                                 MAX_ROUNDS, ALIGNED)
     tau_p = tl.where(need_p, _sampling_key_value(key_p), -float("inf"))
 
     # min-p: p >= min_p * p_max <=> x >= max + T ln(min_p), in fp64, rounded up to the next float.
@@ -260,13 +283,13 @@ def _sampling_threshold_kernel(
     tl.store(threshold_ptr + row, tl.maximum(tl.maximum(tau_k, tau_p), tau_m))
 
 
-@triton.jit
+@unspecialised_jit
 def _sampling_partial_kernel(
     logits_ptr, stride_b, stride_k, seed_ptr, seed_stride, offset_ptr, offset_stride,
     temperature_ptr, temperature_stride, temperature_val, compute_mask_ptr, threshold_ptr, partial_f_ptr,
     partial_i_ptr, positions, vocab, mask_token_id, tiles_per_split, num_splits,
     HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -303,7 +326,8 @@ def _sampling_partial_kernel(
     for t in range(num_tiles):
         start = (split * tiles_per_split + t) * BLOCK
         v = start + local
-        x = tl.load(row_ptr + v, mask=v < vocab, other=-float("inf")).to(tl.float32)
+        ptrs, in_row = _sampling_tile_ptrs(row_ptr, v, vocab, ALIGNED)
+        x = tl.load(ptrs, mask=in_row, other=-float("inf")).to(tl.float32)
         x = tl.where(v == mask_token_id, -float("inf"), x)
         bad = tl.maximum(bad, tl.max(((x != x) | (x == float("inf"))).to(tl.float32)))  # noqa: PLR0124 (NaN test)
         tile_max = tl.max(x)
@@ -347,7 +371,7 @@ def _sampling_partial_kernel(
     tl.store(out_i + 1, best_idx)
 
 
-@triton.jit
+@unspecialised_jit
 def _sampling_combine_kernel(
     logits_ptr, stride_b, stride_k, temperature_ptr, temperature_stride, temperature_val, compute_mask_ptr,
     seed_ptr, seed_stride, offset_ptr, offset_stride,
@@ -517,6 +541,9 @@ def _sampling_launches(logits: torch.Tensor, seed: torch.Tensor, offset: torch.T
         temperature, temperature_val = _fp32_scalar_argument(temperature_val, batch, device)
     if logits.stride(2) != 1:
         logits = logits.contiguous()  # vocabulary-strided rows: one copy, then coalesced tile loads
+    # 16-byte vector loads (ALIGNED) need 16-byte aligned rows and V * element size % 16 == 0 (the last
+    # tile's mask): most vocabularies (32000, 128256, 151936), not 50257.
+    aligned = rows_aligned(logits) and vocab * logits.element_size() % 16 == 0
 
     tiles_per_split, num_splits = _split_plan(rows, vocab, PROGRAMS_PER_SM * sm_count(device))
     partial_f = torch.empty(rows, num_splits, PARTIAL_FLOATS, dtype=torch.float32, device=device)
@@ -551,7 +578,7 @@ def _sampling_launches(logits: torch.Tensor, seed: torch.Tensor, offset: torch.T
             "min_p_stride": _per_row_stride(min_p) if filter_tensors else 0, "min_p_val": float(min_p_val),
             "threshold_ptr": threshold, "positions": positions, "vocab": vocab, "mask_token_id": mask_token_id,
         }, {**flags, "FILTER_TENSORS": filter_tensors, "BLOCK": THRESHOLD_BLOCK, "PIVOTS": THRESHOLD_PIVOTS,
-            "MAX_ROUNDS": THRESHOLD_MAX_ROUNDS}, THRESHOLD_NUM_WARPS))
+            "MAX_ROUNDS": THRESHOLD_MAX_ROUNDS, "ALIGNED": aligned}, THRESHOLD_NUM_WARPS))
 
     block = _block_size(vocab)
     launches.append(KernelLaunch(_sampling_partial_kernel, (rows, num_splits), {
@@ -559,7 +586,9 @@ def _sampling_launches(logits: torch.Tensor, seed: torch.Tensor, offset: torch.T
         "offset_stride": _per_row_stride(offset), "threshold_ptr": threshold, "partial_f_ptr": partial_f,
         "partial_i_ptr": partial_i, "positions": positions, "vocab": vocab, "mask_token_id": mask_token_id,
         "tiles_per_split": tiles_per_split, "num_splits": num_splits,
-    }, {**flags, "HAS_THRESHOLD": has_threshold, "BLOCK": block}, _num_warps(block)))
+    }, {**flags, "HAS_THRESHOLD": has_threshold, "BLOCK": block,
+        # The small tile (V < SMALL_VOCAB, 128 entries a step) has one configuration: vectors gain nothing there.
+        "ALIGNED": aligned and block == BLOCK_V}, _num_warps(block)))
     launches.append(KernelLaunch(_sampling_combine_kernel, (rows,), {
         **row_args, "seed_ptr": seed, "seed_stride": _per_row_stride(seed), "offset_ptr": offset,
         "offset_stride": _per_row_stride(offset), "partial_f_ptr": partial_f, "partial_i_ptr": partial_i,
@@ -596,12 +625,14 @@ def _spec_name(kl: KernelLaunch) -> str:
     c = kl.constexprs
     label = (f"{_TRITON_DTYPES[kl.args['logits_ptr'].dtype]} "
              f"temperature={'tensor' if c['HAS_TEMPERATURE'] else 'scalar'} mask={c['HAS_COMPUTE_MASK']}")
-    if kl.kernel is _sampling_threshold_kernel:
-        return (f"entropy_sample/threshold {label} filters={'tensor' if c['FILTER_TENSORS'] else 'scalar'} "
-                f"BLOCK={c['BLOCK']} PIVOTS={c['PIVOTS']}")
     if kl.kernel is _sampling_combine_kernel:
         return f"entropy_sample/combine {label} SPLITS={c['SPLITS']}"
-    return f"entropy_sample/partial {label}{' filtered' if c['HAS_THRESHOLD'] else ''} BLOCK={c['BLOCK']}"
+    alignment = "aligned" if c["ALIGNED"] else "unaligned"
+    if kl.kernel is _sampling_threshold_kernel:
+        return (f"entropy_sample/threshold {label} filters={'tensor' if c['FILTER_TENSORS'] else 'scalar'} "
+                f"BLOCK={c['BLOCK']} PIVOTS={c['PIVOTS']} {alignment}")
+    return (f"entropy_sample/partial {label}{' filtered' if c['HAS_THRESHOLD'] else ''} BLOCK={c['BLOCK']} "
+            f"{alignment}")
 
 
 def specs_of_launches(launches: list[KernelLaunch]) -> list[KernelSpec]:
@@ -629,13 +660,14 @@ def meta_launches(batch: int, positions: int, vocab: int, dtype: torch.dtype, te
 
 def aot_specs() -> list[KernelSpec]:
     """Every configuration the launcher can pick, from the launches of representative calls (B = 2, K = 4):
-    logits dtype x temperature tensor or scalar x compute_mask x vocabulary below SMALL_VOCAB or 32000 (the
-    partial kernel's two tiles, each with several splits) x filters off, as scalars (top-k 50, top-p 0.9) or as tensors. A partial
-    configuration is dtype x flags x tile x filtered, a combine one dtype x flags, a threshold one (filters
-    only) dtype x flags x filters as tensors or scalars."""
+    logits dtype x temperature tensor or scalar x compute_mask x vocabulary below SMALL_VOCAB, 32000 or
+    32001 (the partial kernel's two tiles, each with several splits; 16-byte rows or not) x filters off, as
+    scalars (top-k 50, top-p 0.9) or as tensors. A partial configuration is dtype x flags x tile (the large
+    one aligned or not) x filtered, a combine one dtype x flags, a threshold one (filters only) dtype x
+    flags x filters as tensors or scalars x aligned."""
     filter_cases = ({}, {"top_k_val": 50, "top_p_val": 0.9}, {"filter_tensors": True})
     launches = [kl for dtype in _TRITON_DTYPES for temperature_tensor in (False, True)
-                for compute_mask in (False, True) for vocab in (SMALL_VOCAB - 1, 32000)
+                for compute_mask in (False, True) for vocab in (SMALL_VOCAB - 1, 32000, 32001)
                 for filters in filter_cases
                 for kl in meta_launches(2, 4, vocab, dtype, temperature_tensor, compute_mask, **filters)]
     return unique_specs(specs_of_launches(launches))

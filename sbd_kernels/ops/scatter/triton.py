@@ -14,7 +14,6 @@ entropies in exactly the order the fp32 sum must use. The threshold rule needs o
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from sbd_kernels.ops._aot import (
@@ -24,6 +23,7 @@ from sbd_kernels.ops._aot import (
     next_power_of_2,
     spec_of_launch,
     unique_specs,
+    unspecialised_jit,
 )
 from sbd_kernels.ops.scatter._checks import assert_gamma_values, check_mask_scatter_args, gamma_fp32
 
@@ -38,7 +38,7 @@ MIN_BLOCK_K = 16
 NUM_WARPS = 1
 
 
-@triton.jit
+@unspecialised_jit
 def _scatter_accept_kernel(
     tokens_ptr, masked_ptr, sampled_ptr, entropy_ptr, valid_ptr, gamma_ptr,
     accepted_ptr, num_accepted_ptr, done_ptr,
