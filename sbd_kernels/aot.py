@@ -2,6 +2,7 @@
 
     python -m sbd_kernels.aot                 # sm_80 and sm_90, table on stdout
     python -m sbd_kernels.aot --json out.json --arch 90 --jobs 4
+    python -m sbd_kernels.aot --warm          # on a CUDA GPU: fill Triton's cache with every configuration
 
 Each `sbd_kernels/ops/<family>/triton.py` lists in `aot_specs()` every configuration its launcher can pick,
 derived from the launcher's own launch-building code run on META tensors (`sbd_kernels.ops._aot`): each
@@ -19,6 +20,11 @@ checks the alignment hints: each picked configuration with ALIGNED set is compil
 tiles and warps), and must need fewer global load and store instructions, i.e. load its rows as vectors.
 Exits 1 if any configuration fails to compile or spills registers, if a picked configuration is not among
 the listed ones, or if the hints of an aligned pick save no access.
+
+`--warm`, on a machine with a CUDA GPU, compiles every configuration for that GPU through Triton's own JIT
+(`warmup`, with an argument of each type in its signature: the JIT derives the same cache key as a launch of
+that configuration) in `--jobs` processes, so that the test and benchmark processes that follow load the
+binaries from Triton's cache instead of each compiling them (`sbd gpu-check` runs it before the tests).
 """
 from __future__ import annotations
 
@@ -29,13 +35,17 @@ import functools
 import importlib
 import io
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+
+import torch
 
 from sbd_kernels import benchmark_grid as grid
 
@@ -228,6 +238,53 @@ def format_hints(results: list[CompileResult], twins: list[CompileResult]) -> tu
     return "\n".join(lines), bad
 
 
+# A runtime argument of each Triton type, as `warmup` takes it: a pointer by its dtype (Triton's MockTensor),
+# an int by a value in the type's range, a float.
+_WARMUP_POINTEE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "i32": torch.int32,
+                   "i64": torch.int64, "i8": torch.int8, "u8": torch.uint8, "u1": torch.bool}
+_WARMUP_SCALARS = {"i32": 2, "i64": 2**40, "fp32": 0.5}
+
+
+def warmup_arguments(spec) -> list:
+    """The runtime arguments of `spec.fn`, in order, with which `spec.fn.warmup` compiles exactly `spec`: the
+    kernels are not specialised on values (`unspecialised_jit`), so the JIT types each argument from its type
+    alone. Raises KeyError for a type not covered."""
+    from triton.runtime.jit import MockTensor
+
+    return [MockTensor(_WARMUP_POINTEE[ty[1:]]) if ty.startswith("*") else _WARMUP_SCALARS[ty]
+            for ty in spec.signature.values() if ty != "constexpr"]
+
+
+def _warm_job(index: int) -> tuple[str, float, str | None]:
+    """Worker side of `warm_cache`: (spec name, seconds, error or None)."""
+    spec = collect_specs()[index]
+    start = time.monotonic()
+    try:
+        spec.fn.warmup(*warmup_arguments(spec), grid=(1,), num_warps=spec.num_warps, num_stages=spec.num_stages,
+                       **spec.constexprs)
+    except Exception as err:  # noqa: BLE001  (report every failing configuration, not just the first)
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        return spec.name, time.monotonic() - start, f"{type(err).__name__}: {lines[-1] if lines else ''}"
+    return spec.name, time.monotonic() - start, None
+
+
+def warm_cache(jobs: int) -> int:
+    """Compile every configuration for this machine's GPU through the JIT, in `jobs` processes; prints the
+    failures and a summary line. Returns the number of failed compiles."""
+    count = len(collect_specs())
+    start = time.monotonic()
+    # Spawned, not forked: this process has asked the CUDA driver for devices, and CUDA does not survive a fork.
+    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = list(pool.map(_warm_job, range(count), chunksize=2))
+    failed = [(name, error) for name, _, error in results if error is not None]
+    for name, error in failed:
+        print(f"FAILED {name}: {error}")
+    slowest = max(results, key=lambda r: r[1])
+    print(f"{count} configurations compiled for this GPU in {time.monotonic() - start:.0f} s ({jobs} processes, "
+          f"slowest {slowest[1]:.1f} s: {slowest[0]}); {len(failed)} failed")
+    return len(failed)
+
+
 def format_table(results: list[CompileResult]) -> str:
     header = (f"{'kernel configuration':<64} {'arch':>5} {'warps':>5} {'regs':>5} {'spill B':>8} "
               f"{'smem B':>8} {'occup.':>6}  status")
@@ -284,10 +341,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute capability (repeatable); default 80 and 90")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes (default: cores)")
+    parser.add_argument("--warm", action="store_true",
+                        help="on a CUDA GPU: compile every configuration for it into Triton's cache, nothing else")
     args = parser.parse_args(argv)
     # The interpreter replaces @triton.jit functions with Python ones that cannot be compiled.
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: interpreted kernels cannot be compiled for a GPU")
+    if args.warm:
+        if not torch.cuda.is_available():
+            parser.error(f"--warm compiles for this machine's GPU, and torch {torch.__version__} sees none")
+        return 1 if warm_cache(args.jobs) else 0
 
     archs = args.arch or DEFAULT_ARCHS
     picks = collect_picks()

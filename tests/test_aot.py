@@ -457,3 +457,13 @@ def test_format_hints_flags_hints_that_save_no_access():
     table, bad = format_hints(results, twins)
     assert len(table.splitlines()) == 4
     assert bad == ["scalars: NO VECTORS", "broken: FAILED"]
+
+
+def test_warmup_arguments_type_as_each_spec():
+    """Guards against `--warm` (gpu-check's compile stage) filling Triton's cache under keys no launch asks
+    for: the JIT must type each warmup argument as the spec types it (pointer dtypes, i32 / i64, fp32)."""
+    from sbd_kernels.aot import collect_specs, warmup_arguments
+
+    for spec in collect_specs():
+        runtime = [ty for ty in spec.signature.values() if ty != "constexpr"]
+        assert [_aot.triton_type(arg, specialise=False) for arg in warmup_arguments(spec)] == runtime, spec.name

@@ -1,6 +1,7 @@
 """`sbd gpu-check` without a GPU: the switch that runs the test suite on CUDA (SBD_TEST_DEVICE, SBD_TEST_SHARD,
 `on_device`), the plan and its budgets, the dry run, the stage runner (stubbed, or on tiny real commands), the
 report against the GPU's datasheet and the one-line failure without a GPU."""
+import ast
 import dataclasses
 import json
 import os
@@ -230,10 +231,11 @@ def test_a_budget_scales_every_stage_and_the_worst_case_fits_in_it(tmp_path, tot
 @pytest.mark.parametrize("current", [True, False])
 def test_only_the_selected_stages_share_the_budget(tmp_path, only, current):
     """Guards against `--only` running stages it does not name, giving a stage not run a budget (the build with
-    nothing to do included), or a worst case past the total."""
+    nothing to do included), leaving out the compile stage that every other one relies on, or a worst case past
+    the total."""
     plan = gpucheck.plan(dataclasses.replace(checkout(tmp_path, current=current), budget_s=300, only=only))
     budgeted = {s.name: s.budget_s for s in plan if s.budget_s}
-    expected = set(only or gpucheck.BUDGETS_S) - {"build"} | (set() if current else {"build"})
+    expected = set(only or gpucheck.BUDGETS_S) - {"build"} | {"compile"} | (set() if current else {"build"})
     assert set(budgeted) == expected
     assert all(s.skip == "not selected (--only)" for s in plan if s.name not in expected and s.name != "build")
     assert sum(budgeted.values()) + gpucheck.fixed_cost_s(len(budgeted)) <= 300
@@ -297,8 +299,11 @@ def test_plan_skips_what_cannot_run_and_says_why(tmp_path):
     assert "tests/test_hf.py" not in stages["tests"].commands[0] and stages["tests"].skip is None
     assert stages["bench-hf"].skip == "pytest_benchmark, transformers not installed"
     assert stages["bench-attention"].skip == "pytest_benchmark not installed"
-    without_pytest = gpucheck.plan(checkout(tmp_path, missing={"pytest"}))
-    assert {s.skip for s in without_pytest[1:]} == {"pytest not installed"}
+    without_pytest = {s.name: s for s in gpucheck.plan(checkout(tmp_path, missing={"pytest"}))}
+    assert without_pytest.pop("compile").skip is None  # no pytest in it
+    assert {s.skip for name, s in without_pytest.items() if name != "build"} == {"pytest not installed"}
+    assert stages["compile"].commands == ((sys.executable, "-m", "sbd_kernels.aot", "--warm", "--jobs", "16"),)
+    assert gpucheck.plan(checkout(tmp_path, missing={"triton"}))[1].skip == "triton not installed"
     assert [gpucheck.test_shards(n) for n in (1, 2, 8, 16, 64)] == [1, 1, 4, 8, 8]
 
 
@@ -496,6 +501,19 @@ def test_judge_reads_pytest_summaries():
     assert gpucheck.judge(build, [1], ["error: command 'g++' failed"], False, 1.0).detail == "error: command 'g++' failed"
 
 
+def test_judge_reads_the_compile_stage_by_its_exit_status():
+    """Guards against a configuration that failed to compile for the GPU passing unseen (its summary line
+    holds a "1 failed" that is no pytest count), or a clean compile stage reported as failed."""
+    stage = gpucheck.Stage("compile", 40, "", commands=(("x",),))
+    log = ("FAILED attention/split bf16 M64 N64 D128 contig aligned: CompilationError: out of resources\n"
+           "302 configurations compiled for this GPU in 21 s (16 processes, slowest 3.1 s: x); 1 failed")
+    failed = gpucheck.judge(stage, [1], [log], False, 21.0)
+    assert failed.status == "failed" and failed.detail.endswith("; 1 failed")
+    assert failed.failures == [log.splitlines()[0]]
+    passed = gpucheck.judge(stage, [0], [log.splitlines()[1].replace("1 failed", "0 failed")], False, 21.0)
+    assert passed.status == "passed" and passed.detail.startswith("302 configurations compiled")
+
+
 # ----------------------------------------------------------------------------------------------------
 # The command: dry run, no GPU, a whole run with stubbed stages
 # ----------------------------------------------------------------------------------------------------
@@ -506,11 +524,11 @@ def test_dry_run_prints_the_plan_and_writes_the_report(tmp_path, capsys, monkeyp
         cli.main(["gpu-check", "--dry-run", "--out", str(tmp_path)])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    assert "SBD_TEST_DEVICE=cuda" in out and "bench/bench_attention.py" in out and "150 s" in out
-    assert "budget: 590 s at most of 600 s" in out and "dry run" in out
+    assert "SBD_TEST_DEVICE=cuda" in out and "bench/bench_attention.py" in out and "145 s" in out
+    assert "budget: 600 s at most of 600 s" in out and "dry run" in out
     assert {p.name for p in tmp_path.iterdir()} >= {"report.md", "report.json", "report.csv", "gpu-check.json"}
     report = (tmp_path / "report.md").read_text()
-    assert "NVML fields missing" in report and "| tests | not run | 0 | 150 | dry run |" in report
+    assert "NVML fields missing" in report and "| tests | not run | 0 | 145 | dry run |" in report
     assert json.loads((tmp_path / "gpu-check.json").read_text())["dry_run"] is True
 
 
@@ -590,7 +608,7 @@ def test_a_run_reports_stages_skips_failures_and_kernels(tmp_path, capsys, monke
     assert ("sampling: 1 rows, 10.00x vs eager per call, 40.00x on CUDA-graph time; best 1.64 TB/s = 49% of the "
             "3.35 TB/s datasheet (B=1 K=16 V=128256 bf16)") in out
     report = (tmp_path / "report.md").read_text()
-    for expected in ("# sbd gpu-check: NVIDIA H100 80GB HBM3", "| tests | failed | 1 | 150 | 3 passed, 1 failed |",
+    for expected in ("# sbd gpu-check: NVIDIA H100 80GB HBM3", "| tests | failed | 1 | 145 | 3 passed, 1 failed |",
                      "| bench-attention | overran |", "- tests/test_hf.py: transformers is not installed",
                      "- tests: FAILED tests/test_x.py::test_y - boom", "GPU ceilings: 3.35 TB/s, dense TFLOP/s bf16 989",
                      "| graph ms | TB/s | % datasheet BW |", "| 0.0025 | 1.642 | 49 |",
@@ -644,3 +662,37 @@ def test_bench_device_is_the_gpu_where_there_is_one(monkeypatch):
     monkeypatch.setenv("SBD_BENCH_DEVICE", "tpu")
     with pytest.raises(ValueError, match="SBD_BENCH_DEVICE must be cpu or cuda"):
         bench_device()
+
+
+# A CUDA driver that Triton's JIT can compile against on a machine without a GPU: device 0, stream 0, sm_90.
+FAKE_DRIVER_WARM = """
+import sys
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+class FakeCudaDriver:
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+
+driver.set_active(FakeCudaDriver())
+from sbd_kernels import aot
+names = [spec.name for spec in aot.collect_specs()]
+print(aot._warm_job(names.index(sys.argv[1])))
+"""
+
+
+def test_compile_stage_compiles_through_the_jit_into_its_cache(tmp_path):
+    """Guards against the compile stage (`python -m sbd_kernels.aot --warm`) failing on Triton's JIT
+    (`warmup` with the spec's arguments and constexprs), or compiling somewhere the later stages do not look:
+    one configuration, with a driver that targets sm_90 in place of a GPU, lands in TRITON_CACHE_DIR."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    name = "mask_scatter_/accept BLOCK_K=16 rule=threshold gamma=scalar valid=no"
+    proc = subprocess.run([sys.executable, "-c", FAKE_DRIVER_WARM, name], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr
+    reported_name, _, error = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert (reported_name, error) == (name, None)
+    assert [p.name for p in tmp_path.rglob("_scatter_accept_kernel.cubin")]
+
