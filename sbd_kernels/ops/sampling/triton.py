@@ -146,7 +146,7 @@ def _sampling_tile_ptrs(row_ptr, v, vocab, ALIGNED: tl.constexpr):
     ptrs = row_ptr + v
     in_row = v < vocab
     if ALIGNED:
-        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 16, 16]), [1, 1, 16])
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, 1, 16]), [1, 1, 16])
         in_row = tl.max_constancy(in_row, [1, 1, 128 // row_ptr.dtype.element_ty.primitive_bitwidth])
     return ptrs, in_row
 
