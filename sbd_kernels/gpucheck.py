@@ -205,10 +205,10 @@ def extension_is_current(repo: Path) -> bool:
 
 
 def test_shards(cpu_count: int) -> int:
-    """pytest processes of the test stage: one per 2 cores, at most 8. On CUDA the suite is bound by compiling
-    Triton kernels, one at a time per process (on an H200 with 16 cores, 4 processes ran 484 tests in 140 s,
-    mostly compiling), so more processes check more in the budget; each runs its CPU tests on
-    cpu_count / shards torch threads."""
+    """pytest processes of the test stage: one per 2 cores, at most 8. On an H200 with 16 cores, 4 processes
+    ran 484 tests in 140 s, mostly compiling Triton kernels one at a time per process; the compile stage now
+    compiles them beforehand, and what is left (oracles on CPU copies, CPU-only tests) still spreads over the
+    processes; each runs its CPU tests on cpu_count / shards torch threads."""
     return max(1, min(8, cpu_count // 2))
 
 
