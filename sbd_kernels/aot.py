@@ -8,10 +8,10 @@ Each `sbd_kernels/ops/<family>/triton.py` lists in `aot_specs()` every configura
 derived from the launcher's own launch-building code run on META tensors (`sbd_kernels.ops._aot`): each
 argument is typed as Triton's JIT types it at run time, and the kernels are built without Triton's
 specialisation on argument values (`unspecialised_jit`), so these are exactly the compiles a GPU runs. Each
-is compiled to PTX and cubin for the target
-(what the interpreter cannot catch: tl.dot shape limits, shared memory overflow, unsupported ops, register
-pressure), then `ptxas -v` is run on the PTX with the flags Triton uses to read registers and spill bytes,
-and the theoretical occupancy is derived from registers, shared memory and warps.
+is compiled to PTX and cubin for the target (what the interpreter cannot catch: tl.dot shape limits, shared
+memory overflow, unsupported ops, register pressure), then `ptxas -v` is run on the PTX with the flags Triton
+uses to read registers and spill bytes, and the theoretical occupancy is derived from registers, shared
+memory and warps.
 
 A second table shows, for every shape of the benchmark grid (`sbd_kernels.benchmark_grid`, the shapes
 `bench/` times), the configurations the launchers pick there (each family's `picked_specs()`: the same
@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
@@ -203,7 +204,7 @@ def _compile_job(job: tuple[int, int, bool]) -> CompileResult:
     return compile_spec(unhinted(spec) if without_hints else spec, arch)
 
 
-def compile_all(archs, jobs: int, unhinted_indices: list[int] = ()) -> list[CompileResult]:
+def compile_all(archs, jobs: int, unhinted_indices: Sequence[int] = ()) -> list[CompileResult]:
     """Every spec for every arch, then the `unhinted` twin of each spec of `unhinted_indices` for
     HINT_ARCH, in `jobs` processes (one compile keeps one core busy for 2-5 s and there are a few hundred),
     in that order."""
