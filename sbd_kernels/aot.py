@@ -141,9 +141,15 @@ def compile_spec(spec, arch: int) -> CompileResult:
         result.global_accesses = count_global_accesses(compiled.asm["ptx"])
         result.ok = True
     except Exception as err:  # noqa: BLE001  (report every failing configuration, not just the first)
-        lines = [line for line in str(err).splitlines() if line.strip()]
-        result.error = f"{type(err).__name__}: {lines[-1] if lines else ''}"
+        result.error = compile_error_line(err)
     return result
+
+
+def compile_error_line(err: Exception) -> str:
+    """One line for a failed compile: the exception's type and the last non-empty line of its message (where
+    Triton and ptxas put the cause, below the source excerpt)."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[-1] if lines else ''}"
 
 
 @functools.cache
@@ -264,8 +270,7 @@ def _warm_job(index: int) -> tuple[str, float, str | None]:
         spec.fn.warmup(*warmup_arguments(spec), grid=(1,), num_warps=spec.num_warps, num_stages=spec.num_stages,
                        **spec.constexprs)
     except Exception as err:  # noqa: BLE001  (report every failing configuration, not just the first)
-        lines = [line for line in str(err).splitlines() if line.strip()]
-        return spec.name, time.monotonic() - start, f"{type(err).__name__}: {lines[-1] if lines else ''}"
+        return spec.name, time.monotonic() - start, compile_error_line(err)
     return spec.name, time.monotonic() - start, None
 
 

@@ -44,7 +44,7 @@ def unspecialised_jit(fn):
     core, that is what kept the test stage of `sbd gpu-check` from finishing in 10 minutes. In an engine,
     each new batch size or block length whose divisibility differs would likewise stall a step for a
     compile."""
-    runtime = [name for name, p in inspect.signature(fn).parameters.items() if "constexpr" not in str(p.annotation)]
+    runtime = [name for name, is_constexpr, _ in kernel_parameters(fn) if not is_constexpr]
     return triton.jit(fn, do_not_specialize=runtime, do_not_specialize_on_alignment=runtime)
 
 
