@@ -467,3 +467,27 @@ def test_warmup_arguments_type_as_each_spec():
     for spec in collect_specs():
         runtime = [ty for ty in spec.signature.values() if ty != "constexpr"]
         assert [_aot.triton_type(arg, specialise=False) for arg in warmup_arguments(spec)] == runtime, spec.name
+
+
+def test_warm_without_a_gpu_says_so_and_compiles_nothing(capsys, monkeypatch):
+    """Guards against `python -m sbd_kernels.aot --warm` on a machine without a GPU compiling for some default
+    target (a cache no run here would use) instead of stopping with the reason."""
+    from sbd_kernels import aot
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(aot, "warm_cache", lambda jobs: pytest.fail("compiled without a GPU"))
+    with pytest.raises(SystemExit) as info:
+        aot.main(["--warm"])
+    assert info.value.code == 2
+    assert "--warm compiles for this machine's GPU, and torch" in capsys.readouterr().err
+
+
+def test_unspecialised_jit_refuses_an_annotated_runtime_argument():
+    """Guards against a kernel whose runtime argument carries a type annotation: Triton would type it by the
+    annotation, which neither the compile specs nor the warmup arguments follow."""
+    def kernel(x_ptr, n: int, BLOCK: triton.language.constexpr):
+        pass
+
+    with pytest.raises(ValueError, match="argument n is annotated"):
+        _aot.unspecialised_jit(kernel)
