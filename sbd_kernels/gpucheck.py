@@ -69,9 +69,9 @@ from sbd_kernels.testing import GPU_TEST_FILES, PLAN_VARIABLE
 # Seconds per stage, for a 16-core H100 or H200 machine. On the first H200 run (a 470 s budget) no stage
 # finished, each bound by compiling (Triton kernels, torch.compile, FlexAttention), not by the GPU: the tests
 # ran 484 of ~4,800 in 140 s on 4 processes, the attention grid 2 cases in 48 s, sampling 33 timings in 44 s,
-# scatter 13 in 18 s, decode 14 in 33 s, HF 1 in 22 s. The kernels now compile once per configuration (302,
+# scatter 13 in 18 s, decode 14 in 33 s, HF 1 in 22 s. The kernels now compile once per configuration (278,
 # `unspecialised_jit`; the kernel test files asked for 4148 compiles before) and the compile stage builds them
-# all first, on every core: 0.3-3.3 s each for sm_90 on a CPU here, so 40 s covers 302 on 16 cores. The
+# all first, on every core: 0.3-3.3 s each for sm_90 on a CPU here, so 40 s covers 278 on 16 cores. The
 # attention grid keeps the largest bench budget (FlexAttention compiles per case); a stage stopped at its
 # budget keeps and reports what it finished.
 BUDGETS_S = {"build": 50, "compile": 40, "tests": 145, "bench-attention": 100, "bench-sampling": 55,

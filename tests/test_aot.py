@@ -299,21 +299,24 @@ def _sampling_call(batch, positions, vocab, dtype, temperature, compute_mask, fi
 
 
 def test_sampling_rows_are_aligned_only_when_they_load_as_vectors():
-    """Guards against ALIGNED (16-byte vector loads of the logits) on rows that do not start on 16 bytes or
-    whose last tile's mask would split a vector (V * element size % 16 != 0): a misaligned vector load faults
-    on a GPU; and against losing it on the layouts most vocabularies have."""
+    """Guards against ALIGNED (16-byte vector loads of the logits, partial kernel) on rows that do not start
+    on 16 bytes or whose last tile's mask would split a vector (V * element size % 16 != 0): a misaligned
+    vector load faults on a GPU; against losing it on the layouts most vocabularies have; and against hints
+    on the threshold kernel, whose search loads one entry per thread in the layout of its pivot sums."""
     def flags(vocab, dtype=torch.float32, layout="contiguous"):
         launches = _sampling_call(2, 4, vocab, dtype, 1.0, False, "top_k", layout)
+        assert launches[0].kernel is sampling_triton._sampling_threshold_kernel
+        assert "ALIGNED" not in launches[0].constexprs
         return [kl.constexprs["ALIGNED"] for kl in launches if "ALIGNED" in kl.constexprs]
 
-    assert flags(32000) == [True, True]  # threshold, partial
-    assert flags(128256, torch.bfloat16) == [True, True]
-    assert flags(32004, torch.bfloat16) == [False, False]  # 64 008 bytes a row: not a multiple of 16
-    assert flags(32001) == [False, False]
-    assert flags(32000, layout="offset") == [False, False]
-    assert flags(32000, layout="padded") == [False, False]
-    assert flags(32000, layout="strided") == [True, True]  # copied to contiguous rows first
-    assert flags(1024) == [True, False]  # the small tile has no aligned configuration
+    assert flags(32000) == [True]  # partial
+    assert flags(128256, torch.bfloat16) == [True]
+    assert flags(32004, torch.bfloat16) == [False]  # 64 008 bytes a row: not a multiple of 16
+    assert flags(32001) == [False]
+    assert flags(32000, layout="offset") == [False]
+    assert flags(32000, layout="padded") == [False]
+    assert flags(32000, layout="strided") == [True]  # copied to contiguous rows first
+    assert flags(1024) == [False]  # the small tile has no aligned configuration
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)

@@ -9,7 +9,10 @@ import torch
 from test_sampling import BAD_CASES, backend_op, op_on_given_tensors
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from sbd_kernels import testing
+from sbd_kernels.ops._aot import launch
 from sbd_kernels.ops.sampling import naive
+from sbd_kernels.ops.sampling import triton as sampling_triton
 from sbd_kernels.testing import FLOAT_DTYPES, assert_close
 
 BACKENDS = ("cpu", "triton")
@@ -383,6 +386,65 @@ def test_ties_at_the_cut_off_are_all_drawn(backend):
     for kwargs in ({"top_k_val": 2}, {"top_p_val": 0.6}):
         tokens, *_ = op(logits, seed, offset, temperature_val=2.0, **kwargs)
         assert set(tokens.flatten().tolist()) == {1, 3, 5, 7}, kwargs
+
+
+# A row whose cut-offs fall on adjacent floats, signed zeros, the smallest denormals and finfo.min (groups
+# from the top, count in brackets: 1 + 2^-23 [2] and 1 [2] (adjacent: a search range can hold these two keys
+# alone), 0.5 [2], 1e-38 [4], 2^-149 [3], 0.0 [5] and -0.0 [5], -2^-149 [3], -1e-38 [4], -1 [8], -1e38 [2] and
+# finfo.min [3] (within one pivot step of each other)); top-k values that cut at each group and inside it,
+# top-p values between the groups' cumulated mass (0.13, 0.26, 0.35, 0.44, 0.52, 0.76, 0.83, 0.93 at T = 1).
+CUT_OFF_LEVELS = [(1 + 2.0**-23, 2), (1.0, 2), (0.5, 2), (1e-38, 4), (2.0**-149, 3), (0.0, 5), (-0.0, 5),
+                  (-(2.0**-149), 3), (-1e-38, 4), (-1.0, 8), (-1e38, 2), (torch.finfo(torch.float32).min, 3)]
+CUT_OFF_TOP_K = [1, 2, 3, 4, 5, 7, 10, 11, 13, 14, 18, 19, 23, 24, 26, 27, 30, 31, 38, 39, 40, 41, 43]
+CUT_OFF_TOP_P = [0.2, 0.3, 0.4, 0.48, 0.6, 0.8, 0.9, 0.97]
+# (top_k, top_p) together: top-p needs every entry top-k keeps, so its search starts at a logit of the row.
+CUT_OFF_BOTH = [(4, 0.9), (10, 0.97), (23, 0.99)]
+
+
+def cut_off_case(positions, device="cpu"):
+    """(logits [S, positions, 43] of the CUT_OFF_LEVELS row shuffled, top_k [S], top_p [S]): one request
+    per setting S of CUT_OFF_TOP_K, CUT_OFF_TOP_P and CUT_OFF_BOTH."""
+    row = torch.cat([torch.full((n,), v) for v, n in CUT_OFF_LEVELS])
+    assert torch.signbit(row).sum() == 5 + 3 + 4 + 8 + 2 + 3 and row.unique().numel() == len(CUT_OFF_LEVELS) - 1
+    row = row[torch.randperm(row.numel(), generator=torch.Generator().manual_seed(0))]
+    settings = [(k, 1.0) for k in CUT_OFF_TOP_K] + [(0, p) for p in CUT_OFF_TOP_P] + CUT_OFF_BOTH
+    top_k = torch.tensor([k for k, _ in settings])
+    top_p = torch.tensor([p for _, p in settings])
+    logits = row.expand(top_k.numel(), positions, -1).contiguous()
+    return logits.to(device), top_k.to(device), top_p.to(device)
+
+
+@pytest.mark.parametrize("backend", ["cpu"])
+def test_cut_offs_on_adjacent_floats_signed_zeros_and_finfo_min(backend):
+    """Guards against a CPU selection that orders -0.0 below 0.0, takes a denormal for zero, merges adjacent
+    floats or drops a finfo.min tie group: token for token with the oracle, 8 draws a setting (the Triton
+    search's cut-off itself is compared below)."""
+    logits, top_k, top_p = cut_off_case(positions=8)
+    seed, offset = make_seeds(top_k.numel())
+    check_backend(backend, logits, seed, offset, temperature_val=1.0, top_k=top_k, top_p=top_p,
+                  min_p=torch.zeros(top_k.numel()))
+
+
+def test_triton_threshold_is_the_oracle_cut_off():
+    """Guards the Triton threshold search itself (the draws above see a wrong kept set only when one of its
+    extra or missing entries wins): on the CUT_OFF_LEVELS row, threshold[row] equals the smallest logit the
+    oracle keeps, exactly, for every setting (-inf where nothing is filtered: top_k >= V)."""
+    device = testing.triton_test_device()
+    logits, top_k, top_p = cut_off_case(positions=1, device=device)
+    rows = top_k.numel()
+    seed, offset = (t.to(device) for t in make_seeds(rows))
+    min_p = torch.zeros(rows, device=device)
+    _, launches = sampling_triton._sampling_launches(logits, seed, offset, temperature_val=1.0, top_k=top_k,
+                                                     top_p=top_p, min_p=min_p)
+    threshold_launch = launches[0]
+    assert threshold_launch.kernel is sampling_triton._sampling_threshold_kernel
+    threshold_launch.args["threshold_ptr"].fill_(float("nan"))
+    launch([threshold_launch])
+    kept = naive.kept_by_filters(logits.cpu(), torch.ones(rows), top_k.cpu(), top_p.cpu(), min_p.cpu())
+    want = torch.where(kept, logits.cpu(), float("inf")).amin(-1).view(rows)
+    want[top_k.cpu() >= logits.shape[-1]] = float("-inf")
+    got = threshold_launch.args["threshold_ptr"].cpu()
+    assert torch.equal(got, want), [(s, float(g), float(w)) for s, (g, w) in enumerate(zip(got, want)) if g != w]
 
 
 # Filter settings under an overflowing temperature: each keeps the four tied maxima (1000) and nothing else

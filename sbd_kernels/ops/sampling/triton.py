@@ -64,12 +64,16 @@ GUMBEL_MAX = tl.constexpr(16.64)
 # combine kernel every row runs.
 RERUN_BLOCK = SMALL_BLOCK_V
 # Filters' threshold search (one program per row): a tile of THRESHOLD_BLOCK entries is compared with
-# THRESHOLD_PIVOTS pivots at once, [1024, 16] = 16384 values (32 per thread at 16 warps); each pass narrows
-# the range of 32-bit keys 17-fold, so 8 passes always end it (17^8 > 2^32), most rows far sooner. One
-# program walks a whole row, so its loads in flight set the speed: on an H200 the former [256, 16] tile at
-# 4 warps (1 KB of fp32 per step, three block reductions per tile) took 3.0 ms for top-k 50 and 4.9 ms for
-# top-p 0.9 on 16 rows of 128256 (CUDA-graph time), 7-10x slower than eager torch. 1024 x 16 at 16 warps: 83
-# registers (fp32) and 128 (bf16), no spill on sm_90 (ptxas, triton 3.8); 2048 x 16 spilled 280-428 bytes.
+# THRESHOLD_PIVOTS pivots at once, [16, 1024] = 16384 pairs (32 per thread at 16 warps); each pass narrows
+# the range of 32-bit keys 17-fold, so 8 passes always end it (17^8 > 2^32), most rows sooner (4-8, 5.3 on
+# average, for top-k 1-1000 and top-p 0.5-0.99 on rows of 128256, by a replay of the search in numpy). One
+# program walks a whole row (16 rows keep 16 SMs busy) and does 16 compares and sums per entry and pass. On
+# an H200 the former [256, 16] tile at 4 warps took 3.0 ms for top-k 50 and 4.9 ms for top-p 0.9 on 16 rows
+# of 128256 (CUDA-graph time), 7-10x slower than eager torch. A tile of the search now takes 95-99 SASS
+# instructions per warp for top-k and 145-150 for top-p on sm_90 (triton 3.8), against 254-264 and 303-315
+# with int64 keys and a block reduction per tile: 2 per pair (`_sampling_key_search`). 96-98 registers
+# (fp32, fp16) and 127-128 (bf16, the most 512 threads can have), no spill on sm_80 / sm_90; a 2048-entry
+# tile spilled 280-428 bytes.
 THRESHOLD_BLOCK = 1024
 THRESHOLD_PIVOTS = 16
 THRESHOLD_NUM_WARPS = 16
@@ -123,17 +127,17 @@ def _sampling_key_value(key):
 
 
 @triton.jit
-def _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
-    """(logits of entries start + [0, BLOCK) in fp32, -inf beyond V and at the mask token; their indices).
-    ALIGNED: see `_sampling_tile_ptrs`."""
+def _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK: tl.constexpr):
+    """Logits of entries start + [0, BLOCK) in fp32, -inf beyond V and at the mask token (threshold kernel).
+
+    Loaded entry by entry, one per thread and step: the layout of the search's pivot sums
+    (`_sampling_key_search`). Triton's coalescing gives a load the widest vectors of any load of the same
+    shape its values connect it to, so 16-byte hints on the other passes' loads would send the search's tiles
+    through shared memory too (sm_90: 106 and 196 SASS instructions a tile for top-k and top-p, against 95
+    and 145)."""
     v = start + tl.arange(0, BLOCK)
-    ptrs = row_ptr + v
-    in_row = v < vocab
-    if ALIGNED:
-        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16]), [BLOCK])
-        in_row = tl.max_constancy(in_row, [128 // row_ptr.dtype.element_ty.primitive_bitwidth])
-    x = tl.load(ptrs, mask=in_row, other=-float("inf")).to(tl.float32)
-    return tl.where(v == mask_token_id, -float("inf"), x), v
+    x = tl.load(row_ptr + v, mask=v < vocab, other=-float("inf")).to(tl.float32)
+    return tl.where(v == mask_token_id, -float("inf"), x)
 
 
 @triton.jit
@@ -160,7 +164,7 @@ def _sampling_top_p_weight(x, m, temperature):
 @triton.jit
 def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target,
                          MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
-                         MAX_ROUNDS: tl.constexpr, ALIGNED: tl.constexpr):
+                         MAX_ROUNDS: tl.constexpr):
     """The largest key K in [lo, hi) with W(K) >= target, where W(K) = sum of w over the entries whose key
     is >= K, w = 1 for entries above -inf (MASS False) or the top-p weight (MASS True); needs
     W(lo) >= target > W(hi). hi <= lo + 1 on entry returns lo at once.
@@ -168,30 +172,42 @@ def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, 
     Each pass over the row evaluates W at PIVOTS keys spread over [lo, hi) and narrows the range to the
     two pivots around the answer, and ends the search as soon as a single key with weight is left in the
     range (FlashInfer's pivot search, with keys instead of values so that it always ends: 17^8 > 2^32).
+    The entries are compared with the pivots' float values, which order them exactly as the keys do.
     """
     steps = tl.arange(0, PIVOTS).to(tl.int64) + 1
     rounds = 0
     while (hi - lo > 1) & (rounds < MAX_ROUNDS):
         pivots = lo + ((hi - lo) * steps) // (PIVOTS + 1)                  # [PIVOTS], ascending, >= lo
-        if MASS:
-            reach = tl.zeros([PIVOTS], dtype=tl.float32)
-        else:
-            reach = tl.zeros([PIVOTS], dtype=tl.int32)
-        # The smallest and largest logit with weight and key in [lo, hi), per lane, reduced after the pass:
-        # keys follow the logits' order, and one block reduction per pass instead of two per tile.
+        # Keys compared as floats: key(x) >= p <=> x >= value(p) for every x that is not NaN and every p
+        # in [key(-max float), key(+inf)] (the key -1 is -0.0, which no x has: -0.0 and 0.0 share key 0).
+        # Per pair, one float compare instead of an int64 one and the key of every entry.
+        pivot_values = _sampling_key_value(pivots)
+        lo_value = _sampling_key_value(lo)
+        hi_value = _sampling_key_value(hi)
+        # Sums per lane [PIVOTS, BLOCK], and the smallest and largest logit with weight and key in [lo, hi)
+        # per lane: one block reduction per pass instead of one per tile. Both sums are kept in fp32 as
+        # above * w + sum, which compiles to two instructions per (entry, pivot) on sm_90, a compare that
+        # writes 1.0 or 0.0 and an FMA (an int32 count took about 4: a select, an add and register moves).
+        # A lane counts at most V / BLOCK entries, exact in fp32; the counts are summed as int32.
+        reach_lane = tl.zeros([PIVOTS, BLOCK], dtype=tl.float32)
         x_min = tl.full([BLOCK], float("inf"), dtype=tl.float32)
         x_max = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
         for start in range(0, vocab, BLOCK):
-            x, _ = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK, ALIGNED)
-            key = _sampling_key(x)
+            x = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
+            above = (x[None, :] >= pivot_values[:, None]).to(tl.float32)
             if MASS:
                 w = _sampling_top_p_weight(x, m, temperature)
+                reach_lane += above * w[None, :]
+                inside = (x >= lo_value) & (x < hi_value) & (w > 0)
             else:
-                w = (x > -float("inf")).to(tl.int32)
-            reach += tl.sum(tl.where(key[:, None] >= pivots[None, :], w[:, None], 0), axis=0)
-            inside = (key >= lo) & (key < hi) & (w > 0)
+                reach_lane += above  # a pivot value is finite: an entry above it has weight 1
+                inside = (x >= lo_value) & (x < hi_value)
             x_min = tl.minimum(x_min, tl.where(inside, x, float("inf")))
             x_max = tl.maximum(x_max, tl.where(inside, x, -float("inf")))
+        if MASS:
+            reach = tl.sum(reach_lane, axis=1)
+        else:
+            reach = tl.sum(reach_lane.to(tl.int32), axis=1)
         any_inside = tl.max(x_max) >= tl.min(x_min)
         key_min = tl.where(any_inside, _sampling_key(tl.min(x_min)), hi)
         key_max = tl.where(any_inside, _sampling_key(tl.max(x_max)), lo - 1)
@@ -211,7 +227,7 @@ def _sampling_threshold_kernel(
     top_k_ptr, top_k_stride, top_k_val, top_p_ptr, top_p_stride, top_p_val, min_p_ptr, min_p_stride,
     min_p_val, threshold_ptr, positions, vocab, mask_token_id,
     HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, FILTER_TENSORS: tl.constexpr,
-    BLOCK: tl.constexpr, PIVOTS: tl.constexpr, MAX_ROUNDS: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr, PIVOTS: tl.constexpr, MAX_ROUNDS: tl.constexpr,
 ):
     """threshold[row] = max(tau_k, tau_p, tau_m) of a sampled row with a filter on, else -inf."""
     row = tl.program_id(0)
@@ -242,7 +258,7 @@ def _sampling_threshold_kernel(
     bad_lane = tl.zeros([BLOCK], dtype=tl.int32)
     live_lane = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, tl.where(wanted, vocab, 0), BLOCK):
-        x, _ = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK, ALIGNED)
+        x = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
         bad_lane = tl.maximum(bad_lane, ((x != x) | (x == float("inf"))).to(tl.int32))  # noqa: PLR0124 (NaN test)
         m_lane = tl.maximum(m_lane, x)
         live_lane += (x > -float("inf")).to(tl.int32)
@@ -257,20 +273,20 @@ def _sampling_threshold_kernel(
     need_k = active & top_k_on & (live >= top_k)
     key_k = _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lowest,
                                  tl.where(need_k, top, lowest + 1), top_k, False, BLOCK, PIVOTS,
-                                 MAX_ROUNDS, ALIGNED)
+                                 MAX_ROUNDS)
     tau_k = tl.where(need_k, _sampling_key_value(key_k), -float("inf"))
 
     # top-p over the entries >= tau_k: the largest logit whose upper set holds top_p of their mass.
     need_p = active & (top_p < 1)
     total_lane = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, tl.where(need_p, vocab, 0), BLOCK):
-        x, _ = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK, ALIGNED)
+        x = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
         total_lane += tl.where(x >= tau_k, _sampling_top_p_weight(x, m, temperature), 0.0)
     total = tl.sum(total_lane)
     lo_p = tl.maximum(key_k, lowest)
     key_p = _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo_p,
                                  tl.where(need_p, top, lo_p + 1), top_p * total, True, BLOCK, PIVOTS,
-                                 MAX_ROUNDS, ALIGNED)
+                                 MAX_ROUNDS)
     tau_p = tl.where(need_p, _sampling_key_value(key_p), -float("inf"))
 
     # min-p: p >= min_p * p_max <=> x >= max + T ln(min_p), in fp64, rounded up to the next float.
@@ -578,7 +594,7 @@ def _sampling_launches(logits: torch.Tensor, seed: torch.Tensor, offset: torch.T
             "min_p_stride": _per_row_stride(min_p) if filter_tensors else 0, "min_p_val": float(min_p_val),
             "threshold_ptr": threshold, "positions": positions, "vocab": vocab, "mask_token_id": mask_token_id,
         }, {**flags, "FILTER_TENSORS": filter_tensors, "BLOCK": THRESHOLD_BLOCK, "PIVOTS": THRESHOLD_PIVOTS,
-            "MAX_ROUNDS": THRESHOLD_MAX_ROUNDS, "ALIGNED": aligned}, THRESHOLD_NUM_WARPS))
+            "MAX_ROUNDS": THRESHOLD_MAX_ROUNDS}, THRESHOLD_NUM_WARPS))
 
     block = _block_size(vocab)
     launches.append(KernelLaunch(_sampling_partial_kernel, (rows, num_splits), {
@@ -627,12 +643,11 @@ def _spec_name(kl: KernelLaunch) -> str:
              f"temperature={'tensor' if c['HAS_TEMPERATURE'] else 'scalar'} mask={c['HAS_COMPUTE_MASK']}")
     if kl.kernel is _sampling_combine_kernel:
         return f"entropy_sample/combine {label} SPLITS={c['SPLITS']}"
-    alignment = "aligned" if c["ALIGNED"] else "unaligned"
     if kl.kernel is _sampling_threshold_kernel:
         return (f"entropy_sample/threshold {label} filters={'tensor' if c['FILTER_TENSORS'] else 'scalar'} "
-                f"BLOCK={c['BLOCK']} PIVOTS={c['PIVOTS']} {alignment}")
+                f"BLOCK={c['BLOCK']} PIVOTS={c['PIVOTS']}")
     return (f"entropy_sample/partial {label}{' filtered' if c['HAS_THRESHOLD'] else ''} BLOCK={c['BLOCK']} "
-            f"{alignment}")
+            f"{'aligned' if c['ALIGNED'] else 'unaligned'}")
 
 
 def specs_of_launches(launches: list[KernelLaunch]) -> list[KernelSpec]:
@@ -664,7 +679,7 @@ def aot_specs() -> list[KernelSpec]:
     32001 (the partial kernel's two tiles, each with several splits; 16-byte rows or not) x filters off, as
     scalars (top-k 50, top-p 0.9) or as tensors. A partial configuration is dtype x flags x tile (the large
     one aligned or not) x filtered, a combine one dtype x flags, a threshold one (filters only) dtype x
-    flags x filters as tensors or scalars x aligned."""
+    flags x filters as tensors or scalars."""
     filter_cases = ({}, {"top_k_val": 50, "top_p_val": 0.9}, {"filter_tensors": True})
     launches = [kl for dtype in _TRITON_DTYPES for temperature_tensor in (False, True)
                 for compute_mask in (False, True) for vocab in (SMALL_VOCAB - 1, 32000, 32001)
