@@ -72,8 +72,8 @@ RERUN_BLOCK = SMALL_BLOCK_V
 # of 128256 (CUDA-graph time), 7-10x slower than eager torch. A tile of the search now takes 95-99 SASS
 # instructions per warp for top-k and 145-150 for top-p on sm_90 (triton 3.8), against 254-264 and 303-315
 # with int64 keys and a block reduction per tile: 2 per pair (`_sampling_key_search`). 96-98 registers
-# (fp32, fp16) and 127-128 (bf16, the most 512 threads can have), no spill on sm_80 / sm_90; a 2048-entry
-# tile spilled 280-428 bytes.
+# (fp32, fp16) and 127-128 (bf16) on sm_90 with triton 3.8, 126-128 with 3.6 (128: the most 512 threads can
+# have), no spill on sm_80 / sm_90; a 2048-entry tile spilled 280-428 bytes.
 THRESHOLD_BLOCK = 1024
 THRESHOLD_PIVOTS = 16
 THRESHOLD_NUM_WARPS = 16
