@@ -675,3 +675,30 @@ def test_filter_distribution_is_not_degenerate():
         kept_tokens = int(kept(row.view(1, 1, -1), temperature, **settings).sum())
         assert 2 < kept_tokens < row.numel(), settings
         assert math.isclose(float(filtered_softmax(row, temperature, **settings).sum()), 1.0)
+
+
+def _threshold_passes_tool():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "threshold_passes.py"
+    spec = importlib.util.spec_from_file_location("threshold_passes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("setting", [("top_k", 50), ("top_p", 0.9)], ids=["top_k", "top_p"])
+def test_pass_count_replay_follows_the_kernel(setting):
+    """Guards the pass counts docs/performance.md quotes (tools/threshold_passes.py, a numpy replay of the
+    search) against drifting from the kernel: the interpreted threshold kernel reaches the oracle's cut-off at
+    MAX_ROUNDS = the replay's pass count, not one earlier."""
+    if testing.triton_test_device() != "cpu":
+        pytest.skip("the replay is checked against the interpreted kernel")
+    tool = _threshold_passes_tool()
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(4000, generator=gen) * 2.5).numpy()
+    x[:8] += 9.0
+    _, passes = tool.replay(x, setting, first_in_value=True)
+    assert passes >= 2
+    assert tool.kernel_passes(x, setting) == passes

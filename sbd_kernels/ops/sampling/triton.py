@@ -64,20 +64,21 @@ GUMBEL_MAX = tl.constexpr(16.64)
 # combine kernel every row runs.
 RERUN_BLOCK = SMALL_BLOCK_V
 # Filters' threshold search (one program per row): a tile of THRESHOLD_BLOCK entries is compared with
-# THRESHOLD_PIVOTS pivots at once, [16, 1024] = 16384 pairs (32 per thread at 16 warps); each pass narrows
-# the range of 32-bit keys 17-fold, so 8 passes always end it (17^8 > 2^32), most rows sooner (4-8, 5.3 on
-# average, for top-k 1-1000 and top-p 0.5-0.99 on rows of 128256, by a replay of the search in numpy). One
-# program walks a whole row (16 rows keep 16 SMs busy) and does 16 compares and sums per entry and pass. On
-# an H200 the former [256, 16] tile at 4 warps took 3.0 ms for top-k 50 and 4.9 ms for top-p 0.9 on 16 rows
-# of 128256 (CUDA-graph time), 7-10x slower than eager torch. A tile of the search now takes 95-99 SASS
+# THRESHOLD_PIVOTS pivots at once, [16, 1024] = 16384 pairs (32 per thread at 16 warps). The first pass
+# spreads the pivots in value over the row's logits, the later ones in key, each of those narrowing the range
+# of 32-bit keys 17-fold, so 1 + 8 passes always end it (17^8 > 2^32), most rows sooner (3.7 on average, 7
+# at most, for top-k 1-1000 and top-p 0.5-0.99 on rows of 128256: tools/threshold_passes.py). One program
+# walks a whole row (16 rows keep 16 SMs busy) and does 16 compares and sums per entry and pass. On an H200
+# the former [256, 16] tile at 4 warps took 3.0 ms for top-k 50 and 4.9 ms for top-p 0.9 on 16 rows of
+# 128256 (CUDA-graph time), 7-10x slower than eager torch. A tile of the search now takes 95-99 SASS
 # instructions per warp for top-k and 145-150 for top-p on sm_90 (triton 3.8), against 254-264 and 303-315
-# with int64 keys and a block reduction per tile: 2 per pair (`_sampling_key_search`). 96-98 registers
-# (fp32, fp16) and 127-128 (bf16) on sm_90 with triton 3.8, 126-128 with 3.6 (128: the most 512 threads can
-# have), no spill on sm_80 / sm_90; a 2048-entry tile spilled 280-428 bytes.
+# with int64 keys and a block reduction per tile: 2 per pair (`_sampling_key_search`). 97-101 registers
+# (fp32, fp16) and 128 (bf16) on sm_90 with triton 3.8, 128 on sm_80 (the most 512 threads can have), no
+# spill; a 2048-entry tile spilled 280-428 bytes.
 THRESHOLD_BLOCK = 1024
 THRESHOLD_PIVOTS = 16
 THRESHOLD_NUM_WARPS = 16
-THRESHOLD_MAX_ROUNDS = 8
+THRESHOLD_MAX_ROUNDS = 9  # one pass with pivots in value, then 8 in key
 # Entries per row of the workspaces: (m, S, U, greedy value, best score, bad, race threshold) and (greedy
 # index, best index). The threshold (-inf: no filter) is the same in every split: the partial kernel
 # passes it on so that the combine kernel's overflow rerun keeps the same entries without a filtered
@@ -162,22 +163,34 @@ def _sampling_top_p_weight(x, m, temperature):
 
 
 @triton.jit
-def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target,
+def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target, x_low, x_high,
                          MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
                          MAX_ROUNDS: tl.constexpr):
     """The largest key K in [lo, hi) with W(K) >= target, where W(K) = sum of w over the entries whose key
     is >= K, w = 1 for entries above -inf (MASS False) or the top-p weight (MASS True); needs
-    W(lo) >= target > W(hi). hi <= lo + 1 on entry returns lo at once.
+    W(lo) >= target > W(hi). hi <= lo + 1 on entry returns lo at once. [x_low, x_high]: bounds of the
+    logits with weight, where the first pass places its pivots.
 
-    Each pass over the row evaluates W at PIVOTS keys spread over [lo, hi) and narrows the range to the
-    two pivots around the answer, and ends the search as soon as a single key with weight is left in the
-    range (FlashInfer's pivot search, with keys instead of values so that it always ends: 17^8 > 2^32).
+    Each pass over the row evaluates W at PIVOTS pivot keys in [lo, hi) and narrows the range to the two
+    pivots around the answer, and ends the search as soon as a single key with weight is left in the range
+    (FlashInfer's pivot search). The first pass spreads its pivots evenly in value over the logits' bounds,
+    where the answer's neighbours lie; the later ones evenly in key, so that 8 more always end it
+    (17^8 > 2^32): MAX_ROUNDS = 9. On rows of 128256 (N(0, s^2), s = 1, 2.5, 5, and 20 outliers; fp32 and
+    bf16; top-k 1, 50, 1000, top-p 0.5, 0.9, 0.99) a replay in numpy (tools/threshold_passes.py) ends in
+    3.7 passes on average and 7 at most, against 5.3 and 8 with every pass in key (for a row whose largest
+    logit is 10 to 20, the first pass in key puts its 16 pivots below -2e4 or within 4e-3 of zero).
     The entries are compared with the pivots' float values, which order them exactly as the keys do.
     """
     steps = tl.arange(0, PIVOTS).to(tl.int64) + 1
+    fractions = steps.to(tl.float32) / (PIVOTS + 1)
     rounds = 0
     while (hi - lo > 1) & (rounds < MAX_ROUNDS):
-        pivots = lo + ((hi - lo) * steps) // (PIVOTS + 1)                  # [PIVOTS], ascending, >= lo
+        # Pivots: [PIVOTS] keys in [lo, hi). a (1 - f) + b f stays finite for any finite a <= b.
+        a = tl.maximum(_sampling_key_value(lo), x_low)
+        b = tl.minimum(_sampling_key_value(hi - 1), x_high)
+        by_value = tl.minimum(tl.maximum(_sampling_key(a * (1 - fractions) + b * fractions), lo), hi - 1)
+        by_key = lo + ((hi - lo) * steps) // (PIVOTS + 1)
+        pivots = tl.where(rounds == 0, by_value, by_key)
         # Keys compared as floats: key(x) >= p <=> x >= value(p) for every x that is not NaN and every p
         # in [key(-max float), key(+inf)] (the key -1 is -0.0, which no x has: -0.0 and 0.0 share key 0).
         # Per pair, one float compare instead of an int64 one and the key of every entry.
@@ -255,14 +268,18 @@ def _sampling_threshold_kernel(
     # Pass 1: max, validity (NaN / +inf rows are flagged by the partial kernel), entries above -inf; per lane,
     # reduced after the pass (a block reduction per tile would stall every tile's loads).
     m_lane = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
+    low_lane = tl.full([BLOCK], float("inf"), dtype=tl.float32)
     bad_lane = tl.zeros([BLOCK], dtype=tl.int32)
     live_lane = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, tl.where(wanted, vocab, 0), BLOCK):
         x = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
         bad_lane = tl.maximum(bad_lane, ((x != x) | (x == float("inf"))).to(tl.int32))  # noqa: PLR0124 (NaN test)
         m_lane = tl.maximum(m_lane, x)
-        live_lane += (x > -float("inf")).to(tl.int32)
+        above_inf = x > -float("inf")
+        low_lane = tl.minimum(low_lane, tl.where(above_inf, x, float("inf")))
+        live_lane += above_inf.to(tl.int32)
     m = tl.max(m_lane)
+    low = tl.min(low_lane)  # the smallest logit above -inf
     bad = tl.max(bad_lane)
     live = tl.sum(live_lane)
     active = wanted & (bad == 0) & (m > -float("inf"))
@@ -272,7 +289,7 @@ def _sampling_threshold_kernel(
     # top-k: the k-th largest logit (count weights); off, or fewer than k entries above -inf: -inf.
     need_k = active & top_k_on & (live >= top_k)
     key_k = _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lowest,
-                                 tl.where(need_k, top, lowest + 1), top_k, False, BLOCK, PIVOTS,
+                                 tl.where(need_k, top, lowest + 1), top_k, low, m, False, BLOCK, PIVOTS,
                                  MAX_ROUNDS)
     tau_k = tl.where(need_k, _sampling_key_value(key_k), -float("inf"))
 
@@ -284,8 +301,10 @@ def _sampling_threshold_kernel(
         total_lane += tl.where(x >= tau_k, _sampling_top_p_weight(x, m, temperature), 0.0)
     total = tl.sum(total_lane)
     lo_p = tl.maximum(key_k, lowest)
+    # Weights vanish below m - 128 T (_EXP_FLOOR): the mass lies in [max(low, m - 128 T), m].
+    mass_low = tl.maximum(low, m + _EXP_FLOOR * temperature)
     key_p = _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo_p,
-                                 tl.where(need_p, top, lo_p + 1), top_p * total, True, BLOCK, PIVOTS,
+                                 tl.where(need_p, top, lo_p + 1), top_p * total, mass_low, m, True, BLOCK, PIVOTS,
                                  MAX_ROUNDS)
     tau_p = tl.where(need_p, _sampling_key_value(key_p), -float("inf"))
 

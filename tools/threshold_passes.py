@@ -1,0 +1,137 @@
+"""Passes over a row that the Triton threshold search of `sbd.entropy_sample` makes (top-k, top-p).
+
+    python tools/threshold_passes.py            # replay in numpy: mean and largest pass count
+    python tools/threshold_passes.py --check    # also the interpreted kernel, on 4 of the rows (~20 s)
+
+A pass reads the whole row and compares every entry with 16 pivots: on a GPU the pass count is the search's
+cost. The replay follows `_sampling_key_search` step for step in fp32 / int64, on rows of 128256 logits
+(fp32 and bf16; N(0, s^2) with s = 1, 2.5, 5, plus 20 entries raised by 5 to 15), top-k 1, 50, 1000 and
+top-p 0.5, 0.9, 0.99 at T = 1, with the first pass's pivots spread in value (the kernel) and in key (the
+search before). --check runs the threshold kernel alone under the Triton interpreter with MAX_ROUNDS = 1, 2,
+... and prints the first that gives the oracle's cut-off: the replay's count, unless the range's low end is
+the answer before the search has closed it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import torch
+
+VOCAB = 128256
+PIVOTS = 16
+MAX_ROUNDS = 9
+LOWEST_KEY = -2139095040  # key(-3.4028235e38)
+EXP_FLOOR = np.float32(-128.0)
+
+
+def key(x) -> np.ndarray:
+    """`_sampling_key`: int64 key of fp32 x in the floats' order, -0.0 and 0.0 sharing 0."""
+    bits = (np.asarray(x, dtype=np.float32) + np.float32(0)).view(np.int32).astype(np.int64)
+    return np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def value(k) -> np.ndarray:
+    """`_sampling_key_value`: the fp32 value of a key."""
+    k = np.asarray(k).astype(np.int64).astype(np.int32)
+    return np.where(k < 0, k ^ 0x7FFFFFFF, k).view(np.float32)
+
+
+def search_passes(x: np.ndarray, w: np.ndarray, target: float, x_low, x_high, first_in_value: bool) -> tuple[int, int]:
+    """(answer key, passes) of the search for the largest key K with sum of w over key >= K at least target."""
+    keys = key(x)
+    lo, hi = LOWEST_KEY, int(key(x.max())) + 1
+    steps = np.arange(1, PIVOTS + 1)
+    fractions = (steps.astype(np.float32) / np.float32(PIVOTS + 1)).astype(np.float32)
+    passes = 0
+    while hi - lo > 1 and passes < MAX_ROUNDS:
+        if first_in_value and passes == 0:
+            a = np.float32(max(value(lo), x_low))
+            b = np.float32(min(value(hi - 1), x_high))
+            pivots = np.clip(key(a * (np.float32(1) - fractions) + b * fractions), lo, hi - 1)
+        else:
+            pivots = lo + ((hi - lo) * steps) // (PIVOTS + 1)
+        reach = np.array([w[keys >= p].sum() for p in pivots])
+        inside = (keys >= lo) & (keys < hi) & (w > 0)
+        key_min, key_max = (keys[inside].min(), keys[inside].max()) if inside.any() else (hi, lo - 1)
+        enough = reach >= target
+        if key_min == key_max:
+            lo, hi = int(key_min), int(key_min) + 1
+        else:
+            lo, hi = max([lo, *pivots[enough]]), min([hi, *pivots[~enough]])
+        passes += 1
+    return lo, passes
+
+
+def rows(seed: int = 0):
+    """(label, fp32 row) of every row the replay runs on."""
+    rng = np.random.default_rng(seed)
+    for dtype in ("fp32", "bf16"):
+        for scale in (1.0, 2.5, 5.0):
+            x = (rng.standard_normal(VOCAB) * scale).astype(np.float32)
+            x[rng.integers(0, VOCAB, 20)] += rng.uniform(5, 15, 20).astype(np.float32)
+            if dtype == "bf16":
+                x = torch.from_numpy(x).bfloat16().float().numpy()
+            yield f"{dtype} s={scale}", x
+
+
+def replay(x: np.ndarray, setting: tuple[str, float], first_in_value: bool) -> tuple[int, int]:
+    """(answer key, passes) of one filter on one row, with the bounds the kernel passes to the search."""
+    name, amount = setting
+    m = x.max()
+    if name == "top_k":
+        return search_passes(x, np.ones_like(x, dtype=np.float64), amount, x.min(), m, first_in_value)
+    w = np.exp(np.maximum(x - m, EXP_FLOOR)).astype(np.float64)
+    return search_passes(x, w, amount * w.sum(), max(x.min(), m + EXP_FLOOR), m, first_in_value)
+
+
+SETTINGS = [("top_k", 1), ("top_k", 50), ("top_k", 1000), ("top_p", 0.5), ("top_p", 0.9), ("top_p", 0.99)]
+
+
+def kernel_passes(x: np.ndarray, setting: tuple[str, float]) -> int | None:
+    """The first MAX_ROUNDS at which the interpreted threshold kernel returns the oracle's cut-off."""
+    from sbd_kernels.ops._aot import launch
+    from sbd_kernels.ops.sampling import naive
+    from sbd_kernels.ops.sampling import triton as sampling_triton
+
+    name, amount = setting
+    logits = torch.from_numpy(x).view(1, 1, -1)
+    filters = {"top_k_val": amount} if name == "top_k" else {"top_p_val": amount}
+    kept = naive.kept_by_filters(logits, torch.ones(1), torch.tensor([filters.get("top_k_val", 0)]),
+                                 torch.tensor([filters.get("top_p_val", 1.0)]), torch.zeros(1))
+    want = float(torch.where(kept, logits, float("inf")).min())
+    zero = torch.zeros(1, dtype=torch.int64)
+    for rounds in range(1, MAX_ROUNDS + 1):
+        threshold_launch = sampling_triton._sampling_launches(logits, zero, zero, temperature_val=1.0, **filters)[1][0]
+        threshold_launch = threshold_launch._replace(constexprs={**threshold_launch.constexprs, "MAX_ROUNDS": rounds})
+        launch([threshold_launch])
+        if float(threshold_launch.args["threshold_ptr"][0]) == want:
+            return rounds
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="also run the interpreted kernel on 4 rows")
+    args = parser.parse_args()
+    counts = {True: [], False: []}
+    for label, x in rows():
+        for setting in SETTINGS:
+            answers = {first: replay(x, setting, first) for first in (True, False)}
+            assert answers[True][0] == answers[False][0], (label, setting)
+            for first, (_, passes) in answers.items():
+                counts[first].append(passes)
+    for first, label in ((True, "first pass in value (kernel)"), (False, "every pass in key")):
+        print(f"{label}: {np.mean(counts[first]):.2f} passes on average, {max(counts[first])} at most, "
+              f"over {len(counts[first])} searches")
+    if args.check:
+        os.environ["TRITON_INTERPRET"] = "1"
+        for (label, x), _ in zip(rows(seed=1), range(2)):
+            for setting in (("top_k", 50), ("top_p", 0.9)):
+                print(f"{label} {setting[0]} {setting[1]}: replay {replay(x, setting, True)[1]} passes, "
+                      f"kernel right from MAX_ROUNDS = {kernel_passes(x, setting)}")
+
+
+if __name__ == "__main__":
+    main()
