@@ -45,8 +45,9 @@ def _run_checker(*files: Path) -> subprocess.CompletedProcess:
 
 
 @functools.cache
-def _checker_module():
-    spec = importlib.util.spec_from_file_location("check_doc_refs", CHECKER)
+def tool_module(name: str):
+    """tools/<name>.py imported as a module (the tools are scripts, not part of the package), once."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -68,7 +69,7 @@ def test_checker_reports_each_broken_reference(tmp_path):
     """Guards against a checker that passes everything: a file with a missing section, a missing range end,
     a missing document, a section number without a document and a mention of an internal note must fail
     with file:line and the missing target, while the valid references beside them are not reported."""
-    note = _checker_module().NOTE_NAMES[0]
+    note = tool_module(CHECKER.stem).NOTE_NAMES[0]
     lines = [
         "see docs/algorithm.md §2.4 and docs/performance.md §7.1",      # 1: valid
         "see docs/algorithm.md §3.2-3.3",                               # 2: valid range
@@ -100,7 +101,7 @@ def test_checker_enforces_one_heading_scheme(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("# Title\n## 1. One\n### 1.1 Sub\n## 1.2 Wrong level\n### 1.1 Again\n"
                    "```\n## 9. In a fence\n```\n")
-    sections, problems = _checker_module().document_sections(doc, tmp_path)
+    sections, problems = tool_module(CHECKER.stem).document_sections(doc, tmp_path)
     assert sections == {"1", "1.1", "1.2"}
     assert [(p.line, "twice" in p.message) for p in problems] == [(4, False), (5, True)]
 
@@ -119,7 +120,7 @@ def test_checker_wants_the_source_of_every_gpu_figure(tmp_path):
                "The kernel took 57 us on this CPU.", "The checkpoints were trained on an H100.",
                "## Timings on an H100\n\n| L | time |\n|---|---|\n| 4096 | 57 us |",
                "```\nH100: 57 us\n```"]
-    module = _checker_module()
+    module = tool_module(CHECKER.stem)
     for text in unsourced:
         problems = module.gpu_figure_problems(tmp_path / "doc.md", text + "\n", REPO_ROOT)
         assert len(problems) == 1 and "without its source" in problems[0].message, text

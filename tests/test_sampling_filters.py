@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from test_docs import tool_module
 from test_sampling import BAD_CASES, backend_op, op_on_given_tensors
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -677,17 +678,6 @@ def test_filter_distribution_is_not_degenerate():
         assert math.isclose(float(filtered_softmax(row, temperature, **settings).sum()), 1.0)
 
 
-def _threshold_passes_tool():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "tools" / "threshold_passes.py"
-    spec = importlib.util.spec_from_file_location("threshold_passes", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("setting", [("top_k", 50), ("top_p", 0.9)], ids=["top_k", "top_p"])
 def test_pass_count_replay_follows_the_kernel(setting):
     """Guards the pass counts docs/performance.md quotes (tools/threshold_passes.py, a numpy replay of the
@@ -695,7 +685,7 @@ def test_pass_count_replay_follows_the_kernel(setting):
     MAX_ROUNDS = the replay's pass count, not one earlier."""
     if testing.triton_test_device() != "cpu":
         pytest.skip("the replay is checked against the interpreted kernel")
-    tool = _threshold_passes_tool()
+    tool = tool_module("threshold_passes")
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(4000, generator=gen) * 2.5).numpy()
     x[:8] += 9.0
