@@ -678,17 +678,20 @@ def test_filter_distribution_is_not_degenerate():
         assert math.isclose(float(filtered_softmax(row, temperature, **settings).sum()), 1.0)
 
 
-@pytest.mark.parametrize("setting", [("top_k", 50), ("top_p", 0.9)], ids=["top_k", "top_p"])
+@pytest.mark.parametrize("setting", [("top_k", 50), ("top_p", 0.9), ("top_k", 1)], ids=["top_k", "top_p", "top_k_1"])
 def test_pass_count_replay_follows_the_kernel(setting):
     """Guards the pass counts docs/performance.md quotes (tools/threshold_passes.py, a numpy replay of the
     search) against drifting from the kernel: the interpreted threshold kernel reaches the oracle's cut-off at
-    MAX_ROUNDS = the replay's pass count, not one earlier."""
+    MAX_ROUNDS = the replay's pass count, not one earlier (top-k 1: none, the row's maximum)."""
     if testing.triton_test_device() != "cpu":
         pytest.skip("the replay is checked against the interpreted kernel")
     tool = tool_module("threshold_passes")
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(4000, generator=gen) * 2.5).numpy()
     x[:8] += 9.0
-    _, passes = tool.replay(x, setting, first_in_value=True)
-    assert passes >= 2
+    _, passes = tool.replay(x, setting)
+    if setting == ("top_k", 1):
+        assert passes == 0
+    else:
+        assert passes >= 2  # the row makes the search narrow its range more than once
     assert tool.kernel_passes(x, setting) == passes

@@ -1,20 +1,22 @@
 """Passes over a row that the Triton threshold search of `sbd.entropy_sample` makes (top-k, top-p).
 
-    python tools/threshold_passes.py            # replay in numpy: mean and largest pass count
+    python tools/threshold_passes.py            # replay in numpy: mean and largest pass count per filter
     python tools/threshold_passes.py --check    # also the interpreted kernel, on 4 of the rows (~20 s)
 
 A pass reads the whole row and compares every entry with 16 pivots: on a GPU the pass count is the search's
-cost. The replay follows `_sampling_key_search` step for step in fp32 / int64, on rows of 128256 logits
-(fp32 and bf16; N(0, s^2) with s = 1, 2.5, 5, plus 20 entries raised by 5 to 15), top-k 1, 50, 1000 and
-top-p 0.5, 0.9, 0.99 at T = 1, with the first pass's pivots spread in value (the kernel) and in key (the
-search before). --check runs the threshold kernel alone under the Triton interpreter with MAX_ROUNDS = 1, 2,
-... and prints the first that gives the oracle's cut-off: the replay's count, unless the range's low end is
-the answer before the search has closed it.
+cost (the pass that finds the row's max, before any search, is not counted). The replay follows
+`_sampling_key_search` step for step in fp32 / int64, on rows of 128256 logits (fp32 and bf16; N(0, s^2)
+with s = 1, 2.5, 5, plus 20 entries raised by 5 to 15), top-k 1, 20, 50, 1000 and top-p 0.5, 0.9, 0.95,
+0.99 at T = 1, for three designs of the search (`DESIGNS`): the kernel's, and the two before it.
+--check runs the threshold kernel alone under the Triton interpreter with MAX_ROUNDS = 0, 1, 2, ... and prints
+the first that gives the oracle's cut-off: the replay's count, unless the range's low end is the answer
+before the search has closed it.
 """
 from __future__ import annotations
 
 import argparse
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -38,24 +40,47 @@ def value(k) -> np.ndarray:
     return np.where(k < 0, k ^ 0x7FFFFFFF, k).view(np.float32)
 
 
-def search_passes(x: np.ndarray, w: np.ndarray, target: float, x_low, x_high, first_in_value: bool) -> tuple[int, int]:
-    """(answer key, passes) of the search for the largest key K with sum of w over key >= K at least target."""
+class Design(NamedTuple):
+    """One design of the search: where its first pass puts the pivots, who sums top-p's total mass, and
+    whether top-k 1 is searched."""
+    first_in_value: bool  # the first pass's pivots evenly in value over the logits with weight, else in key
+    mass_in_first_pass: bool  # the first pass's lowest pivot measures the total mass, else a pass of its own
+    top_k_1_searched: bool  # top-k 1 searched like any k, else the row's max at once
+
+
+DESIGNS = {
+    "kernel": Design(first_in_value=True, mass_in_first_pass=True, top_k_1_searched=False),
+    "mass apart": Design(first_in_value=True, mass_in_first_pass=False, top_k_1_searched=True),
+    "every pass in key": Design(first_in_value=False, mass_in_first_pass=False, top_k_1_searched=True),
+}
+
+
+def search_passes(x: np.ndarray, w: np.ndarray, goal: float, x_low, x_high, design: Design,
+                  mass_fraction: float | None = None) -> tuple[int, int]:
+    """(answer key, passes) of the search for the largest key K with sum of w over key >= K at least the goal;
+    with `mass_fraction` the goal is that fraction of the total weight, which the design's first pass
+    measures at its lowest pivot."""
     keys = key(x)
     lo, hi = LOWEST_KEY, int(key(x.max())) + 1
     steps = np.arange(1, PIVOTS + 1)
     fractions = (steps.astype(np.float32) / np.float32(PIVOTS + 1)).astype(np.float32)
+    first_fractions = fractions
+    if mass_fraction is not None and design.mass_in_first_pass:
+        first_fractions = ((steps - 1).astype(np.float32) / np.float32(PIVOTS)).astype(np.float32)
     passes = 0
     while hi - lo > 1 and passes < MAX_ROUNDS:
-        if first_in_value and passes == 0:
+        if design.first_in_value and passes == 0:
             a = np.float32(max(value(lo), x_low))
             b = np.float32(min(value(hi - 1), x_high))
-            pivots = np.clip(key(a * (np.float32(1) - fractions) + b * fractions), lo, hi - 1)
+            pivots = np.clip(key(a * (np.float32(1) - first_fractions) + b * first_fractions), lo, hi - 1)
         else:
             pivots = lo + ((hi - lo) * steps) // (PIVOTS + 1)
         reach = np.array([w[keys >= p].sum() for p in pivots])
+        if mass_fraction is not None and passes == 0:
+            goal = mass_fraction * (reach[0] if design.mass_in_first_pass else w.sum())
+        enough = reach >= goal
         inside = (keys >= lo) & (keys < hi) & (w > 0)
         key_min, key_max = (keys[inside].min(), keys[inside].max()) if inside.any() else (hi, lo - 1)
-        enough = reach >= target
         if key_min == key_max:
             lo, hi = int(key_min), int(key_min) + 1
         else:
@@ -76,21 +101,27 @@ def rows(seed: int = 0):
             yield f"{dtype} s={scale}", x
 
 
-def replay(x: np.ndarray, setting: tuple[str, float], first_in_value: bool) -> tuple[int, int]:
-    """(answer key, passes) of one filter on one row, with the bounds the kernel passes to the search."""
+def replay(x: np.ndarray, setting: tuple[str, float], design: Design = DESIGNS["kernel"]) -> tuple[int, int]:
+    """(answer key, passes) of one filter on one row, with the bounds the kernel passes to the search; top-p's
+    passes count the one that sums the mass when the design's search does not."""
     name, amount = setting
     m = x.max()
     if name == "top_k":
-        return search_passes(x, np.ones_like(x, dtype=np.float64), amount, x.min(), m, first_in_value)
+        if amount == 1 and not design.top_k_1_searched:
+            return int(key(m)), 0
+        return search_passes(x, np.ones_like(x, dtype=np.float64), amount, x.min(), m, design)
     w = np.exp(np.maximum(x - m, EXP_FLOOR)).astype(np.float64)
-    return search_passes(x, w, amount * w.sum(), max(x.min(), m + EXP_FLOOR), m, first_in_value)
+    answer, passes = search_passes(x, w, 0.0, max(x.min(), m + EXP_FLOOR), m, design, mass_fraction=amount)
+    return answer, passes + (not design.mass_in_first_pass)
 
 
-SETTINGS = [("top_k", 1), ("top_k", 50), ("top_k", 1000), ("top_p", 0.5), ("top_p", 0.9), ("top_p", 0.99)]
+SETTINGS = [("top_k", 1), ("top_k", 20), ("top_k", 50), ("top_k", 1000),
+            ("top_p", 0.5), ("top_p", 0.9), ("top_p", 0.95), ("top_p", 0.99)]
 
 
 def kernel_passes(x: np.ndarray, setting: tuple[str, float]) -> int | None:
-    """The first MAX_ROUNDS at which the interpreted threshold kernel returns the oracle's cut-off."""
+    """The smallest MAX_ROUNDS (0 included) at which the interpreted threshold kernel returns the oracle's
+    cut-off."""
     from sbd_kernels.ops._aot import launch
     from sbd_kernels.ops.sampling import naive
     from sbd_kernels.ops.sampling import triton as sampling_triton
@@ -102,7 +133,7 @@ def kernel_passes(x: np.ndarray, setting: tuple[str, float]) -> int | None:
                                  torch.tensor([filters.get("top_p_val", 1.0)]), torch.zeros(1))
     want = float(torch.where(kept, logits, float("inf")).min())
     zero = torch.zeros(1, dtype=torch.int64)
-    for rounds in range(1, MAX_ROUNDS + 1):
+    for rounds in range(MAX_ROUNDS + 1):
         threshold_launch = sampling_triton._sampling_launches(logits, zero, zero, temperature_val=1.0, **filters)[1][0]
         threshold_launch = threshold_launch._replace(constexprs={**threshold_launch.constexprs, "MAX_ROUNDS": rounds})
         launch([threshold_launch])
@@ -115,21 +146,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="also run the interpreted kernel on 4 rows")
     args = parser.parse_args()
-    counts = {True: [], False: []}
-    for label, x in rows():
+    counts = {name: {setting: [] for setting in SETTINGS} for name in DESIGNS}
+    for _, x in rows():
         for setting in SETTINGS:
-            answers = {first: replay(x, setting, first) for first in (True, False)}
-            assert answers[True][0] == answers[False][0], (label, setting)
-            for first, (_, passes) in answers.items():
-                counts[first].append(passes)
-    for first, label in ((True, "first pass in value (kernel)"), (False, "every pass in key")):
-        print(f"{label}: {np.mean(counts[first]):.2f} passes on average, {max(counts[first])} at most, "
-              f"over {len(counts[first])} searches")
+            answers = {name: replay(x, setting, design) for name, design in DESIGNS.items()}
+            assert len({answer for answer, _ in answers.values()}) == 1, setting
+            for name, (_, passes) in answers.items():
+                counts[name][setting].append(passes)
+    print("passes over a row (mean / most over 6 rows):", " | ".join(DESIGNS))
+    for setting in SETTINGS:
+        print(f"  {setting[0]} {setting[1]}:",
+              " | ".join(f"{np.mean(counts[name][setting]):.2f} / {max(counts[name][setting])}" for name in DESIGNS))
+    for name in DESIGNS:
+        every = [passes for per_setting in counts[name].values() for passes in per_setting]
+        print(f"{name}: {np.mean(every):.2f} passes on average, {max(every)} at most, over {len(every)} searches")
     if args.check:
         os.environ["TRITON_INTERPRET"] = "1"
         for (label, x), _ in zip(rows(seed=1), range(2)):
             for setting in (("top_k", 50), ("top_p", 0.9)):
-                print(f"{label} {setting[0]} {setting[1]}: replay {replay(x, setting, True)[1]} passes, "
+                print(f"{label} {setting[0]} {setting[1]}: replay {replay(x, setting)[1]} passes, "
                       f"kernel right from MAX_ROUNDS = {kernel_passes(x, setting)}")
 
 

@@ -66,13 +66,13 @@ RERUN_BLOCK = SMALL_BLOCK_V
 # Filters' threshold search (one program per row): a tile of THRESHOLD_BLOCK entries is compared with
 # THRESHOLD_PIVOTS pivots at once, [16, 1024] = 16384 pairs (32 per thread at 16 warps). The first pass
 # spreads the pivots in value over the row's logits, the later ones in key, each of those narrowing the range
-# of 32-bit keys 17-fold, so 1 + 8 passes always end it (17^8 > 2^32), most rows sooner (3.7 on average, 7
+# of 32-bit keys 17-fold, so 1 + 8 passes always end it (17^8 > 2^32), most rows sooner (3.4 on average, 8
 # at most, for top-k 1-1000 and top-p 0.5-0.99 on rows of 128256: tools/threshold_passes.py). One program
 # walks a whole row (16 rows keep 16 SMs busy) and does 16 compares and sums per entry and pass. On an H200
 # the former [256, 16] tile at 4 warps took 3.0 ms for top-k 50 and 4.9 ms for top-p 0.9 on 16 rows of
 # 128256 (CUDA-graph time), 7-10x slower than eager torch. A tile of the search now takes 95-99 SASS
-# instructions per warp for top-k and 145-150 for top-p on sm_90 (triton 3.8), against 254-264 and 303-315
-# with int64 keys and a block reduction per tile: 2 per pair (`_sampling_key_search`). 97-101 registers
+# instructions per warp for top-k and 143-147 for top-p on sm_90 (triton 3.8), against 254-264 and 303-315
+# with int64 keys and a block reduction per tile: 2 per pair (`_sampling_key_search`). 101-103 registers
 # (fp32, fp16) and 128 (bf16) on sm_90 with triton 3.8, 128 on sm_80 (the most 512 threads can have), no
 # spill; a 2048-entry tile spilled 280-428 bytes.
 THRESHOLD_BLOCK = 1024
@@ -90,8 +90,9 @@ _PARTIAL_INTS = tl.constexpr(PARTIAL_INTS)
 INT32_MAX = 2**31 - 1
 _INT32_MAX = tl.constexpr(INT32_MAX)
 _FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)
-# _sampling_key(-3.4028235e38): the smallest key of a finite float.
+# _sampling_key(-3.4028235e38): the smallest key of a finite float; the key of -inf is one below.
 _LOWEST_KEY = tl.constexpr(-2139095040)
+_NEG_INF_KEY = tl.constexpr(-2139095041)
 # Lower clamp of the shift between two maxima: below ln(smallest denormal) = -103.3, so exp(shift) = 0 as
 # without the clamp, while sum * shift stays finite (sums over a run of finfo.min logits shift by -3.4e38
 # when ordinary logits follow: 128 * -3.4e38 = -inf, and -inf * 0 = NaN).
@@ -166,23 +167,30 @@ def _sampling_top_p_weight(x, m, temperature):
 def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target, x_low, x_high,
                          MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
                          MAX_ROUNDS: tl.constexpr):
-    """The largest key K in [lo, hi) with W(K) >= target, where W(K) = sum of w over the entries whose key
-    is >= K, w = 1 for entries above -inf (MASS False) or the top-p weight (MASS True); needs
-    W(lo) >= target > W(hi). hi <= lo + 1 on entry returns lo at once. [x_low, x_high]: bounds of the
-    logits with weight, where the first pass places its pivots.
+    """The largest key K in [lo, hi) with W(K) >= goal, where W(K) = sum of w over the entries whose key
+    is >= K, w = 1 for entries above -inf (MASS False) or the top-p weight (MASS True); goal = target
+    (MASS False) or target * W(lo) (MASS True: target is the fraction top_p); needs W(lo) >= goal > W(hi).
+    hi <= lo + 1 on entry returns lo at once. [x_low, x_high]: bounds of the logits with weight (none below
+    x_low), where the first pass places its pivots.
 
     Each pass over the row evaluates W at PIVOTS pivot keys in [lo, hi) and narrows the range to the two
     pivots around the answer, and ends the search as soon as a single key with weight is left in the range
     (FlashInfer's pivot search). The first pass spreads its pivots evenly in value over the logits' bounds,
     where the answer's neighbours lie; the later ones evenly in key, so that 8 more always end it
-    (17^8 > 2^32): MAX_ROUNDS = 9. On rows of 128256 (N(0, s^2), s = 1, 2.5, 5, and 20 outliers; fp32 and
-    bf16; top-k 1, 50, 1000, top-p 0.5, 0.9, 0.99) a replay in numpy (tools/threshold_passes.py) ends in
-    3.7 passes on average and 7 at most, against 5.3 and 8 with every pass in key (for a row whose largest
-    logit is 10 to 20, the first pass in key puts its 16 pivots below -2e4 or within 4e-3 of zero).
+    (17^8 > 2^32): MAX_ROUNDS = 9. With MASS, the first pass's lowest pivot sits at the low bound, where W
+    is W(lo), the total mass the goal is a fraction of: that sum needs no pass of its own.
+    On rows of 128256 (N(0, s^2), s = 1, 2.5, 5, and 20 outliers; fp32 and bf16) a replay in numpy
+    (tools/threshold_passes.py) counts 3.3-4.8 passes on average for top-k 20-1000 and 2.7-5.2 for top-p
+    0.5-0.99 (8 at most), against 4.8-6.0 and 5.7-7.0 with every pass in key and top-p's mass summed by a
+    pass apart (for a row whose largest logit is 10 to 20, the first pass in key puts its 16 pivots below
+    -2e4 or within 4e-3 of zero).
     The entries are compared with the pivots' float values, which order them exactly as the keys do.
     """
     steps = tl.arange(0, PIVOTS).to(tl.int64) + 1
-    fractions = steps.to(tl.float32) / (PIVOTS + 1)
+    if MASS:
+        fractions = (steps - 1).to(tl.float32) / PIVOTS  # pivot 0 at the low bound: W there is W(lo)
+    else:
+        fractions = steps.to(tl.float32) / (PIVOTS + 1)
     rounds = 0
     while (hi - lo > 1) & (rounds < MAX_ROUNDS):
         # Pivots: [PIVOTS] keys in [lo, hi). a (1 - f) + b f stays finite for any finite a <= b.
@@ -219,6 +227,10 @@ def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, 
             x_max = tl.maximum(x_max, tl.where(inside, x, -float("inf")))
         if MASS:
             reach = tl.sum(reach_lane, axis=1)
+            # The first pass's pivot 0 is key(max(value(lo), x_low)): no weight lies between it and lo. The
+            # fraction becomes the goal in place (a register of its own spilled 8-20 bytes on sm_80).
+            total = tl.sum(tl.where(steps == 1, reach, 0.0))
+            target = tl.where(rounds == 0, target * total, target)
         else:
             reach = tl.sum(reach_lane.to(tl.int32), axis=1)
         any_inside = tl.max(x_max) >= tl.min(x_min)
@@ -286,27 +298,26 @@ def _sampling_threshold_kernel(
     lowest = tl.full((), _LOWEST_KEY, tl.int64)
     top = _sampling_key(tl.where(active, m, 0.0)) + 1
 
-    # top-k: the k-th largest logit (count weights); off, or fewer than k entries above -inf: -inf.
+    # top-k: the k-th largest logit (count weights); off, or fewer than k entries above -inf: -inf. The
+    # search starts at the largest logit for top-k 1: a range of one key, no pass.
     need_k = active & top_k_on & (live >= top_k)
-    key_k = _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lowest,
-                                 tl.where(need_k, top, lowest + 1), top_k, low, m, False, BLOCK, PIVOTS,
-                                 MAX_ROUNDS)
+    lo_k = tl.where(need_k & (top_k == 1), top - 1, lowest)
+    key_k = _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo_k,
+                                 tl.where(need_k, top, lo_k + 1), top_k, low, m, False, BLOCK, PIVOTS, MAX_ROUNDS)
     tau_k = tl.where(need_k, _sampling_key_value(key_k), -float("inf"))
 
-    # top-p over the entries >= tau_k: the largest logit whose upper set holds top_p of their mass.
+    # top-p over the entries >= tau_k: the largest logit whose upper set holds top_p of their mass (the
+    # search measures that mass in its first pass).
+    # Off: the range of the one key of -inf, the answer at once (no flag kept past the search: on sm_80 it
+    # was spilled).
     need_p = active & (top_p < 1)
-    total_lane = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, tl.where(need_p, vocab, 0), BLOCK):
-        x = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
-        total_lane += tl.where(x >= tau_k, _sampling_top_p_weight(x, m, temperature), 0.0)
-    total = tl.sum(total_lane)
-    lo_p = tl.maximum(key_k, lowest)
+    lo_p = tl.where(need_p, key_k, _NEG_INF_KEY)  # key_k >= lowest: the search's lower end, or lowest when off
     # Weights vanish below m - 128 T (_EXP_FLOOR): the mass lies in [max(low, m - 128 T), m].
     mass_low = tl.maximum(low, m + _EXP_FLOOR * temperature)
     key_p = _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo_p,
-                                 tl.where(need_p, top, lo_p + 1), top_p * total, mass_low, m, True, BLOCK, PIVOTS,
+                                 tl.where(need_p, top, lo_p + 1), top_p, mass_low, m, True, BLOCK, PIVOTS,
                                  MAX_ROUNDS)
-    tau_p = tl.where(need_p, _sampling_key_value(key_p), -float("inf"))
+    tau_p = _sampling_key_value(key_p)
 
     # min-p: p >= min_p * p_max <=> x >= max + T ln(min_p), in fp64, rounded up to the next float.
     need_m = active & (min_p > 0)
