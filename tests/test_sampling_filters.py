@@ -678,18 +678,22 @@ def test_filter_distribution_is_not_degenerate():
         assert math.isclose(float(filtered_softmax(row, temperature, **settings).sum()), 1.0)
 
 
-@pytest.mark.parametrize("setting", [("top_k", 50), ("top_p", 0.9), ("top_k", 1)], ids=["top_k", "top_p", "top_k_1"])
-def test_pass_count_replay_follows_the_kernel(setting):
+@pytest.mark.parametrize(("setting", "extremes_passes"),
+                         [(("top_k", 50), 1), (("top_k", 12), 1), (("top_p", 0.9), 0), (("top_k", 1), 0)],
+                         ids=["top_k", "top_k_12", "top_p", "top_k_1"])
+def test_pass_count_replay_follows_the_kernel(setting, extremes_passes):
     """Guards the pass counts docs/performance.md quotes (tools/threshold_passes.py, a numpy replay of the
     search) against drifting from the kernel: the interpreted threshold kernel reaches the oracle's cut-off at
-    MAX_ROUNDS = the replay's pass count, not one earlier (top-k 1: none, the row's maximum)."""
+    MAX_ROUNDS = the replay's pass count, not one earlier (top-k 1: none, the row's maximum; top-k 12 and 50
+    end with a pass that takes their range's extremes: the largest of 19 entries, the smallest of 4)."""
     if testing.triton_test_device() != "cpu":
         pytest.skip("the replay is checked against the interpreted kernel")
     tool = tool_module("threshold_passes")
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(4000, generator=gen) * 2.5).numpy()
     x[:8] += 9.0
-    _, passes = tool.replay(x, setting)
+    _, passes, extremes = tool.replay(x, setting)
+    assert extremes == extremes_passes
     if setting == ("top_k", 1):
         assert passes == 0
     else:

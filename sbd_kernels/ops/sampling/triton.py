@@ -66,7 +66,7 @@ RERUN_BLOCK = SMALL_BLOCK_V
 # Filters' threshold search (one program per row): a tile of THRESHOLD_BLOCK entries is compared with
 # THRESHOLD_PIVOTS pivots at once, [16, 1024] = 16384 pairs (32 per thread at 16 warps). The first pass
 # spreads the pivots in value over the row's logits, the later ones in key, each of those narrowing the range
-# of 32-bit keys 17-fold, so 1 + 8 passes always end it (17^8 > 2^32), most rows sooner (3.4 on average, 8
+# of 32-bit keys 17-fold, so 1 + 8 passes always end it (17^8 > 2^32), most rows sooner (3.2 on average, 8
 # at most, for top-k 1-1000 and top-p 0.5-0.99 on rows of 128256: tools/threshold_passes.py). One program
 # walks a whole row (16 rows keep 16 SMs busy) and does 16 compares and sums per entry and pass. On an H200
 # the former [256, 16] tile at 4 warps took 3.0 ms for top-k 50 and 4.9 ms for top-p 0.9 on 16 rows of
@@ -164,14 +164,31 @@ def _sampling_top_p_weight(x, m, temperature):
 
 
 @triton.jit
-def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target, x_low, x_high,
+def _sampling_extremes_in_range(x, lo_value, hi_value, x_min, x_max, inside_extra):
+    """Per-lane running (smallest, largest) logit of the entries in [lo_value, hi_value) and inside_extra."""
+    inside = (x >= lo_value) & (x < hi_value) & inside_extra
+    return tl.minimum(x_min, tl.where(inside, x, float("inf"))), tl.maximum(x_max, tl.where(inside, x, -float("inf")))
+
+
+@triton.jit
+def _sampling_extreme_keys(x_min, x_max, lo, hi):
+    """(key of the smallest, key of the largest) entry of per-lane extremes; (hi, lo - 1) if none."""
+    any_inside = tl.max(x_max) >= tl.min(x_min)
+    key_min = tl.where(any_inside, _sampling_key(tl.min(x_min)), hi)
+    key_max = tl.where(any_inside, _sampling_key(tl.max(x_max)), lo - 1)
+    return key_min, key_max
+
+
+@triton.jit
+def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target, count_lo, x_low, x_high,
                          MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
                          MAX_ROUNDS: tl.constexpr):
     """The largest key K in [lo, hi) with W(K) >= goal, where W(K) = sum of w over the entries whose key
     is >= K, w = 1 for entries above -inf (MASS False) or the top-p weight (MASS True); goal = target
     (MASS False) or target * W(lo) (MASS True: target is the fraction top_p); needs W(lo) >= goal > W(hi).
     hi <= lo + 1 on entry returns lo at once. [x_low, x_high]: bounds of the logits with weight (none below
-    x_low), where the first pass places its pivots.
+    x_low), where the first pass places its pivots. count_lo: W(lo) when MASS is False (W(hi) is 0), an int32
+    the search ignores with MASS.
 
     Each pass over the row evaluates W at PIVOTS pivot keys in [lo, hi) and narrows the range to the two
     pivots around the answer, and ends the search as soon as a single key with weight is left in the range
@@ -179,71 +196,112 @@ def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, 
     where the answer's neighbours lie; the later ones evenly in key, so that 8 more always end it
     (17^8 > 2^32): MAX_ROUNDS = 9. With MASS, the first pass's lowest pivot sits at the low bound, where W
     is W(lo), the total mass the goal is a fraction of: that sum needs no pass of its own.
-    On rows of 128256 (N(0, s^2), s = 1, 2.5, 5, and 20 outliers; fp32 and bf16) a replay in numpy
-    (tools/threshold_passes.py) counts 3.3-4.8 passes on average for top-k 20-1000 and 2.7-5.2 for top-p
-    0.5-0.99 (8 at most), against 4.8-6.0 and 5.7-7.0 with every pass in key and top-p's mass summed by a
-    pass apart (for a row whose largest logit is 10 to 20, the first pass in key puts its 16 pivots below
-    -2e4 or within 4e-3 of zero).
     The entries are compared with the pivots' float values, which order them exactly as the keys do.
+
+    Counts (MASS False) are exact, so the search knows how many entries its range holds and the rank of the
+    answer among them. When that rank is 1 or the last, the answer is the range's largest or smallest entry,
+    and the pass takes only the range's extremes (`_sampling_range_extreme`: a third of a pivot pass's SASS
+    instructions per tile on sm_90, and the last pass), most often on a range the previous pass narrowed
+    to a single entry.
+
+    On rows of 128256 (N(0, s^2), s = 1, 2.5, 5, and 20 outliers; fp32 and bf16) a replay in numpy
+    (tools/threshold_passes.py) counts 2.7-4.5 passes on average for top-k 20-1000 (0.5-1 of them
+    extremes only) and 2.7-5.2 for top-p 0.5-0.99 (8 at most), against 4.8-6.0 and 5.7-7.0 with every pass
+    in key and top-p's mass summed by a pass apart (for a row whose largest logit is 10 to 20, the first
+    pass in key puts its 16 pivots below -2e4 or within 4e-3 of zero).
     """
+    count_hi = tl.zeros_like(count_lo)
+    rounds = 0
+    while (hi - lo > 1) & (rounds < MAX_ROUNDS):
+        if MASS:
+            lo, hi, count_lo, count_hi, target = _sampling_pivot_pass(
+                row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target, count_lo, count_hi, x_low, x_high,
+                rounds == 0, MASS, BLOCK, PIVOTS)
+        else:
+            rank = target - count_hi  # the answer is the rank-th largest of the count_lo - count_hi in range
+            if (rank == 1) | (rank == count_lo - count_hi):
+                lo = _sampling_range_extreme(row_ptr, vocab, mask_token_id, lo, hi, rank == 1, BLOCK)
+                hi = lo + 1
+            else:
+                lo, hi, count_lo, count_hi, target = _sampling_pivot_pass(
+                    row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target, count_lo, count_hi, x_low,
+                    x_high, rounds == 0, MASS, BLOCK, PIVOTS)
+        rounds += 1
+    return lo
+
+
+@triton.jit
+def _sampling_range_extreme(row_ptr, vocab, mask_token_id, lo, hi, largest, BLOCK: tl.constexpr):
+    """Key of the largest (or, largest False, the smallest) entry with key in [lo, hi): one pass that takes
+    only the range's extremes."""
+    lo_value = _sampling_key_value(lo)
+    hi_value = _sampling_key_value(hi)
+    x_min = tl.full([BLOCK], float("inf"), dtype=tl.float32)
+    x_max = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
+    for start in range(0, vocab, BLOCK):
+        x = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
+        x_min, x_max = _sampling_extremes_in_range(x, lo_value, hi_value, x_min, x_max, True)
+    key_min, key_max = _sampling_extreme_keys(x_min, x_max, lo, hi)
+    return tl.where(largest, key_max, key_min)
+
+
+@triton.jit
+def _sampling_pivot_pass(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target, count_lo, count_hi,
+                         x_low, x_high, first, MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+    """One pass of `_sampling_key_search` with PIVOTS pivots: (lo, hi, count_lo, count_hi, target) after it."""
     steps = tl.arange(0, PIVOTS).to(tl.int64) + 1
     if MASS:
         fractions = (steps - 1).to(tl.float32) / PIVOTS  # pivot 0 at the low bound: W there is W(lo)
     else:
         fractions = steps.to(tl.float32) / (PIVOTS + 1)
-    rounds = 0
-    while (hi - lo > 1) & (rounds < MAX_ROUNDS):
-        # Pivots: [PIVOTS] keys in [lo, hi). a (1 - f) + b f stays finite for any finite a <= b.
-        a = tl.maximum(_sampling_key_value(lo), x_low)
-        b = tl.minimum(_sampling_key_value(hi - 1), x_high)
-        by_value = tl.minimum(tl.maximum(_sampling_key(a * (1 - fractions) + b * fractions), lo), hi - 1)
-        by_key = lo + ((hi - lo) * steps) // (PIVOTS + 1)
-        pivots = tl.where(rounds == 0, by_value, by_key)
-        # Keys compared as floats: key(x) >= p <=> x >= value(p) for every x that is not NaN and every p
-        # in [key(-max float), key(+inf)] (the key -1 is -0.0, which no x has: -0.0 and 0.0 share key 0).
-        # Per pair, one float compare instead of an int64 one and the key of every entry.
-        pivot_values = _sampling_key_value(pivots)
-        lo_value = _sampling_key_value(lo)
-        hi_value = _sampling_key_value(hi)
-        # Sums per lane [PIVOTS, BLOCK], and the smallest and largest logit with weight and key in [lo, hi)
-        # per lane: one block reduction per pass instead of one per tile. Both sums are kept in fp32 as
-        # above * w + sum, which compiles to two instructions per (entry, pivot) on sm_90, a compare that
-        # writes 1.0 or 0.0 and an FMA (an int32 count took about 4: a select, an add and register moves).
-        # A lane counts at most V / BLOCK entries, exact in fp32; the counts are summed as int32.
-        reach_lane = tl.zeros([PIVOTS, BLOCK], dtype=tl.float32)
-        x_min = tl.full([BLOCK], float("inf"), dtype=tl.float32)
-        x_max = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
-        for start in range(0, vocab, BLOCK):
-            x = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
-            above = (x[None, :] >= pivot_values[:, None]).to(tl.float32)
-            if MASS:
-                w = _sampling_top_p_weight(x, m, temperature)
-                reach_lane += above * w[None, :]
-                inside = (x >= lo_value) & (x < hi_value) & (w > 0)
-            else:
-                reach_lane += above  # a pivot value is finite: an entry above it has weight 1
-                inside = (x >= lo_value) & (x < hi_value)
-            x_min = tl.minimum(x_min, tl.where(inside, x, float("inf")))
-            x_max = tl.maximum(x_max, tl.where(inside, x, -float("inf")))
+    # Pivots: [PIVOTS] keys in [lo, hi). a (1 - f) + b f stays finite for any finite a <= b.
+    a = tl.maximum(_sampling_key_value(lo), x_low)
+    b = tl.minimum(_sampling_key_value(hi - 1), x_high)
+    by_value = tl.minimum(tl.maximum(_sampling_key(a * (1 - fractions) + b * fractions), lo), hi - 1)
+    by_key = lo + ((hi - lo) * steps) // (PIVOTS + 1)
+    pivots = tl.where(first, by_value, by_key)
+    # Keys compared as floats: key(x) >= p <=> x >= value(p) for every x that is not NaN and every p
+    # in [key(-max float), key(+inf)] (the key -1 is -0.0, which no x has: -0.0 and 0.0 share key 0).
+    # Per pair, one float compare instead of an int64 one and the key of every entry.
+    pivot_values = _sampling_key_value(pivots)
+    lo_value = _sampling_key_value(lo)
+    hi_value = _sampling_key_value(hi)
+    # Sums per lane [PIVOTS, BLOCK], and the smallest and largest logit with weight and key in [lo, hi)
+    # per lane: one block reduction per pass instead of one per tile. Both sums are kept in fp32 as
+    # above * w + sum, which compiles to two instructions per (entry, pivot) on sm_90, a compare that
+    # writes 1.0 or 0.0 and an FMA (an int32 count took about 4: a select, an add and register moves).
+    # A lane counts at most V / BLOCK entries, exact in fp32; the counts are summed as int32.
+    reach_lane = tl.zeros([PIVOTS, BLOCK], dtype=tl.float32)
+    x_min = tl.full([BLOCK], float("inf"), dtype=tl.float32)
+    x_max = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
+    for start in range(0, vocab, BLOCK):
+        x = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
+        above = (x[None, :] >= pivot_values[:, None]).to(tl.float32)
         if MASS:
-            reach = tl.sum(reach_lane, axis=1)
-            # The first pass's pivot 0 is key(max(value(lo), x_low)): no weight lies between it and lo. The
-            # fraction becomes the goal in place (a register of its own spilled 8-20 bytes on sm_80).
-            total = tl.sum(tl.where(steps == 1, reach, 0.0))
-            target = tl.where(rounds == 0, target * total, target)
+            w = _sampling_top_p_weight(x, m, temperature)
+            reach_lane += above * w[None, :]
+            x_min, x_max = _sampling_extremes_in_range(x, lo_value, hi_value, x_min, x_max, w > 0)
         else:
-            reach = tl.sum(reach_lane.to(tl.int32), axis=1)
-        any_inside = tl.max(x_max) >= tl.min(x_min)
-        key_min = tl.where(any_inside, _sampling_key(tl.min(x_min)), hi)
-        key_max = tl.where(any_inside, _sampling_key(tl.max(x_max)), lo - 1)
-        enough = reach >= target
-        single = key_min == key_max  # one key with weight left in [lo, hi): it is the answer
-        new_lo = tl.max(tl.where(enough, pivots, lo))
-        new_hi = tl.min(tl.where(enough, hi, pivots))
-        lo = tl.where(single, key_min, new_lo)
-        hi = tl.where(single, key_min + 1, new_hi)
-        rounds += 1
-    return lo
+            reach_lane += above  # a pivot value is finite: an entry above it has weight 1
+            x_min, x_max = _sampling_extremes_in_range(x, lo_value, hi_value, x_min, x_max, True)
+    if MASS:
+        reach = tl.sum(reach_lane, axis=1)
+        # The first pass's pivot 0 is key(max(value(lo), x_low)): no weight lies between it and lo. The
+        # fraction becomes the goal in place (a register of its own spilled 8-20 bytes on sm_80).
+        total = tl.sum(tl.where(steps == 1, reach, 0.0))
+        target = tl.where(first, target * total, target)
+    else:
+        reach = tl.sum(reach_lane.to(tl.int32), axis=1)
+    key_min, key_max = _sampling_extreme_keys(x_min, x_max, lo, hi)
+    enough = reach >= target
+    if not MASS:
+        # W is non-increasing in the key: W(new lo) is the least reach with enough, W(new hi) the largest without.
+        count_lo = tl.min(tl.where(enough, reach, count_lo))
+        count_hi = tl.max(tl.where(enough, count_hi, reach))
+    single = key_min == key_max  # one key with weight left in [lo, hi): it is the answer
+    new_lo = tl.max(tl.where(enough, pivots, lo))
+    new_hi = tl.min(tl.where(enough, hi, pivots))
+    return (tl.where(single, key_min, new_lo), tl.where(single, key_min + 1, new_hi), count_lo, count_hi, target)
 
 
 @unspecialised_jit
@@ -303,7 +361,8 @@ def _sampling_threshold_kernel(
     need_k = active & top_k_on & (live >= top_k)
     lo_k = tl.where(need_k & (top_k == 1), top - 1, lowest)
     key_k = _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo_k,
-                                 tl.where(need_k, top, lo_k + 1), top_k, low, m, False, BLOCK, PIVOTS, MAX_ROUNDS)
+                                 tl.where(need_k, top, lo_k + 1), top_k, live, low, m, False, BLOCK, PIVOTS,
+                                 MAX_ROUNDS)
     tau_k = tl.where(need_k, _sampling_key_value(key_k), -float("inf"))
 
     # top-p over the entries >= tau_k: the largest logit whose upper set holds top_p of their mass (the
@@ -315,7 +374,7 @@ def _sampling_threshold_kernel(
     # Weights vanish below m - 128 T (_EXP_FLOOR): the mass lies in [max(low, m - 128 T), m].
     mass_low = tl.maximum(low, m + _EXP_FLOOR * temperature)
     key_p = _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo_p,
-                                 tl.where(need_p, top, lo_p + 1), top_p, mass_low, m, True, BLOCK, PIVOTS,
+                                 tl.where(need_p, top, lo_p + 1), top_p, live, mass_low, m, True, BLOCK, PIVOTS,
                                  MAX_ROUNDS)
     tau_p = _sampling_key_value(key_p)
 
