@@ -9,7 +9,7 @@ cost (the pass that finds the row's max, before any search, is not counted). The
 with s = 1, 2.5, 5, plus 20 entries raised by 5 to 15), top-k 1, 20, 50, 1000 and top-p 0.5, 0.9, 0.95,
 0.99 at T = 1, for three designs of the search (`DESIGNS`): the kernel's, and the two before it. A pass
 that only takes its range's extremes (top-k, when they are the answer) reads the row like the others but
-does about a quarter of a pivot pass's work per entry.
+does about a third of a pivot pass's SASS instructions per tile (sm_90).
 --check runs the threshold kernel alone under the Triton interpreter with MAX_ROUNDS = 0, 1, 2, ... and prints
 the first that gives the oracle's cut-off: the replay's count, unless the range's low end is the answer
 before the search has closed it.
