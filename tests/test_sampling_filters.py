@@ -426,26 +426,129 @@ def test_cut_offs_on_adjacent_floats_signed_zeros_and_finfo_min(backend):
                   min_p=torch.zeros(top_k.numel()))
 
 
+def threshold_launch_of(logits, **filters):
+    """The threshold kernel's launch of a Triton entropy_sample call at T = 1, its output poisoned (NaN)."""
+    seed, offset = (t.to(logits.device) for t in make_seeds(logits.shape[0]))
+    _, launches = sampling_triton._sampling_launches(logits, seed, offset, temperature_val=1.0, **filters)
+    assert launches[0].kernel is sampling_triton._sampling_threshold_kernel
+    launches[0].args["threshold_ptr"].fill_(float("nan"))
+    return launches[0]
+
+
+def oracle_cut_off(logits, top_k, top_p):
+    """[B * K] smallest logit the oracle keeps at T = 1 (per-request top_k, top_p), -inf where top_k >= V."""
+    rows = logits.shape[0] * logits.shape[1]
+    x = logits.cpu().float()
+    kept = naive.kept_by_filters(x, torch.ones(x.shape[0]), top_k.cpu(), top_p.cpu(), torch.zeros(x.shape[0]))
+    want = torch.where(kept, x, float("inf")).amin(-1).reshape(rows)
+    want[top_k.cpu().repeat_interleave(logits.shape[1]) >= logits.shape[-1]] = float("-inf")
+    return want
+
+
+def assert_threshold_is_oracle_cut_off(threshold_launch, logits, top_k, top_p):
+    launch([threshold_launch])
+    want = oracle_cut_off(logits, top_k, top_p)
+    got = threshold_launch.args["threshold_ptr"].cpu()
+    assert torch.equal(got, want), [(s, float(g), float(w)) for s, (g, w) in enumerate(zip(got, want)) if g != w]
+
+
 def test_triton_threshold_is_the_oracle_cut_off():
     """Guards the Triton threshold search itself (the draws above see a wrong kept set only when one of its
     extra or missing entries wins): on the CUT_OFF_LEVELS row, threshold[row] equals the smallest logit the
     oracle keeps, exactly, for every setting (-inf where nothing is filtered: top_k >= V)."""
     device = testing.triton_test_device()
     logits, top_k, top_p = cut_off_case(positions=1, device=device)
-    rows = top_k.numel()
-    seed, offset = (t.to(device) for t in make_seeds(rows))
-    min_p = torch.zeros(rows, device=device)
-    _, launches = sampling_triton._sampling_launches(logits, seed, offset, temperature_val=1.0, top_k=top_k,
-                                                     top_p=top_p, min_p=min_p)
-    threshold_launch = launches[0]
-    assert threshold_launch.kernel is sampling_triton._sampling_threshold_kernel
-    threshold_launch.args["threshold_ptr"].fill_(float("nan"))
-    launch([threshold_launch])
-    kept = naive.kept_by_filters(logits.cpu(), torch.ones(rows), top_k.cpu(), top_p.cpu(), min_p.cpu())
-    want = torch.where(kept, logits.cpu(), float("inf")).amin(-1).view(rows)
-    want[top_k.cpu() >= logits.shape[-1]] = float("-inf")
-    got = threshold_launch.args["threshold_ptr"].cpu()
-    assert torch.equal(got, want), [(s, float(g), float(w)) for s, (g, w) in enumerate(zip(got, want)) if g != w]
+    threshold_launch = threshold_launch_of(logits, top_k=top_k, top_p=top_p, min_p=torch.zeros_like(top_p))
+    assert_threshold_is_oracle_cut_off(threshold_launch, logits, top_k, top_p)
+
+
+def lane_candidates(row, lanes=sampling_triton.THRESHOLD_BLOCK, keep=sampling_triton.THRESHOLD_CANDIDATES):
+    """[keep, lanes]: each lane's (entry v: lane v % lanes) `keep` largest values of row, descending, -inf
+    where a lane holds fewer."""
+    tiles = -(-row.numel() // lanes)
+    padded = torch.full((max(tiles, keep) * lanes,), float("-inf"))
+    padded[:row.numel()] = row.float()
+    return padded.view(-1, lanes).sort(dim=0, descending=True).values[:keep]
+
+
+@pytest.mark.parametrize("vocab", [5000, 12288 + 77])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_threshold_kernel_keeps_each_lanes_largest_logits(vocab, dtype):
+    """Guards what the searches run over when they can: after the threshold kernel, candidates[row] holds each
+    lane's 8 largest logits in descending order, exactly, in the logits' dtype (-inf where a lane holds fewer
+    entries, and for the mask token, which here is the row's largest logit); a row whose filters need no
+    search (min-p alone) keeps none. Every entry is written (poisoned before)."""
+    device = testing.triton_test_device()
+    mask_token_id = 7
+    logits = make_logits(3, 2, vocab, dtype)
+    logits[..., mask_token_id] = 1000.0
+    logits = logits.to(device)
+    top_k = torch.tensor([50, 0, 0], device=device)
+    top_p = torch.tensor([1.0, 0.9, 1.0], device=device)
+    min_p = torch.tensor([0.0, 0.0, 0.1], device=device)
+    seed, offset = (t.to(device) for t in make_seeds(3))
+    _, launches = sampling_triton._sampling_launches(logits, seed, offset, temperature_val=1.0,
+                                                     mask_token_id=mask_token_id, top_k=top_k, top_p=top_p,
+                                                     min_p=min_p)
+    candidates = launches[0].args["candidates_ptr"]
+    assert candidates.dtype == dtype
+    candidates.fill_(float("nan"))
+    launch(launches[:1])
+    got = candidates.cpu().float().view(6, sampling_triton.THRESHOLD_CANDIDATES, sampling_triton.THRESHOLD_BLOCK)
+    for r, row in enumerate(logits.cpu().reshape(6, vocab)):
+        row = row.float()
+        row[mask_token_id] = float("-inf")
+        want = lane_candidates(row) if r < 4 else torch.full_like(got[r], float("-inf"))
+        assert torch.equal(got[r], want), (r, (got[r] != want).nonzero()[:4].tolist())
+
+
+def lanes_hold_the_top(vocab, top, lane=5, seed=0):
+    """A row of N(0, 1) logits whose `top` largest (10 + t / 10, t < top) all sit in one lane (entries lane +
+    1024 t): the lane's 8 candidates miss the rest of them, which the other lanes cannot make up for."""
+    row = make_logits(1, 1, vocab, scale=1.0, seed=seed).view(vocab)
+    row[lane + sampling_triton.THRESHOLD_BLOCK * torch.arange(top)] = 10 + torch.arange(top) / 10
+    return row
+
+
+# (name, row, top_k, top_p, whether the candidates hold the answer): V = 12288, 12 tiles a lane.
+CANDIDATE_CASES = [
+    ("one lane top-k 5", lambda: lanes_hold_the_top(12288, 12), 5, 1.0, True),
+    ("one lane top-k 10", lambda: lanes_hold_the_top(12288, 12), 10, 1.0, False),
+    ("one lane top-k 10 top-p 0.5", lambda: lanes_hold_the_top(12288, 12), 10, 0.5, False),
+    ("one lane top-k 5 top-p 0.5", lambda: lanes_hold_the_top(12288, 12), 5, 0.5, True),
+    ("one lane top-p 0.9", lambda: lanes_hold_the_top(12288, 12), 0, 0.9, False),
+    ("peaked top-p 0.9", lambda: make_logits(1, 1, 12288, scale=4.0).view(-1), 0, 0.9, True),
+    ("flat top-p 0.9", lambda: make_logits(1, 1, 12288, scale=0.01).view(-1), 0, 0.9, False),
+    ("flat top-k 300", lambda: make_logits(1, 1, 12288, scale=0.01).view(-1), 300, 1.0, True),
+]
+
+
+@pytest.mark.parametrize("candidates", [sampling_triton.THRESHOLD_CANDIDATES, 0], ids=["candidates", "row_only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threshold_search_over_candidates_or_the_row(dtype, candidates):
+    """Guards the choice between searching a row's candidates and the row: each CANDIDATE_CASES row is the
+    oracle's cut-off, exactly, whether the candidates hold the answer (they are searched) or not (a search
+    over them would be wrong: their k-th largest is not the row's, or they hold less than top_p of the row's
+    mass), and with no candidates at all (CANDIDATES = 0: every search over the row)."""
+    device = testing.triton_test_device()
+    rows = [make().to(dtype) for _, make, _, _, _ in CANDIDATE_CASES]
+    for (name, _, k, p, held), row in zip(CANDIDATE_CASES, rows):
+        x = row.float()
+        cands = lane_candidates(x)
+        floor = cands[-1].max()  # the largest logit that is not a candidate
+        if k > 0:
+            kth = x.sort(descending=True).values[k - 1]
+            assert bool(cands.flatten().sort(descending=True).values[k - 1] == kth) == held, name
+            assert bool(kth > floor) == held, name
+        else:
+            weight = torch.exp(x - x.max())
+            assert bool(weight[x > floor].sum() >= p * weight.sum()) == held, name
+    logits = torch.stack(rows).view(len(rows), 1, -1).to(device)
+    top_k = torch.tensor([k for _, _, k, _, _ in CANDIDATE_CASES], device=device)
+    top_p = torch.tensor([p for _, _, _, p, _ in CANDIDATE_CASES], device=device)
+    threshold_launch = threshold_launch_of(logits, top_k=top_k, top_p=top_p, min_p=torch.zeros_like(top_p))
+    threshold_launch = threshold_launch._replace(constexprs={**threshold_launch.constexprs, "CANDIDATES": candidates})
+    assert_threshold_is_oracle_cut_off(threshold_launch, logits, top_k, top_p)
 
 
 # Filter settings under an overflowing temperature: each keeps the four tied maxima (1000) and nothing else
@@ -678,24 +781,30 @@ def test_filter_distribution_is_not_degenerate():
         assert math.isclose(float(filtered_softmax(row, temperature, **settings).sum()), 1.0)
 
 
-@pytest.mark.parametrize(("setting", "extremes_passes"),
-                         [(("top_k", 50), 1), (("top_k", 12), 1), (("top_p", 0.9), 0), (("top_k", 1), 0)],
-                         ids=["top_k", "top_k_12", "top_p", "top_k_1"])
-def test_pass_count_replay_follows_the_kernel(setting, extremes_passes):
+@pytest.mark.parametrize(("setting", "vocab", "seed", "extremes_passes"),
+                         [(("top_k", 50), 4000, 3, 1), (("top_k", 12), 4000, 3, 1), (("top_p", 0.9), 4000, 3, 0),
+                          (("top_k", 1), 4000, 3, 0), (("top_k", 50), 12288, 3, 1), (("top_p", 0.5), 12288, 2, 0)],
+                         ids=["top_k", "top_k_12", "top_p", "top_k_1", "top_k_candidates", "top_p_candidates"])
+def test_pass_count_replay_follows_the_kernel(setting, vocab, seed, extremes_passes):
     """Guards the pass counts docs/performance.md quotes (tools/threshold_passes.py, a numpy replay of the
     search) against drifting from the kernel: the interpreted threshold kernel reaches the oracle's cut-off at
     MAX_ROUNDS = the replay's pass count, not one earlier (top-k 1: none, the row's maximum; top-k 12 and 50
-    end with a pass that takes their range's extremes: the largest of 19 entries, the smallest of 4)."""
+    end with a pass that takes their range's extremes: the largest of 19 entries, the smallest of 4). On the
+    rows of 12288 (12 tiles a lane, 8 kept), the search runs over the candidates, in fewer passes than the
+    same search over the row would make: the count tells that the kernel searched the candidates."""
     if testing.triton_test_device() != "cpu":
         pytest.skip("the replay is checked against the interpreted kernel")
     tool = tool_module("threshold_passes")
-    gen = torch.Generator().manual_seed(3)
-    x = (torch.randn(4000, generator=gen) * 2.5).numpy()
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(vocab, generator=gen) * 2.5).numpy()
     x[:8] += 9.0
-    _, passes, extremes = tool.replay(x, setting)
-    assert extremes == extremes_passes
+    search = tool.replay(x, setting)
+    assert search.extremes_passes == extremes_passes
+    assert search.candidate_passes == search.passes  # the candidates hold every answer here
     if setting == ("top_k", 1):
-        assert passes == 0
+        assert search.passes == 0
     else:
-        assert passes >= 2  # the row makes the search narrow its range more than once
-    assert tool.kernel_passes(x, setting) == passes
+        assert search.passes >= 2  # the row makes the search narrow its range more than once
+    if vocab > sampling_triton.THRESHOLD_CANDIDATES * sampling_triton.THRESHOLD_BLOCK:
+        assert tool.replay(x, setting, tool.DESIGNS["row only"]).passes != search.passes
+    assert tool.kernel_passes(x, setting) == search.passes

@@ -1,15 +1,19 @@
-"""Passes over a row that the Triton threshold search of `sbd.entropy_sample` makes (top-k, top-p).
+"""Passes that the Triton threshold search of `sbd.entropy_sample` makes (top-k, top-p), and the tiles they read.
 
-    python tools/threshold_passes.py            # replay in numpy: mean and largest pass count per filter
+    python tools/threshold_passes.py            # replay in numpy: passes and tiles per filter and design
     python tools/threshold_passes.py --check    # also the interpreted kernel, on 4 of the rows (~20 s)
 
-A pass reads the whole row and compares every entry with 16 pivots: on a GPU the pass count is the search's
-cost (the pass that finds the row's max, before any search, is not counted). The replay follows
-`_sampling_key_search` step for step in fp32 / int64, on rows of 128256 logits (fp32 and bf16; N(0, s^2)
-with s = 1, 2.5, 5, plus 20 entries raised by 5 to 15), top-k 1, 20, 50, 1000 and top-p 0.5, 0.9, 0.95,
-0.99 at T = 1, for three designs of the search (`DESIGNS`): the kernel's, and the two before it. A pass
-that only takes its range's extremes (top-k, when they are the answer) reads the row like the others but
-does about a third of a pivot pass's SASS instructions per tile (sm_90).
+A pass reads its whole source, the row (V / 1024 tiles) or the row's 8192 candidates (8 tiles: the 8
+largest logits of each of the 1024 lanes, kept by the pass that finds the row's max), and compares every
+entry with 16 pivots: on a GPU the tiles read are the search's cost (the pass that finds the max, before any
+search, is not counted). The replay follows `_sampling_key_search` step for step in fp32 / int64, on rows of
+128256 logits (fp32 and bf16; N(0, s^2) with s = 1, 2.5, 5, plus 20 entries raised by 5 to 15), top-k 1,
+20, 50, 1000 and top-p 0.5, 0.9, 0.95, 0.99 at T = 1, for four designs of the search (`DESIGNS`): the
+kernel's, and the three before it. The candidates are searched when the answer is among them: every entry
+above the floor (the largest of the lanes' smallest candidates) is one, so when those entries reach the goal
+(k of them, or top_p of the row's mass), else the row.
+A pass that only takes its range's extremes (top-k, when they are the answer) reads its source like the
+others but does about a third of a pivot pass's SASS instructions per tile (sm_90).
 --check runs the threshold kernel alone under the Triton interpreter with MAX_ROUNDS = 0, 1, 2, ... and prints
 the first that gives the oracle's cut-off: the replay's count, unless the range's low end is the answer
 before the search has closed it.
@@ -26,6 +30,8 @@ import torch
 VOCAB = 128256
 PIVOTS = 16
 MAX_ROUNDS = 9
+LANES = 1024  # the threshold kernel's tile: entry v is in lane v % LANES
+CANDIDATES = 8  # largest logits kept per lane
 LOWEST_KEY = -2139095040  # key(-3.4028235e38)
 EXP_FLOOR = np.float32(-128.0)
 
@@ -44,15 +50,19 @@ def value(k) -> np.ndarray:
 
 class Design(NamedTuple):
     """One design of the search: where its first pass puts the pivots, who sums top-p's total mass, whether
-    top-k 1 is searched, and whether a count search ends on its range's extremes."""
+    top-k 1 is searched, whether a count search ends on its range's extremes, and whether it searches the
+    row's candidates first."""
     first_in_value: bool  # the first pass's pivots evenly in value over the logits with weight, else in key
     mass_in_first_pass: bool  # the first pass's lowest pivot measures the total mass, else a pass of its own
     top_k_1_searched: bool  # top-k 1 searched like any k, else the row's max at once
     count_extremes: bool  # top-k: when the answer is its range's largest or smallest entry, a pass takes those
+    candidates: bool = False  # search the lanes' largest logits first, the row only when they miss the answer
 
 
 DESIGNS = {
-    "kernel": Design(first_in_value=True, mass_in_first_pass=True, top_k_1_searched=False, count_extremes=True),
+    "kernel": Design(first_in_value=True, mass_in_first_pass=True, top_k_1_searched=False, count_extremes=True,
+                     candidates=True),
+    "row only": Design(first_in_value=True, mass_in_first_pass=True, top_k_1_searched=False, count_extremes=True),
     "first pass in value": Design(first_in_value=True, mass_in_first_pass=False, top_k_1_searched=True,
                                   count_extremes=False),
     "every pass in key": Design(first_in_value=False, mass_in_first_pass=False, top_k_1_searched=True,
@@ -60,11 +70,21 @@ DESIGNS = {
 }
 
 
+class Search(NamedTuple):
+    """What one filter's search did: its answer key, its passes (of them, over the row's candidates, and that
+    took only their range's extremes) and the 1024-entry tiles they read."""
+    answer: int
+    passes: int
+    candidate_passes: int
+    extremes_passes: int
+    tiles: int
+
+
 def search_passes(x: np.ndarray, w: np.ndarray, goal: float, x_low, x_high, design: Design,
-                  mass_fraction: float | None = None) -> tuple[int, int, int]:
+                  mass_fraction: float | None = None, total: float | None = None) -> tuple[int, int, int]:
     """(answer key, passes, passes that only took the range's extremes) of the search for the largest key K
-    with sum of w over key >= K at least the goal; with `mass_fraction` the goal is that fraction of the total
-    weight, which the design's first pass measures at its lowest pivot."""
+    with sum of w over key >= K at least the goal; with `mass_fraction` the goal is that fraction of `total`
+    or, when None, of the total weight, which the design's first pass measures at its lowest pivot."""
     keys = key(x)
     lo, hi = LOWEST_KEY, int(key(x.max())) + 1
     count_lo, count_hi = w.sum(), 0.0  # W(lo), W(hi)
@@ -92,7 +112,8 @@ def search_passes(x: np.ndarray, w: np.ndarray, goal: float, x_low, x_high, desi
             pivots = lo + ((hi - lo) * steps) // (PIVOTS + 1)
         reach = np.array([w[keys >= p].sum() for p in pivots])
         if mass_fraction is not None and passes == 1:
-            goal = mass_fraction * (reach[0] if design.mass_in_first_pass else w.sum())
+            goal = mass_fraction * (total if total is not None else reach[0] if design.mass_in_first_pass
+                                    else w.sum())
         enough = reach >= goal
         if key_min == key_max:
             lo, hi = int(key_min), int(key_min) + 1
@@ -114,18 +135,46 @@ def rows(seed: int = 0):
             yield f"{dtype} s={scale}", x
 
 
-def replay(x: np.ndarray, setting: tuple[str, float], design: Design = DESIGNS["kernel"]) -> tuple[int, int, int]:
-    """(answer key, passes, of them extremes only) of one filter on one row, with the bounds the kernel passes
-    to the search; top-p's passes count the one that sums the mass when the design's search does not."""
+def lane_candidates(x: np.ndarray) -> tuple[np.ndarray, float]:
+    """(the row's candidates above -inf, floor): each lane's CANDIDATES largest logits, and the largest of the
+    lanes' smallest candidates, which no entry that is not a candidate exceeds (-inf when no lane holds
+    CANDIDATES entries)."""
+    tiles = max(-(-x.size // LANES), CANDIDATES)
+    lanes = np.full(tiles * LANES, -np.inf, dtype=np.float32)
+    lanes[:x.size] = x
+    by_lane = -np.sort(-lanes.reshape(-1, LANES), axis=0)[:CANDIDATES]  # [CANDIDATES, LANES], each lane descending
+    kept = by_lane.ravel()
+    return kept[kept > -np.inf], float(by_lane[-1].max())
+
+
+def replay(x: np.ndarray, setting: tuple[str, float], design: Design = DESIGNS["kernel"]) -> Search:
+    """One filter's search on one row, with the bounds the kernel passes to the search: over the candidates
+    when the design has them and they hold the answer, else over the row; top-p's passes count the one that
+    sums the mass when the design's search does not."""
     name, amount = setting
     m = x.max()
+    row_tiles = -(-x.size // LANES)
+    if name == "top_k" and amount == 1 and not design.top_k_1_searched:
+        return Search(int(key(m)), 0, 0, 0, 0)
     if name == "top_k":
-        if amount == 1 and not design.top_k_1_searched:
-            return int(key(m)), 0, 0
-        return search_passes(x, np.ones_like(x, dtype=np.float64), amount, x.min(), m, design)
-    w = np.exp(np.maximum(x - m, EXP_FLOOR)).astype(np.float64)
-    answer, passes, extremes = search_passes(x, w, 0.0, max(x.min(), m + EXP_FLOOR), m, design, mass_fraction=amount)
-    return answer, passes + (not design.mass_in_first_pass), extremes
+        w = np.ones_like(x, dtype=np.float64)
+        args, kwargs = (amount, x.min(), m, design), {}
+    else:
+        w = np.exp(np.maximum(x - m, EXP_FLOOR)).astype(np.float64)
+        args, kwargs = (0.0, max(x.min(), m + EXP_FLOOR), m, design), {"mass_fraction": amount}
+    if design.candidates:
+        kept, floor = lane_candidates(x)
+        wc = np.ones_like(kept, dtype=np.float64) if name == "top_k" else np.exp(
+            np.maximum(kept - m, EXP_FLOOR)).astype(np.float64)
+        # The entries above floor are all candidates: the answer is among them when they reach the goal.
+        if wc[kept > floor].sum() >= (amount if name == "top_k" else amount * w.sum()):
+            total = {"total": float(w.sum())} if name == "top_p" else {}  # the first pass's online mass
+            answer, passes, extremes = search_passes(kept, wc, args[0], max(args[1], np.float32(floor)), *args[2:],
+                                                     **kwargs, **total)
+            return Search(answer, passes, passes, extremes, passes * CANDIDATES)
+    answer, passes, extremes = search_passes(x, w, *args, **kwargs)
+    passes += name == "top_p" and not design.mass_in_first_pass
+    return Search(answer, passes, 0, extremes, passes * row_tiles)
 
 
 SETTINGS = [("top_k", 1), ("top_k", 20), ("top_k", 50), ("top_k", 1000),
@@ -159,29 +208,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="also run the interpreted kernel on 4 rows")
     args = parser.parse_args()
-    counts = {name: {setting: [] for setting in SETTINGS} for name in DESIGNS}
-    extremes = {setting: [] for setting in SETTINGS}
+    searches = {name: {setting: [] for setting in SETTINGS} for name in DESIGNS}
     for _, x in rows():
         for setting in SETTINGS:
-            answers = {name: replay(x, setting, design) for name, design in DESIGNS.items()}
-            assert len({answer for answer, _, _ in answers.values()}) == 1, setting
-            for name, (_, passes, _) in answers.items():
-                counts[name][setting].append(passes)
-            extremes[setting].append(answers["kernel"][2])
-    print("passes over a row (mean / most over 6 rows):", " | ".join(DESIGNS),
-          "| the kernel's passes that took extremes only (mean)")
+            for name, design in DESIGNS.items():
+                searches[name][setting].append(replay(x, setting, design))
+            assert len({s.answer for per_design in searches.values() for s in per_design[setting][-1:]}) == 1, setting
+    print("per filter, over 6 rows: passes (mean / most), tiles read (mean);",
+          "the kernel's passes over the candidates and that took extremes only (mean)")
     for setting in SETTINGS:
-        print(f"  {setting[0]} {setting[1]}:",
-              " | ".join(f"{np.mean(counts[name][setting]):.2f} / {max(counts[name][setting])}" for name in DESIGNS),
-              f"| {np.mean(extremes[setting]):.2f}")
-    for name in DESIGNS:
-        every = [passes for per_setting in counts[name].values() for passes in per_setting]
-        print(f"{name}: {np.mean(every):.2f} passes on average, {max(every)} at most, over {len(every)} searches")
+        kernel = searches["kernel"][setting]
+        print(f"  {setting[0]} {setting[1]}:", " | ".join(
+            f"{name} {np.mean([s.passes for s in per_design[setting]]):.2f} / "
+            f"{max(s.passes for s in per_design[setting])}, {np.mean([s.tiles for s in per_design[setting]]):.0f}"
+            for name, per_design in searches.items()),
+              f"| {np.mean([s.candidate_passes for s in kernel]):.2f}, {np.mean([s.extremes_passes for s in kernel]):.2f}")
+    for name, per_design in searches.items():
+        every = [s for per_setting in per_design.values() for s in per_setting]
+        print(f"{name}: {np.mean([s.passes for s in every]):.2f} passes and {np.mean([s.tiles for s in every]):.0f} "
+              f"tiles on average, {max(s.passes for s in every)} passes at most, over {len(every)} searches")
     if args.check:
         os.environ["TRITON_INTERPRET"] = "1"
         for (label, x), _ in zip(rows(seed=1), range(2)):
             for setting in (("top_k", 50), ("top_p", 0.9)):
-                print(f"{label} {setting[0]} {setting[1]}: replay {replay(x, setting)[1]} passes, "
+                print(f"{label} {setting[0]} {setting[1]}: replay {replay(x, setting).passes} passes, "
                       f"kernel right from MAX_ROUNDS = {kernel_passes(x, setting)}")
 
 

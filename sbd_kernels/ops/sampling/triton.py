@@ -68,17 +68,24 @@ RERUN_BLOCK = SMALL_BLOCK_V
 # spreads the pivots in value over the row's logits, the later ones in key, each of those narrowing the range
 # of 32-bit keys 17-fold, so 1 + 8 passes always end it (17^8 > 2^32), most rows sooner (3.2 on average, 8
 # at most, for top-k 1-1000 and top-p 0.5-0.99 on rows of 128256: tools/threshold_passes.py). One program
-# walks a whole row (16 rows keep 16 SMs busy) and does 16 compares and sums per entry and pass. On an H200
-# the former [256, 16] tile at 4 warps took 3.0 ms for top-k 50 and 4.9 ms for top-p 0.9 on 16 rows of
+# walks a whole row (16 rows keep 16 SMs busy) and does 16 compares and sums per entry and pass; most
+# searches run over the row's THRESHOLD_CANDIDATES x 1024 candidates instead (8 tiles a pass, not 126). On
+# an H200 the former [256, 16] tile at 4 warps took 3.0 ms for top-k 50 and 4.9 ms for top-p 0.9 on 16 rows of
 # 128256 (CUDA-graph time), 7-10x slower than eager torch. A tile of the search now takes 95-99 SASS
 # instructions per warp for top-k and 143-147 for top-p on sm_90 (triton 3.8), against 254-264 and 303-315
-# with int64 keys and a block reduction per tile: 2 per pair (`_sampling_key_search`). 101-103 registers
+# with int64 keys and a block reduction per tile: 2 per pair (`_sampling_key_search`). 107-110 registers
 # (fp32, fp16) and 128 (bf16) on sm_90 with triton 3.8, 128 on sm_80 (the most 512 threads can have), no
-# spill; a 2048-entry tile spilled 280-428 bytes.
+# spill (triton 3.6, sm_90: 8 bytes, outside the loop over tiles); a 2048-entry tile spilled 280-428 bytes.
 THRESHOLD_BLOCK = 1024
 THRESHOLD_PIVOTS = 16
 THRESHOLD_NUM_WARPS = 16
 THRESHOLD_MAX_ROUNDS = 9  # one pass with pivots in value, then 8 in key
+# Largest logits each lane of the threshold kernel's first pass keeps (`_sampling_threshold_kernel`; 8 or
+# 0, none): 8 x 1024 = 8192 candidates a row, searched instead of the row when they hold the answer. With 8,
+# the top 1000 of a row of 128256 fit in every lane (an even spread puts 1 in a lane; 9 in one lane is a
+# 1e-6 chance per lane); the compare-exchange chain costs 16 instructions per entry in the first pass, and
+# the candidates take 8 x 1024 x the logits' element size per row of workspace (32 KB in fp32).
+THRESHOLD_CANDIDATES = 8
 # Entries per row of the workspaces: (m, S, U, greedy value, best score, bad, race threshold) and (greedy
 # index, best index). The threshold (-inf: no filter) is the same in every split: the partial kernel
 # passes it on so that the combine kernel's overflow rerun keeps the same entries without a filtered
@@ -180,22 +187,23 @@ def _sampling_extreme_keys(x_min, x_max, lo, hi):
 
 
 @triton.jit
-def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target, count_lo, x_low, x_high,
-                         MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
+def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target, count_lo, total, x_low,
+                         x_high, MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
                          MAX_ROUNDS: tl.constexpr):
     """The largest key K in [lo, hi) with W(K) >= goal, where W(K) = sum of w over the entries whose key
     is >= K, w = 1 for entries above -inf (MASS False) or the top-p weight (MASS True); goal = target
     (MASS False) or target * W(lo) (MASS True: target is the fraction top_p); needs W(lo) >= goal > W(hi).
     hi <= lo + 1 on entry returns lo at once. [x_low, x_high]: bounds of the logits with weight (none below
     x_low), where the first pass places its pivots. count_lo: W(lo) when MASS is False (W(hi) is 0), an int32
-    the search ignores with MASS.
+    the search ignores with MASS. total (MASS): W(lo) when known (> 0), else 0 and the first pass measures it.
 
     Each pass over the row evaluates W at PIVOTS pivot keys in [lo, hi) and narrows the range to the two
     pivots around the answer, and ends the search as soon as a single key with weight is left in the range
     (FlashInfer's pivot search). The first pass spreads its pivots evenly in value over the logits' bounds,
     where the answer's neighbours lie; the later ones evenly in key, so that 8 more always end it
     (17^8 > 2^32): MAX_ROUNDS = 9. With MASS, the first pass's lowest pivot sits at the low bound, where W
-    is W(lo), the total mass the goal is a fraction of: that sum needs no pass of its own.
+    is W(lo), the total mass the goal is a fraction of: that sum needs no pass of its own (a search over a
+    row's candidates is given the row's total instead).
     The entries are compared with the pivots' float values, which order them exactly as the keys do.
 
     Counts (MASS False) are exact, so the search knows how many entries its range holds and the rank of the
@@ -215,8 +223,8 @@ def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, 
     while (hi - lo > 1) & (rounds < MAX_ROUNDS):
         if MASS:
             lo, hi, count_lo, count_hi, target = _sampling_pivot_pass(
-                row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target, count_lo, count_hi, x_low, x_high,
-                rounds == 0, MASS, BLOCK, PIVOTS)
+                row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target, count_lo, count_hi, total, x_low,
+                x_high, rounds == 0, MASS, BLOCK, PIVOTS)
         else:
             rank = target - count_hi  # the answer is the rank-th largest of the count_lo - count_hi in range
             if (rank == 1) | (rank == count_lo - count_hi):
@@ -224,8 +232,8 @@ def _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, 
                 hi = lo + 1
             else:
                 lo, hi, count_lo, count_hi, target = _sampling_pivot_pass(
-                    row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target, count_lo, count_hi, x_low,
-                    x_high, rounds == 0, MASS, BLOCK, PIVOTS)
+                    row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target, count_lo, count_hi, total,
+                    x_low, x_high, rounds == 0, MASS, BLOCK, PIVOTS)
         rounds += 1
     return lo
 
@@ -247,7 +255,8 @@ def _sampling_range_extreme(row_ptr, vocab, mask_token_id, lo, hi, largest, BLOC
 
 @triton.jit
 def _sampling_pivot_pass(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, target, count_lo, count_hi,
-                         x_low, x_high, first, MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+                         total, x_low, x_high, first, MASS: tl.constexpr, BLOCK: tl.constexpr,
+                         PIVOTS: tl.constexpr):
     """One pass of `_sampling_key_search` with PIVOTS pivots: (lo, hi, count_lo, count_hi, target) after it."""
     steps = tl.arange(0, PIVOTS).to(tl.int64) + 1
     if MASS:
@@ -288,7 +297,7 @@ def _sampling_pivot_pass(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, 
         reach = tl.sum(reach_lane, axis=1)
         # The first pass's pivot 0 is key(max(value(lo), x_low)): no weight lies between it and lo. The
         # fraction becomes the goal in place (a register of its own spilled 8-20 bytes on sm_80).
-        total = tl.sum(tl.where(steps == 1, reach, 0.0))
+        total = tl.where(total > 0, total, tl.sum(tl.where(steps == 1, reach, 0.0)))
         target = tl.where(first, target * total, target)
     else:
         reach = tl.sum(reach_lane.to(tl.int32), axis=1)
@@ -304,15 +313,146 @@ def _sampling_pivot_pass(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, 
     return (tl.where(single, key_min, new_lo), tl.where(single, key_min + 1, new_hi), count_lo, count_hi, target)
 
 
+@triton.jit
+def _sampling_keep_largest(c0, c1, c2, c3, c4, c5, c6, c7, x):
+    """Per lane, x inserted into the descending c0 >= c1 >= ... >= c7, the smallest of the nine dropped: a chain
+    of compare-exchanges, 16 instructions per entry."""
+    c0, x = tl.maximum(c0, x), tl.minimum(c0, x)
+    c1, x = tl.maximum(c1, x), tl.minimum(c1, x)
+    c2, x = tl.maximum(c2, x), tl.minimum(c2, x)
+    c3, x = tl.maximum(c3, x), tl.minimum(c3, x)
+    c4, x = tl.maximum(c4, x), tl.minimum(c4, x)
+    c5, x = tl.maximum(c5, x), tl.minimum(c5, x)
+    c6, x = tl.maximum(c6, x), tl.minimum(c6, x)
+    return c0, c1, c2, c3, c4, c5, c6, tl.maximum(c7, x)
+
+
+@triton.jit
+def _sampling_count_above(c0, c1, c2, c3, c4, c5, c6, c7, bound):
+    """Per lane, how many of its candidates are above bound."""
+    return ((c0 > bound).to(tl.int32) + (c1 > bound).to(tl.int32) + (c2 > bound).to(tl.int32)
+            + (c3 > bound).to(tl.int32) + (c4 > bound).to(tl.int32) + (c5 > bound).to(tl.int32)
+            + (c6 > bound).to(tl.int32) + (c7 > bound).to(tl.int32))
+
+
+@triton.jit
+def _sampling_mass_above(c0, c1, c2, c3, c4, c5, c6, c7, bound, m, temperature):
+    """Per lane, the top-p weight of its candidates above bound."""
+    return (tl.where(c0 > bound, _sampling_top_p_weight(c0, m, temperature), 0.0)
+            + tl.where(c1 > bound, _sampling_top_p_weight(c1, m, temperature), 0.0)
+            + tl.where(c2 > bound, _sampling_top_p_weight(c2, m, temperature), 0.0)
+            + tl.where(c3 > bound, _sampling_top_p_weight(c3, m, temperature), 0.0)
+            + tl.where(c4 > bound, _sampling_top_p_weight(c4, m, temperature), 0.0)
+            + tl.where(c5 > bound, _sampling_top_p_weight(c5, m, temperature), 0.0)
+            + tl.where(c6 > bound, _sampling_top_p_weight(c6, m, temperature), 0.0)
+            + tl.where(c7 > bound, _sampling_top_p_weight(c7, m, temperature), 0.0))
+
+
+@triton.jit
+def _sampling_online_mass(mass_y, mass_s, x, inv_temperature):
+    """Per lane (y_max, sum of exp(y - y_max)) over the entries seen, y = x / T, updated with x (-inf: no
+    weight); y_max starts at the lowest float, the sum at 0. One multiply by 1 / T (a division per entry,
+    rounded to nearest, took 2.5x the instructions of this update on sm_90) and one exp per entry:
+    exp(-|y - y_max|) is the new entry's weight or the old sum's rescaling. y = +inf (x / T overflows, or
+    1 / T does for a subnormal T) leaves y_max = +inf, which the caller rejects."""
+    y = x * inv_temperature
+    live = x > -float("inf")
+    d = tl.where(live, y - mass_y, -float("inf"))
+    e = tl.exp(-tl.abs(d))
+    mass_s = tl.where(d > 0, mass_s * e + 1.0, mass_s + e)
+    return tl.maximum(mass_y, tl.where(live, y, -float("inf"))), mass_s
+
+
+@triton.jit
+def _sampling_search_source(use_candidates, cand_ptr, row_ptr, vocab, mask_token_id, CANDIDATES: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """(pointer, length, mask token) of what a search reads: the row's candidates or the row."""
+    return (tl.where(use_candidates, cand_ptr, row_ptr), tl.where(use_candidates, CANDIDATES * BLOCK, vocab),
+            tl.where(use_candidates, -1, mask_token_id))
+
+
+@triton.jit
+def _sampling_first_pass(row_ptr, cand_ptr, end, vocab, mask_token_id, temperature, keep, mass_on,
+                         HAS_CANDIDATES: tl.constexpr, UNROLL: tl.constexpr, BLOCK: tl.constexpr):
+    """The threshold kernel's first pass over entries [0, end) of a row: (max, smallest logit above -inf,
+    bad (NaN or +inf: such rows are flagged by the partial kernel), entries above -inf, and of the
+    candidates: floor, how many lie above -inf and above floor, the row's mass, the candidates' mass above
+    floor). Per lane, reduced after the pass (a block reduction per tile would stall every tile's loads).
+    keep (with HAS_CANDIDATES): each lane's 8 largest logits are kept; HAS_CANDIDATES: they are written to
+    cand_ptr ([8, BLOCK], -inf where none), else none (floor -inf, counts 0). mass_on (with HAS_CANDIDATES):
+    the row's top-p mass sum exp((x - m) / T)
+    from online sums (0 when unknown: x / T or the sum overflowed fp32); else 0. The extras are uniform
+    branches inside the loop: a loop of its own for each set spilled in bf16."""
+    m_lane = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
+    low_lane = tl.full([BLOCK], float("inf"), dtype=tl.float32)
+    bad_lane = tl.zeros([BLOCK], dtype=tl.int32)
+    live_lane = tl.zeros([BLOCK], dtype=tl.int32)
+    c0 = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
+    c1 = c0
+    c2 = c0
+    c3 = c0
+    c4 = c0
+    c5 = c0
+    c6 = c0
+    c7 = c0
+    mass_y = tl.full([BLOCK], _FLOAT32_LOWEST, dtype=tl.float32)  # finite: no -inf - -inf in the update
+    mass_s = tl.zeros([BLOCK], dtype=tl.float32)
+    inv_temperature = 1.0 / tl.where(temperature > 0, temperature, 1.0)  # T <= 0: no pass (end = 0)
+    # UNROLL tiles a step: their loads are issued together (entries past V load as -inf, which changes
+    # nothing here), UNROLL x the bytes in flight of a tile a step while the row comes from HBM.
+    for start in range(0, end, UNROLL * BLOCK):
+        for u in tl.static_range(UNROLL):
+            x = _sampling_row_tile(row_ptr, start + u * BLOCK, vocab, mask_token_id, BLOCK)
+            bad_lane = tl.maximum(bad_lane, ((x != x) | (x == float("inf"))).to(tl.int32))  # noqa: PLR0124 (NaN)
+            m_lane = tl.maximum(m_lane, x)
+            above_inf = x > -float("inf")
+            low_lane = tl.minimum(low_lane, tl.where(above_inf, x, float("inf")))
+            live_lane += above_inf.to(tl.int32)
+            if HAS_CANDIDATES:
+                if keep:
+                    c0, c1, c2, c3, c4, c5, c6, c7 = _sampling_keep_largest(c0, c1, c2, c3, c4, c5, c6, c7, x)
+                if mass_on:
+                    mass_y, mass_s = _sampling_online_mass(mass_y, mass_s, x, inv_temperature)
+    m = tl.max(m_lane)
+    if HAS_CANDIDATES:
+        lane = tl.arange(0, BLOCK)
+        tl.store(cand_ptr + lane, c0)
+        tl.store(cand_ptr + BLOCK + lane, c1)
+        tl.store(cand_ptr + 2 * BLOCK + lane, c2)
+        tl.store(cand_ptr + 3 * BLOCK + lane, c3)
+        tl.store(cand_ptr + 4 * BLOCK + lane, c4)
+        tl.store(cand_ptr + 5 * BLOCK + lane, c5)
+        tl.store(cand_ptr + 6 * BLOCK + lane, c6)
+        tl.store(cand_ptr + 7 * BLOCK + lane, c7)
+        tl.debug_barrier()  # the searches read every lane's candidates
+    floor = tl.max(c7)
+    y_max = tl.max(mass_y)
+    mass = tl.sum(mass_s * tl.exp(mass_y - y_max))
+    mass = tl.where(mass_on & (y_max < float("inf")) & (mass < float("inf")), mass, 0.0)
+    mass_above = _sampling_mass_above(c0, c1, c2, c3, c4, c5, c6, c7, floor, tl.where(m > -float("inf"), m, 0.0),
+                                      temperature)
+    return (m, tl.min(low_lane), tl.max(bad_lane), tl.sum(live_lane), floor,
+            tl.sum(_sampling_count_above(c0, c1, c2, c3, c4, c5, c6, c7, -float("inf"))),
+            tl.sum(_sampling_count_above(c0, c1, c2, c3, c4, c5, c6, c7, floor)), mass, tl.sum(mass_above))
+
+
 @unspecialised_jit
 def _sampling_threshold_kernel(
     logits_ptr, stride_b, stride_k, temperature_ptr, temperature_stride, temperature_val, compute_mask_ptr,
     top_k_ptr, top_k_stride, top_k_val, top_p_ptr, top_p_stride, top_p_val, min_p_ptr, min_p_stride,
-    min_p_val, threshold_ptr, positions, vocab, mask_token_id,
+    min_p_val, threshold_ptr, candidates_ptr, positions, vocab, mask_token_id,
     HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, FILTER_TENSORS: tl.constexpr,
-    BLOCK: tl.constexpr, PIVOTS: tl.constexpr, MAX_ROUNDS: tl.constexpr,
+    BLOCK: tl.constexpr, PIVOTS: tl.constexpr, MAX_ROUNDS: tl.constexpr, CANDIDATES: tl.constexpr,
 ):
-    """threshold[row] = max(tau_k, tau_p, tau_m) of a sampled row with a filter on, else -inf."""
+    """threshold[row] = max(tau_k, tau_p, tau_m) of a sampled row with a filter on, else -inf.
+
+    CANDIDATES (8, or 0 for none): the pass that finds the row's max also keeps, per lane of its BLOCK-entry
+    tile, the lane's CANDIDATES largest logits, written to candidates[row] ([CANDIDATES, BLOCK], the logits'
+    dtype). A top-k or top-p search runs over these 8192 entries (8 tiles a pass instead of V / BLOCK) when
+    they hold its answer, which the first pass tells (`_sampling_first_pass`), else over the row: a row
+    where one lane holds more than CANDIDATES of the entries the filter keeps (a flat row's top-p set, a
+    top-k of thousands)."""
+    tl.static_assert((CANDIDATES == 0) | (CANDIDATES == 8), "the first pass keeps 8 candidates a lane, or none")
     row = tl.program_id(0)
     b = row // positions
     j = row % positions
@@ -334,58 +474,71 @@ def _sampling_threshold_kernel(
     top_k_on = (top_k > 0) & (top_k < vocab)
     wanted = computed & (temperature > 0) & (top_k_on | (top_p < 1) | (min_p > 0))
     row_ptr = logits_ptr + b.to(tl.int64) * stride_b + j.to(tl.int64) * stride_k
+    # Candidates for a search (top-k above 1, top-p); the row's mass, when top-p has no top-k set to take
+    # its fraction of (the fraction of a top-k set is measured over the candidates, which hold that set).
+    keep_candidates = wanted & ((top_k_on & (top_k > 1)) | (top_p < 1))
+    keep_mass = wanted & (top_p < 1) & ~top_k_on
 
-    # Pass 1: max, validity (NaN / +inf rows are flagged by the partial kernel), entries above -inf; per lane,
-    # reduced after the pass (a block reduction per tile would stall every tile's loads).
-    m_lane = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
-    low_lane = tl.full([BLOCK], float("inf"), dtype=tl.float32)
-    bad_lane = tl.zeros([BLOCK], dtype=tl.int32)
-    live_lane = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(0, tl.where(wanted, vocab, 0), BLOCK):
-        x = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
-        bad_lane = tl.maximum(bad_lane, ((x != x) | (x == float("inf"))).to(tl.int32))  # noqa: PLR0124 (NaN test)
-        m_lane = tl.maximum(m_lane, x)
-        above_inf = x > -float("inf")
-        low_lane = tl.minimum(low_lane, tl.where(above_inf, x, float("inf")))
-        live_lane += above_inf.to(tl.int32)
-    m = tl.max(m_lane)
-    low = tl.min(low_lane)  # the smallest logit above -inf
-    bad = tl.max(bad_lane)
-    live = tl.sum(live_lane)
+    # Pass 1, two tiles a step. Every entry that is not a candidate is at most its lane's smallest candidate,
+    # so at most floor: the entries above floor are all candidates. A search over the candidates gives the
+    # row's answer when that answer lies above floor, which the counts and mass of the candidates above floor
+    # tell before it runs.
+    end = tl.where(wanted, vocab, 0)
+    cand_ptr = candidates_ptr + row.to(tl.int64) * (CANDIDATES * BLOCK)
+    m, low, bad, live, floor, live_cand, above_floor, mass, mass_above_floor = _sampling_first_pass(
+        row_ptr, cand_ptr, end, vocab, mask_token_id, temperature, keep_candidates & (CANDIDATES > 0),
+        keep_mass & (CANDIDATES > 0), CANDIDATES > 0, 2, BLOCK)
     active = wanted & (bad == 0) & (m > -float("inf"))
     lowest = tl.full((), _LOWEST_KEY, tl.int64)
     top = _sampling_key(tl.where(active, m, 0.0)) + 1
 
-    # top-k: the k-th largest logit (count weights); off, or fewer than k entries above -inf: -inf. The
-    # search starts at the largest logit for top-k 1: a range of one key, no pass.
-    need_k = active & top_k_on & (live >= top_k)
-    lo_k = tl.where(need_k & (top_k == 1), top - 1, lowest)
-    key_k = _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo_k,
-                                 tl.where(need_k, top, lo_k + 1), top_k, live, low, m, False, BLOCK, PIVOTS,
-                                 MAX_ROUNDS)
-    tau_k = tl.where(need_k, _sampling_key_value(key_k), -float("inf"))
-
-    # top-p over the entries >= tau_k: the largest logit whose upper set holds top_p of their mass (the
-    # search measures that mass in its first pass).
-    # Off: the range of the one key of -inf, the answer at once (no flag kept past the search: on sm_80 it
-    # was spilled).
-    need_p = active & (top_p < 1)
-    lo_p = tl.where(need_p, key_k, _NEG_INF_KEY)  # key_k >= lowest: the search's lower end, or lowest when off
-    # Weights vanish below m - 128 T (_EXP_FLOOR): the mass lies in [max(low, m - 128 T), m].
-    mass_low = tl.maximum(low, m + _EXP_FLOOR * temperature)
-    key_p = _sampling_key_search(row_ptr, vocab, mask_token_id, m, temperature, lo_p,
-                                 tl.where(need_p, top, lo_p + 1), top_p, live, mass_low, m, True, BLOCK, PIVOTS,
-                                 MAX_ROUNDS)
-    tau_p = _sampling_key_value(key_p)
-
+    # Everything the searches need is settled before them, so that fewer values stay live through their
+    # passes (the bf16 configurations use all 128 registers 512 threads may have).
     # min-p: p >= min_p * p_max <=> x >= max + T ln(min_p), in fp64, rounded up to the next float.
     need_m = active & (min_p > 0)
     cut = m.to(tl.float64) + tl.cast(temperature, tl.float64) * tl.log(tl.where(need_m, min_p, 1.0).to(tl.float64))
     cut32 = cut.to(tl.float32)
     cut32 = tl.where(cut32.to(tl.float64) < cut, _sampling_key_value(_sampling_key(cut32) + 1), cut32)
-    tau_m = tl.where(need_m, cut32, -float("inf"))
+    # The threshold so far goes to threshold[row] after each step and is read back at the next (each thread
+    # reads its own store): held in registers through the searches, tau_m (its fp64 cut, the fp32 rounding
+    # sunk to the end) and then tau_k were spilled (bf16 with triton 3.8; every dtype with triton 3.6).
+    tl.store(threshold_ptr + row, tl.where(need_m, cut32, -float("inf")))
+    # top-k: the k-th largest logit (count weights); off, or fewer than k entries above -inf: -inf. The
+    # search starts at the largest logit for top-k 1: a range of one key, no pass. Over the candidates when
+    # at least k lie above floor.
+    need_k = active & top_k_on & (live >= top_k)
+    lo_k = tl.where(need_k & (top_k == 1), top - 1, lowest)
+    k_on_candidates = need_k & (above_floor >= top_k)
+    # top-p over the entries >= tau_k: the largest logit whose upper set holds top_p of their mass (the
+    # search measures that mass in its first pass). Over the candidates when they hold top-k's whole set
+    # (which then holds every entry top-p keeps), or, top-k off, when their mass above floor reaches top_p of
+    # the row's (the search is then given the row's mass, and places its pivots above floor).
+    need_p = active & (top_p < 1)
+    p_on_candidates = need_p & tl.where(need_k, k_on_candidates, (mass > 0) & (mass_above_floor >= top_p * mass))
+    given = p_on_candidates & ~need_k
+    # Weights vanish below m - 128 T (_EXP_FLOOR): the mass lies in [max(low, m - 128 T), m].
+    mass_low = tl.maximum(low, m + _EXP_FLOOR * temperature)
+    x_low_p = tl.where(given, tl.maximum(mass_low, floor), mass_low)
+    total_p = tl.where(given, mass, 0.0)
 
-    tl.store(threshold_ptr + row, tl.maximum(tl.maximum(tau_k, tau_p), tau_m))
+    p_ptr, p_len, p_mask = _sampling_search_source(p_on_candidates, cand_ptr, row_ptr, vocab, mask_token_id,
+                                                   CANDIDATES, BLOCK)
+    src_ptr, src_len, src_mask = _sampling_search_source(k_on_candidates, cand_ptr, row_ptr, vocab, mask_token_id,
+                                                         CANDIDATES, BLOCK)
+    key_k = _sampling_key_search(src_ptr, src_len, src_mask, m, temperature, lo_k,
+                                 tl.where(need_k, top, lo_k + 1), top_k, tl.where(k_on_candidates, live_cand, live),
+                                 0.0, tl.where(k_on_candidates, tl.maximum(low, floor), low), m, False, BLOCK,
+                                 PIVOTS, MAX_ROUNDS)
+    tl.store(threshold_ptr + row, tl.maximum(tl.load(threshold_ptr + row),
+                                             tl.where(need_k, _sampling_key_value(key_k), -float("inf"))))
+
+    # top-p off: the range of the one key of -inf, the answer at once (no flag kept past the search: on sm_80
+    # it was spilled).
+    lo_p = tl.where(need_p, key_k, _NEG_INF_KEY)  # key_k >= lowest: the search's lower end, or lowest when off
+    key_p = _sampling_key_search(p_ptr, p_len, p_mask, m, temperature, lo_p,
+                                 tl.where(need_p, top, lo_p + 1), top_p, live, total_p, x_low_p, m, True, BLOCK,
+                                 PIVOTS, MAX_ROUNDS)
+    tl.store(threshold_ptr + row, tl.maximum(tl.load(threshold_ptr + row), _sampling_key_value(key_p)))
 
 
 @unspecialised_jit
@@ -672,6 +825,7 @@ def _sampling_launches(logits: torch.Tensor, seed: torch.Tensor, offset: torch.T
         filter_tensors, (top_k, top_p, min_p), (top_k_val, top_p_val, min_p_val) = _filter_arguments(
             top_k, top_k_val, top_p, top_p_val, min_p, min_p_val, batch, device)
         threshold = torch.empty(rows, dtype=torch.float32, device=device)
+        candidates = torch.empty(rows, THRESHOLD_CANDIDATES * THRESHOLD_BLOCK, dtype=logits.dtype, device=device)
         launches.append(KernelLaunch(_sampling_threshold_kernel, (rows,), {
             **row_args,
             "top_k_ptr": top_k if filter_tensors else seed,
@@ -681,9 +835,10 @@ def _sampling_launches(logits: torch.Tensor, seed: torch.Tensor, offset: torch.T
             "top_p_stride": _per_row_stride(top_p) if filter_tensors else 0, "top_p_val": float(top_p_val),
             "min_p_ptr": min_p if filter_tensors else partial_f,
             "min_p_stride": _per_row_stride(min_p) if filter_tensors else 0, "min_p_val": float(min_p_val),
-            "threshold_ptr": threshold, "positions": positions, "vocab": vocab, "mask_token_id": mask_token_id,
+            "threshold_ptr": threshold, "candidates_ptr": candidates, "positions": positions, "vocab": vocab,
+            "mask_token_id": mask_token_id,
         }, {**flags, "FILTER_TENSORS": filter_tensors, "BLOCK": THRESHOLD_BLOCK, "PIVOTS": THRESHOLD_PIVOTS,
-            "MAX_ROUNDS": THRESHOLD_MAX_ROUNDS}, THRESHOLD_NUM_WARPS))
+            "MAX_ROUNDS": THRESHOLD_MAX_ROUNDS, "CANDIDATES": THRESHOLD_CANDIDATES}, THRESHOLD_NUM_WARPS))
 
     block = _block_size(vocab)
     launches.append(KernelLaunch(_sampling_partial_kernel, (rows, num_splits), {
