@@ -868,8 +868,9 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
     """Triton launcher of `sbd.entropy_sample` (same contract; CUDA tensors, or CPU under TRITON_INTERPRET).
 
     Filters off (no filter tensor, every scalar off): two launches, the partial and the combine kernel.
-    Filters requested: the threshold kernel first (one program per row), then the partial kernel with
-    its race restricted to x >= threshold. No host sync either way: CUDA-graph capturable.
+    Filters requested: the threshold kernel first (one program per row, with a workspace of 8192 logits a
+    row for its candidates), then the partial kernel with its race restricted to x >= threshold. No host
+    sync either way: CUDA-graph capturable.
     """
     outputs, launches = _sampling_launches(logits, seed, offset, temperature, temperature_val, compute_mask,
                                            mask_token_id, top_k, top_k_val, top_p, top_p_val, min_p, min_p_val)
