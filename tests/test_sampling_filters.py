@@ -551,6 +551,46 @@ def test_threshold_search_over_candidates_or_the_row(dtype, candidates):
     assert_threshold_is_oracle_cut_off(threshold_launch, logits, top_k, top_p)
 
 
+def mixed_rows(rows, vocab, seed=0):
+    """[rows, 1, vocab] logits of every kind the threshold kernel meets: N(0, s^2) with s from 0.01 to 6,
+    quarter-rounded (ties), runs of -inf, and a lane holding a row's 6-12 largest logits (CANDIDATE_CASES)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.randn(rows, vocab, generator=gen) * torch.tensor([0.01, 0.5, 1.0, 3.0, 6.0]).repeat(rows)[:rows, None]
+    out[1::3] = torch.round(out[1::3] * 4) / 4
+    out[2::4, torch.randint(0, vocab, (150,), generator=gen)] = float("-inf")
+    for r in range(0, rows, 3):
+        top = 6 + r % 7
+        out[r, 11 + sampling_triton.THRESHOLD_BLOCK * torch.arange(top)] = out[r].max() + 1 + torch.arange(top) / 8
+    return out.view(rows, 1, vocab)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_threshold_is_the_same_over_candidates_or_the_row(dtype):
+    """Guards the candidates against any answer the row would not give: on mixed rows of 12293 entries (a mask
+    token, T = 0.7), with top-k, top-p and min-p on and off in 15 combinations (top-k 1-3000 and V, top-p
+    0.3-0.99; top-k 50 alone on a row where one lane holds the 9 largest logits), the threshold is the same,
+    exactly, with and without candidates."""
+    device = testing.triton_test_device()
+    rows, vocab = 15, 12293
+    logits = mixed_rows(rows, vocab).to(dtype).to(device)
+    top_k = torch.tensor([0, 2, 5, 50, 500, 3000, vocab, 0, 50, 12, 0, 500, 1, 0, 50], device=device)
+    top_p = torch.tensor([0.3, 1.0, 0.9, 1.0, 0.99, 0.9, 0.9, 0.99, 0.5, 1.0, 1.0, 0.3, 0.99, 0.9, 1.0],
+                         device=device)
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.05],
+                         device=device)
+    seed, offset = (t.to(device) for t in make_seeds(rows))
+    thresholds = []
+    for candidates in (sampling_triton.THRESHOLD_CANDIDATES, 0):
+        _, launches = sampling_triton._sampling_launches(logits, seed, offset, temperature_val=0.7,
+                                                         mask_token_id=13, top_k=top_k, top_p=top_p, min_p=min_p)
+        threshold_launch = launches[0]._replace(constexprs={**launches[0].constexprs, "CANDIDATES": candidates})
+        threshold_launch.args["threshold_ptr"].fill_(float("nan"))
+        launch([threshold_launch])
+        thresholds.append(threshold_launch.args["threshold_ptr"].cpu())
+    assert not thresholds[0].isnan().any()
+    assert torch.equal(thresholds[0], thresholds[1]), (thresholds[0] != thresholds[1]).nonzero().flatten().tolist()
+
+
 # Filter settings under an overflowing temperature: each keeps the four tied maxima (1000) and nothing else
 # can win; "top_k" keeps the next logit (999) too, "wide" (top-k 2V/3) most of the row (the CPU's race over
 # the row's tiles rather than over a candidate list).
