@@ -426,13 +426,15 @@ def test_cut_offs_on_adjacent_floats_signed_zeros_and_finfo_min(backend):
                   min_p=torch.zeros(top_k.numel()))
 
 
-def threshold_launch_of(logits, **filters):
-    """The threshold kernel's launch of a Triton entropy_sample call at T = 1, its output poisoned (NaN)."""
+def threshold_launch_of(logits, temperature_val=1.0, candidates=sampling_triton.THRESHOLD_CANDIDATES, **kwargs):
+    """The threshold kernel's launch of a Triton entropy_sample call (default T = 1; kwargs: filters, mask
+    token), with `candidates` kept per lane (0: none), its output poisoned (NaN)."""
     seed, offset = (t.to(logits.device) for t in make_seeds(logits.shape[0]))
-    _, launches = sampling_triton._sampling_launches(logits, seed, offset, temperature_val=1.0, **filters)
-    assert launches[0].kernel is sampling_triton._sampling_threshold_kernel
-    launches[0].args["threshold_ptr"].fill_(float("nan"))
-    return launches[0]
+    _, launches = sampling_triton._sampling_launches(logits, seed, offset, temperature_val=temperature_val, **kwargs)
+    threshold_launch = launches[0]
+    assert threshold_launch.kernel is sampling_triton._sampling_threshold_kernel
+    threshold_launch.args["threshold_ptr"].fill_(float("nan"))
+    return threshold_launch._replace(constexprs={**threshold_launch.constexprs, "CANDIDATES": candidates})
 
 
 def oracle_cut_off(logits, top_k, top_p):
@@ -486,14 +488,12 @@ def test_threshold_kernel_keeps_each_lanes_largest_logits(vocab, dtype):
     top_k = torch.tensor([50, 0, 0], device=device)
     top_p = torch.tensor([1.0, 0.9, 1.0], device=device)
     min_p = torch.tensor([0.0, 0.0, 0.1], device=device)
-    seed, offset = (t.to(device) for t in make_seeds(3))
-    _, launches = sampling_triton._sampling_launches(logits, seed, offset, temperature_val=1.0,
-                                                     mask_token_id=mask_token_id, top_k=top_k, top_p=top_p,
-                                                     min_p=min_p)
-    candidates = launches[0].args["candidates_ptr"]
+    threshold_launch = threshold_launch_of(logits, mask_token_id=mask_token_id, top_k=top_k, top_p=top_p,
+                                           min_p=min_p)
+    candidates = threshold_launch.args["candidates_ptr"]
     assert candidates.dtype == dtype
     candidates.fill_(float("nan"))
-    launch(launches[:1])
+    launch([threshold_launch])
     got = candidates.cpu().float().view(6, sampling_triton.THRESHOLD_CANDIDATES, sampling_triton.THRESHOLD_BLOCK)
     for r, row in enumerate(logits.cpu().reshape(6, vocab)):
         row = row.float()
@@ -535,7 +535,7 @@ def test_threshold_search_over_candidates_or_the_row(dtype, candidates):
     for (name, _, k, p, held), row in zip(CANDIDATE_CASES, rows):
         x = row.float()
         cands = lane_candidates(x)
-        floor = cands[-1].max()  # the largest logit that is not a candidate
+        floor = cands[-1].max()  # the largest of the lanes' smallest candidates: no other entry is above it
         if k > 0:
             kth = x.sort(descending=True).values[k - 1]
             assert bool(cands.flatten().sort(descending=True).values[k - 1] == kth) == held, name
@@ -546,8 +546,8 @@ def test_threshold_search_over_candidates_or_the_row(dtype, candidates):
     logits = torch.stack(rows).view(len(rows), 1, -1).to(device)
     top_k = torch.tensor([k for _, _, k, _, _ in CANDIDATE_CASES], device=device)
     top_p = torch.tensor([p for _, _, _, p, _ in CANDIDATE_CASES], device=device)
-    threshold_launch = threshold_launch_of(logits, top_k=top_k, top_p=top_p, min_p=torch.zeros_like(top_p))
-    threshold_launch = threshold_launch._replace(constexprs={**threshold_launch.constexprs, "CANDIDATES": candidates})
+    threshold_launch = threshold_launch_of(logits, candidates=candidates, top_k=top_k, top_p=top_p,
+                                           min_p=torch.zeros_like(top_p))
     assert_threshold_is_oracle_cut_off(threshold_launch, logits, top_k, top_p)
 
 
@@ -578,13 +578,10 @@ def test_threshold_is_the_same_over_candidates_or_the_row(dtype):
                          device=device)
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.05],
                          device=device)
-    seed, offset = (t.to(device) for t in make_seeds(rows))
     thresholds = []
     for candidates in (sampling_triton.THRESHOLD_CANDIDATES, 0):
-        _, launches = sampling_triton._sampling_launches(logits, seed, offset, temperature_val=0.7,
-                                                         mask_token_id=13, top_k=top_k, top_p=top_p, min_p=min_p)
-        threshold_launch = launches[0]._replace(constexprs={**launches[0].constexprs, "CANDIDATES": candidates})
-        threshold_launch.args["threshold_ptr"].fill_(float("nan"))
+        threshold_launch = threshold_launch_of(logits, 0.7, candidates, mask_token_id=13, top_k=top_k, top_p=top_p,
+                                               min_p=min_p)
         launch([threshold_launch])
         thresholds.append(threshold_launch.args["threshold_ptr"].cpu())
     assert not thresholds[0].isnan().any()

@@ -147,6 +147,13 @@ def lane_candidates(x: np.ndarray) -> tuple[np.ndarray, float]:
     return kept[kept > -np.inf], float(by_lane[-1].max())
 
 
+def weights(x: np.ndarray, name: str, m) -> np.ndarray:
+    """The search's weight of each logit: 1 for top-k, exp(x - m) (clamped as the kernel does) for top-p."""
+    if name == "top_k":
+        return np.ones_like(x, dtype=np.float64)
+    return np.exp(np.maximum(x - m, EXP_FLOOR)).astype(np.float64)
+
+
 def replay(x: np.ndarray, setting: tuple[str, float], design: Design = DESIGNS["kernel"]) -> Search:
     """One filter's search on one row, with the bounds the kernel passes to the search: over the candidates
     when the design has them and they hold the answer, else over the row; top-p's passes count the one that
@@ -156,16 +163,14 @@ def replay(x: np.ndarray, setting: tuple[str, float], design: Design = DESIGNS["
     row_tiles = -(-x.size // LANES)
     if name == "top_k" and amount == 1 and not design.top_k_1_searched:
         return Search(int(key(m)), 0, 0, 0, 0)
+    w = weights(x, name, m)
     if name == "top_k":
-        w = np.ones_like(x, dtype=np.float64)
         args, kwargs = (amount, x.min(), m, design), {}
     else:
-        w = np.exp(np.maximum(x - m, EXP_FLOOR)).astype(np.float64)
         args, kwargs = (0.0, max(x.min(), m + EXP_FLOOR), m, design), {"mass_fraction": amount}
     if design.candidates:
         kept, floor = lane_candidates(x)
-        wc = np.ones_like(kept, dtype=np.float64) if name == "top_k" else np.exp(
-            np.maximum(kept - m, EXP_FLOOR)).astype(np.float64)
+        wc = weights(kept, name, m)
         # The entries above floor are all candidates: the answer is among them when they reach the goal.
         if wc[kept > floor].sum() >= (amount if name == "top_k" else amount * w.sum()):
             total = {"total": float(w.sum())} if name == "top_p" else {}  # the first pass's online mass
