@@ -71,15 +71,29 @@ RERUN_BLOCK = SMALL_BLOCK_V
 # walks a whole row (16 rows keep 16 SMs busy) and does 16 compares and sums per entry and pass; most
 # searches run over the row's THRESHOLD_CANDIDATES x 1024 candidates instead (8 tiles a pass, not 126). On
 # an H200 the former [256, 16] tile at 4 warps took 3.0 ms for top-k 50 and 4.9 ms for top-p 0.9 on 16 rows of
-# 128256 (CUDA-graph time), 7-10x slower than eager torch. A tile of the search now takes 95-99 SASS
-# instructions per warp for top-k and 143-147 for top-p on sm_90 (triton 3.8), against 254-264 and 303-315
-# with int64 keys and a block reduction per tile: 2 per pair (`_sampling_key_search`). 107-110 registers
+# 128256 (CUDA-graph time), 7-10x slower than eager torch. A tile of the search now takes 96-99 SASS
+# instructions per warp for top-k and 137-145 for top-p on sm_90 (triton 3.8), against 254-264 and 303-315
+# with int64 keys and a block reduction per tile: 2 per pair (`_sampling_key_search`). 109-114 registers
 # (fp32, fp16) and 128 (bf16) on sm_90 with triton 3.8, 128 on sm_80 (the most 512 threads can have), no
-# spill (triton 3.6, sm_90: 8 bytes, outside the loop over tiles); a 2048-entry tile spilled 280-428 bytes.
+# spill (triton 3.6: see THRESHOLD_FIRST_PASS_TILES); a 2048-entry tile spilled 280-428 bytes.
 THRESHOLD_BLOCK = 1024
 THRESHOLD_PIVOTS = 16
 THRESHOLD_NUM_WARPS = 16
 THRESHOLD_MAX_ROUNDS = 9  # one pass with pivots in value, then 8 in key
+# Tiles a step of the threshold kernel's loops over a row, their loads issued together. Its one program per
+# row (one per SM: 512 threads x 109-128 registers, two would not fit the register file) has no other loads
+# to hide its own behind, and a step of the first design took 0.8 us (H200: 0.4 ms for a pass of 501 steps
+# of 1 KB), about a memory round trip. The first pass takes 8 tiles a step: 32 KB in flight per SM in fp32,
+# 16 KB in bf16 (a full GPU of rows keeps 132 x 32 KB = 4.2 MB in flight, about an H100's 3.35 TB/s x 1 us),
+# all 16 loads of a thread hoisted to the step's top by ptxas, with no register more than at 2 tiles (sm_90,
+# triton 3.8). The searches take 2 tiles a step (4 spilled 64 bytes in bf16: their [16, 1024] sums hold 32
+# registers a thread), 8 KB in flight in fp32. Per tile, the steps take as many SASS instructions as
+# before: 93-98 per warp for the first pass (98-104 at 2 tiles a step), 96-99 for a top-k pass and 137-145
+# for top-p (sm_90, triton 3.8; 24 configurations). Triton 3.6 (the GPU machines' version) spills 124-220 bytes with the searches'
+# 2 tiles (24 and 0 with 1, sm_90 and sm_80), none of it in a loop over tiles: 31-51 local loads and stores
+# in the code around a search's passes.
+THRESHOLD_FIRST_PASS_TILES = 8
+_FIRST_PASS_TILES = tl.constexpr(THRESHOLD_FIRST_PASS_TILES)
 # Largest logits each lane of the threshold kernel's first pass keeps (`_sampling_threshold_kernel`; 8 or
 # 0, none): 8 x 1024 = 8192 candidates a row, searched instead of the row when they hold the answer. With 8,
 # the top 1000 of a row of 128256 fit in every lane (an even spread puts 1 in a lane; 9 in one lane is a
@@ -246,11 +260,30 @@ def _sampling_range_extreme(row_ptr, vocab, mask_token_id, lo, hi, largest, BLOC
     hi_value = _sampling_key_value(hi)
     x_min = tl.full([BLOCK], float("inf"), dtype=tl.float32)
     x_max = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
-    for start in range(0, vocab, BLOCK):
-        x = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
-        x_min, x_max = _sampling_extremes_in_range(x, lo_value, hi_value, x_min, x_max, True)
+    for start in range(0, vocab, 2 * BLOCK):  # as a pivot pass: two tiles a step, -inf past V
+        x0 = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
+        x1 = _sampling_row_tile(row_ptr, start + BLOCK, vocab, mask_token_id, BLOCK)
+        x_min, x_max = _sampling_extremes_in_range(x0, lo_value, hi_value, x_min, x_max, True)
+        x_min, x_max = _sampling_extremes_in_range(x1, lo_value, hi_value, x_min, x_max, True)
     key_min, key_max = _sampling_extreme_keys(x_min, x_max, lo, hi)
     return tl.where(largest, key_max, key_min)
+
+
+@triton.jit
+def _sampling_pivot_sums(x, reach_lane, x_min, x_max, pivot_values, lo_value, hi_value, m, temperature,
+                         MASS: tl.constexpr):
+    """A tile x [BLOCK] added to a pivot pass's per-lane sums (reach_lane [PIVOTS, BLOCK]: the weight of the
+    lane's entries >= each pivot) and to its per-lane extremes of the entries with weight and key in
+    [lo, hi)."""
+    above = (x[None, :] >= pivot_values[:, None]).to(tl.float32)
+    if MASS:
+        w = _sampling_top_p_weight(x, m, temperature)
+        reach_lane += above * w[None, :]
+        x_min, x_max = _sampling_extremes_in_range(x, lo_value, hi_value, x_min, x_max, w > 0)
+    else:
+        reach_lane += above  # a pivot value is finite: an entry above it has weight 1
+        x_min, x_max = _sampling_extremes_in_range(x, lo_value, hi_value, x_min, x_max, True)
+    return reach_lane, x_min, x_max
 
 
 @triton.jit
@@ -283,16 +316,16 @@ def _sampling_pivot_pass(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, 
     reach_lane = tl.zeros([PIVOTS, BLOCK], dtype=tl.float32)
     x_min = tl.full([BLOCK], float("inf"), dtype=tl.float32)
     x_max = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
-    for start in range(0, vocab, BLOCK):
-        x = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
-        above = (x[None, :] >= pivot_values[:, None]).to(tl.float32)
-        if MASS:
-            w = _sampling_top_p_weight(x, m, temperature)
-            reach_lane += above * w[None, :]
-            x_min, x_max = _sampling_extremes_in_range(x, lo_value, hi_value, x_min, x_max, w > 0)
-        else:
-            reach_lane += above  # a pivot value is finite: an entry above it has weight 1
-            x_min, x_max = _sampling_extremes_in_range(x, lo_value, hi_value, x_min, x_max, True)
+    # Two tiles a step, both loaded before either is summed: ptxas then issues the 4 loads of a thread
+    # together (sm_90; summed in the loop, the second tile's loads of a top-p pass waited for the first tile's
+    # sums in bf16). Entries past V load as -inf, which has no weight and no key in [lo, hi).
+    for start in range(0, vocab, 2 * BLOCK):
+        x0 = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
+        x1 = _sampling_row_tile(row_ptr, start + BLOCK, vocab, mask_token_id, BLOCK)
+        reach_lane, x_min, x_max = _sampling_pivot_sums(x0, reach_lane, x_min, x_max, pivot_values, lo_value,
+                                                        hi_value, m, temperature, MASS)
+        reach_lane, x_min, x_max = _sampling_pivot_sums(x1, reach_lane, x_min, x_max, pivot_values, lo_value,
+                                                        hi_value, m, temperature, MASS)
     if MASS:
         reach = tl.sum(reach_lane, axis=1)
         # The first pass's pivot 0 is key(max(value(lo), x_low)): no weight lies between it and lo. The
@@ -398,8 +431,9 @@ def _sampling_first_pass(row_ptr, cand_ptr, end, vocab, mask_token_id, temperatu
     mass_y = tl.full([BLOCK], _FLOAT32_LOWEST, dtype=tl.float32)  # finite: no -inf - -inf in the update
     mass_s = tl.zeros([BLOCK], dtype=tl.float32)
     inv_temperature = 1.0 / tl.where(temperature > 0, temperature, 1.0)  # T <= 0: no pass (end = 0)
-    # UNROLL tiles a step: their loads are issued together (entries past V load as -inf, which changes
-    # nothing here), UNROLL x the bytes in flight of a tile a step while the row comes from HBM.
+    # UNROLL tiles a step (THRESHOLD_FIRST_PASS_TILES): their loads are issued together (entries past V load as
+    # -inf, which changes nothing here), UNROLL x the bytes in flight of a tile a step while the row comes
+    # from HBM.
     for start in range(0, end, UNROLL * BLOCK):
         for u in tl.static_range(UNROLL):
             x = _sampling_row_tile(row_ptr, start + u * BLOCK, vocab, mask_token_id, BLOCK)
@@ -479,7 +513,7 @@ def _sampling_threshold_kernel(
     keep_candidates = wanted & ((top_k_on & (top_k > 1)) | (top_p < 1))
     keep_mass = wanted & (top_p < 1) & ~top_k_on
 
-    # Pass 1, two tiles a step. Every entry that is not a candidate is at most its lane's smallest candidate,
+    # Pass 1, 8 tiles a step. Every entry that is not a candidate is at most its lane's smallest candidate,
     # so at most floor: the entries above floor are all candidates. A search over the candidates gives the
     # row's answer when that answer lies above floor, which the counts and mass of the candidates above floor
     # tell before it runs.
@@ -487,7 +521,7 @@ def _sampling_threshold_kernel(
     cand_ptr = candidates_ptr + row.to(tl.int64) * (CANDIDATES * BLOCK)
     m, low, bad, live, floor, live_cand, above_floor, mass, mass_above_floor = _sampling_first_pass(
         row_ptr, cand_ptr, end, vocab, mask_token_id, temperature, keep_candidates & (CANDIDATES > 0),
-        keep_mass & (CANDIDATES > 0), CANDIDATES > 0, 2, BLOCK)
+        keep_mass & (CANDIDATES > 0), CANDIDATES > 0, _FIRST_PASS_TILES, BLOCK)
     active = wanted & (bad == 0) & (m > -float("inf"))
     lowest = tl.full((), _LOWEST_KEY, tl.int64)
     top = _sampling_key(tl.where(active, m, 0.0)) + 1
