@@ -390,6 +390,18 @@ def test_sampling_splits_follow_the_sm_count(monkeypatch):
     assert asked == ["meta", "meta"]
 
 
+def test_sampling_vocabulary_limit_keeps_entry_indices_in_int32():
+    """Guards against int32 entry indices wrapping at 2^31, to -2^31, which the kernels' `v < vocab` masks let
+    through: the launcher takes V up to MAX_VOCAB, where the first pass's loop counter, one step of 8 tiles
+    past V at most, stays below 2^31, and names V above it (META tensors: no memory)."""
+    limit = sampling_triton.MAX_VOCAB
+    step = sampling_triton.THRESHOLD_FIRST_PASS_TILES * sampling_triton.THRESHOLD_BLOCK
+    assert limit - 1 + step < 2**31
+    assert len(sampling_triton.meta_launches(9, 1, limit, torch.bfloat16, top_k_val=50)) == 3
+    with pytest.raises(RuntimeError, match=f"logits vocabulary V = {limit + 1} must be at most 2\\^31 - 2\\^16"):
+        sampling_triton.meta_launches(9, 1, limit + 1, torch.bfloat16, top_k_val=50)
+
+
 def test_theoretical_occupancy_hand_computed():
     """Guards against a wrong register rounding or limit order in the occupancy formula.
 

@@ -109,6 +109,9 @@ PARTIAL_INTS = 2
 _PARTIAL_FLOATS = tl.constexpr(PARTIAL_FLOATS)
 _PARTIAL_INTS = tl.constexpr(PARTIAL_INTS)
 INT32_MAX = 2**31 - 1
+# Largest V the kernels take: entry indices and loop counters are int32, and a loop's counter goes one step
+# (at most THRESHOLD_FIRST_PASS_TILES x 1024 = 8192 entries) past V before it stops; 2^16 of headroom.
+MAX_VOCAB = 2**31 - 2**16
 _INT32_MAX = tl.constexpr(INT32_MAX)
 _FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)
 # _sampling_key(-3.4028235e38): the smallest key of a finite float; the key of -inf is one below.
@@ -587,9 +590,11 @@ def _sampling_partial_kernel(
     split = tl.program_id(1)
     b = row // positions
     j = row % positions
-    num_tiles = tiles_per_split
+    # The last split stops at the row's last tile ((V - 1) // BLOCK; splits x tiles_per_split can pass it), so
+    # that no tile starts at 2^31 or beyond, where int32 entry indices wrap to -2^31 and pass `v < vocab`.
+    num_tiles = tl.minimum(tiles_per_split, (vocab - 1) // BLOCK + 1 - split * tiles_per_split)
     if HAS_COMPUTE_MASK:
-        num_tiles = tl.where(tl.load(compute_mask_ptr + row) != 0, tiles_per_split, 0)
+        num_tiles = tl.where(tl.load(compute_mask_ptr + row) != 0, num_tiles, 0)
     if HAS_TEMPERATURE:
         temperature = tl.load(temperature_ptr + b * temperature_stride)
     else:
@@ -816,8 +821,9 @@ def _sampling_launches(logits: torch.Tensor, seed: torch.Tensor, offset: torch.T
     batch, positions, vocab = check_entropy_sample_args(logits, seed, offset, temperature, temperature_val,
                                                         compute_mask, mask_token_id, top_k, top_k_val,
                                                         top_p, top_p_val, min_p, min_p_val)
-    if vocab > INT32_MAX:
-        raise RuntimeError(f"sbd.entropy_sample: logits vocabulary V = {vocab} must be < 2^31 on this backend")
+    if vocab > MAX_VOCAB:
+        raise RuntimeError(f"sbd.entropy_sample: logits vocabulary V = {vocab} must be at most 2^31 - 2^16 = "
+                           f"{MAX_VOCAB} on this backend (int32 entry indices)")
     device = logits.device
     tokens = torch.empty(batch, positions, dtype=torch.int64, device=device)
     entropy = torch.empty(batch, positions, dtype=torch.float32, device=device)
