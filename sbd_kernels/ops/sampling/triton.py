@@ -89,9 +89,9 @@ THRESHOLD_MAX_ROUNDS = 9  # one pass with pivots in value, then 8 in key
 # triton 3.8). The searches take 2 tiles a step (4 spilled 64 bytes in bf16: their [16, 1024] sums hold 32
 # registers a thread), 8 KB in flight in fp32. Per tile, the steps take as many SASS instructions as
 # before: 93-98 per warp for the first pass (98-104 at 2 tiles a step), 96-99 for a top-k pass and 137-145
-# for top-p (sm_90, triton 3.8; 24 configurations). Triton 3.6 (the GPU machines' version) spills 124-220 bytes with the searches'
-# 2 tiles (24 and 0 with 1, sm_90 and sm_80), none of it in a loop over tiles: 31-51 local loads and stores
-# in the code around a search's passes.
+# for top-p (sm_90, triton 3.8; 24 configurations). Triton 3.6 (the GPU machines' version) spills 124-220
+# bytes with the searches' 2 tiles (24 and 0 with 1, sm_90 and sm_80), none of it in a loop over tiles:
+# 31-51 local loads and stores in the code around a search's passes.
 THRESHOLD_FIRST_PASS_TILES = 8
 _FIRST_PASS_TILES = tl.constexpr(THRESHOLD_FIRST_PASS_TILES)
 # Largest logits each lane of the threshold kernel's first pass keeps (`_sampling_threshold_kernel`; 8 or
