@@ -109,10 +109,10 @@ PARTIAL_INTS = 2
 _PARTIAL_FLOATS = tl.constexpr(PARTIAL_FLOATS)
 _PARTIAL_INTS = tl.constexpr(PARTIAL_INTS)
 INT32_MAX = 2**31 - 1
+_INT32_MAX = tl.constexpr(INT32_MAX)
 # Largest V the kernels take: entry indices and loop counters are int32, and a loop's counter goes one step
 # (at most THRESHOLD_FIRST_PASS_TILES x 1024 = 8192 entries) past V before it stops; 2^16 of headroom.
 MAX_VOCAB = 2**31 - 2**16
-_INT32_MAX = tl.constexpr(INT32_MAX)
 _FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)
 # _sampling_key(-3.4028235e38): the smallest key of a finite float; the key of -inf is one below.
 _LOWEST_KEY = tl.constexpr(-2139095040)
@@ -164,6 +164,16 @@ def _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK: tl.constexpr
     v = start + tl.arange(0, BLOCK)
     x = tl.load(row_ptr + v, mask=v < vocab, other=-float("inf")).to(tl.float32)
     return tl.where(v == mask_token_id, -float("inf"), x)
+
+
+@triton.jit
+def _sampling_tile_pair(row_ptr, start, vocab, mask_token_id, BLOCK: tl.constexpr):
+    """The two tiles at start and start + BLOCK of a search pass's step (`_sampling_row_tile`), both loaded
+    before the caller uses either: ptxas then issues a thread's 4 loads together (sm_90; a second tile loaded
+    after the first tile's sums waited for them in a bf16 top-p pass). Entries past V load as -inf, which
+    has no weight and no key in a search's range."""
+    return (_sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK),
+            _sampling_row_tile(row_ptr, start + BLOCK, vocab, mask_token_id, BLOCK))
 
 
 @triton.jit
@@ -263,9 +273,8 @@ def _sampling_range_extreme(row_ptr, vocab, mask_token_id, lo, hi, largest, BLOC
     hi_value = _sampling_key_value(hi)
     x_min = tl.full([BLOCK], float("inf"), dtype=tl.float32)
     x_max = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
-    for start in range(0, vocab, 2 * BLOCK):  # as a pivot pass: two tiles a step, -inf past V
-        x0 = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
-        x1 = _sampling_row_tile(row_ptr, start + BLOCK, vocab, mask_token_id, BLOCK)
+    for start in range(0, vocab, 2 * BLOCK):
+        x0, x1 = _sampling_tile_pair(row_ptr, start, vocab, mask_token_id, BLOCK)
         x_min, x_max = _sampling_extremes_in_range(x0, lo_value, hi_value, x_min, x_max, True)
         x_min, x_max = _sampling_extremes_in_range(x1, lo_value, hi_value, x_min, x_max, True)
     key_min, key_max = _sampling_extreme_keys(x_min, x_max, lo, hi)
@@ -319,12 +328,8 @@ def _sampling_pivot_pass(row_ptr, vocab, mask_token_id, m, temperature, lo, hi, 
     reach_lane = tl.zeros([PIVOTS, BLOCK], dtype=tl.float32)
     x_min = tl.full([BLOCK], float("inf"), dtype=tl.float32)
     x_max = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
-    # Two tiles a step, both loaded before either is summed: ptxas then issues the 4 loads of a thread
-    # together (sm_90; summed in the loop, the second tile's loads of a top-p pass waited for the first tile's
-    # sums in bf16). Entries past V load as -inf, which has no weight and no key in [lo, hi).
     for start in range(0, vocab, 2 * BLOCK):
-        x0 = _sampling_row_tile(row_ptr, start, vocab, mask_token_id, BLOCK)
-        x1 = _sampling_row_tile(row_ptr, start + BLOCK, vocab, mask_token_id, BLOCK)
+        x0, x1 = _sampling_tile_pair(row_ptr, start, vocab, mask_token_id, BLOCK)
         reach_lane, x_min, x_max = _sampling_pivot_sums(x0, reach_lane, x_min, x_max, pivot_values, lo_value,
                                                         hi_value, m, temperature, MASS)
         reach_lane, x_min, x_max = _sampling_pivot_sums(x1, reach_lane, x_min, x_max, pivot_values, lo_value,
@@ -416,8 +421,8 @@ def _sampling_first_pass(row_ptr, cand_ptr, end, vocab, mask_token_id, temperatu
     floor). Per lane, reduced after the pass (a block reduction per tile would stall every tile's loads).
     keep (with HAS_CANDIDATES): each lane's 8 largest logits are kept; HAS_CANDIDATES: they are written to
     cand_ptr ([8, BLOCK], -inf where none), else none (floor -inf, counts 0). mass_on (with HAS_CANDIDATES):
-    the row's top-p mass sum exp((x - m) / T)
-    from online sums (0 when unknown: x / T or the sum overflowed fp32); else 0. The extras are uniform
+    the row's top-p mass sum exp((x - m) / T) from online sums (0 when unknown: x / T or the sum overflowed
+    fp32); else 0. The extras are uniform
     branches inside the loop: a loop of its own for each set spilled in bf16."""
     m_lane = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
     low_lane = tl.full([BLOCK], float("inf"), dtype=tl.float32)
