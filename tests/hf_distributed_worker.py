@@ -14,6 +14,7 @@ import torch.distributed as dist
 import transformers
 
 from sbd_kernels import hf
+from sbd_kernels.train import exit_rank_without_finalization
 
 
 def tiny_sbd_llama() -> transformers.LlamaForCausalLM:
@@ -72,6 +73,7 @@ def main() -> None:
         print(json.dumps({"world": dist.get_world_size(), "wrapper": wrapper, "losses": losses}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    exit_rank_without_finalization()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import sbd_kernels.train as train_module
 from sbd_kernels.model import ModelConfig, Transformer, load_checkpoint
 from sbd_kernels.tasks import TOKENIZER
 from sbd_kernels.train import (
@@ -216,6 +217,38 @@ def test_command_line_flags_cover_the_config():
         ["--steps", "7", "--lr", "3e-4", "--objective", "ntp", "--resume"])
     assert (args.steps, args.lr, args.objective, args.resume) == (7, 3e-4, "ntp", True)
     assert args.preset == TrainConfig.preset
+
+
+class _Exited(Exception):
+    pass
+
+
+@pytest.mark.parametrize("world", ["2", "1", None])
+def test_torchrun_rank_ends_without_interpreter_finalization(tmp_path, monkeypatch, world):
+    """Guards against a torchrun rank finalizing the interpreter after its training (a gloo worker thread
+    can then abort the rank: `exit_rank_without_finalization`): `sbd train` under WORLD_SIZE > 1 ends with
+    os._exit(0) after the training and with its output flushed; a single process returns normally."""
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    events = []
+    monkeypatch.setattr(train_module, "train", lambda cfg: events.append("train"))
+    monkeypatch.setattr(sys.stderr, "flush", lambda: events.append("flush"), raising=False)
+
+    def fake_exit(status):
+        events.append(("exit", status))
+        raise _Exited
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    args = add_arguments(argparse.ArgumentParser()).parse_args(["--out", str(tmp_path / "m.pt")])
+    if world == "2":
+        with pytest.raises(_Exited):
+            train_module.main(args)
+        assert events == ["train", "flush", ("exit", 0)]
+    else:
+        train_module.main(args)
+        assert events == ["train"]
 
 
 @pytest.mark.slow
