@@ -251,6 +251,19 @@ def test_torchrun_rank_ends_without_interpreter_finalization(tmp_path, monkeypat
         assert events == ["train"]
 
 
+def test_rank_exit_refuses_a_live_process_group(monkeypatch):
+    """Guards against a rank script ending with `exit_rank_without_finalization` before
+    destroy_process_group (the peers would be left waiting on a rank that is gone): a clear error, no exit."""
+    monkeypatch.setattr(os, "_exit", lambda status: pytest.fail("exited with a live process group"))
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="process group is still initialized; call "
+                                               "torch.distributed.destroy_process_group\\(\\) first"):
+            train_module.exit_rank_without_finalization()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 @pytest.mark.slow
 def test_torchrun_two_processes(tmp_path):
     """Guards against data-parallel training breaking (process group set-up, DDP wrapping of the SBD

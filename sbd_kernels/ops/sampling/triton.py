@@ -422,8 +422,8 @@ def _sampling_first_pass(row_ptr, cand_ptr, end, vocab, mask_token_id, temperatu
     keep (with HAS_CANDIDATES): each lane's 8 largest logits are kept; HAS_CANDIDATES: they are written to
     cand_ptr ([8, BLOCK], -inf where none), else none (floor -inf, counts 0). mass_on (with HAS_CANDIDATES):
     the row's top-p mass sum exp((x - m) / T) from online sums (0 when unknown: x / T or the sum overflowed
-    fp32); else 0. The extras are uniform
-    branches inside the loop: a loop of its own for each set spilled in bf16."""
+    fp32); else 0. The extras are uniform branches inside the loop: a loop of its own for each set spilled in
+    bf16."""
     m_lane = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
     low_lane = tl.full([BLOCK], float("inf"), dtype=tl.float32)
     bad_lane = tl.zeros([BLOCK], dtype=tl.int32)
