@@ -201,11 +201,13 @@ def test_filters_on_awkward_rows(backend):
 @pytest.mark.parametrize("backend", ["cpu"])
 def test_cpu_many_ties_and_large_k(backend):
     """Guards against the CPU top-k candidate buffer losing entries when ties outnumber its capacity, or
-    when k itself is large, and the top-p selection on rows of equal logits."""
-    logits = make_logits(1, 4, 50000, scale=1.0)
+    when k itself is large, when the ties sit at the k-th largest (its cut then removes none of them and
+    the buffer grows past its first size), and the top-p selection on rows of equal logits."""
+    logits = make_logits(1, 5, 50000, scale=1.0)
     logits[0, 0, ::2] = 9.0      # 25000 tied maxima, top_k 5: all kept
     logits[0, 2] = 0.25          # flat row: every top-p keeps everything
     logits[0, 3, 1000:31000] = 4.0
+    logits[0, 4, 7:] = torch.finfo(torch.float32).min  # 7 allowed tokens, the rest masked by a large negative
     seed, offset = make_seeds(1)
     for kwargs in ({"top_k_val": 5}, {"top_k_val": 20000}, {"top_p_val": 0.3}, {"top_k_val": 20000, "top_p_val": 0.5}):
         check_backend(backend, logits, seed, offset, temperature_val=1.0, **kwargs)

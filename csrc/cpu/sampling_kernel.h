@@ -945,7 +945,7 @@ RowPlan plan_row(const scalar_t* row_ptr, int64_t vocab, int64_t mask_token_id, 
                  const RowFilters& filters, const PhiloxRow& philox, FilterScratch& scratch) {
   const bool top_k_on = filters.top_k_on(vocab);
   // Candidates held before a selection cuts them back to the k largest: a few selections per row.
-  const int64_t shrink_at = top_k_on ? std::max<int64_t>(4 * filters.top_k, 512) : 0;
+  int64_t shrink_at = top_k_on ? std::max<int64_t>(4 * filters.top_k, 512) : 0;
   float floor_k = std::numeric_limits<float>::lowest();
   Candidates& cand = scratch.candidates;
   cand.clear();
@@ -958,6 +958,10 @@ RowPlan plan_row(const scalar_t* row_ptr, int64_t vocab, int64_t mask_token_id, 
     if (cand.n >= shrink_at) {
       floor_k = kth_largest(cand, filters.top_k, scratch.xs, scratch.qs);
       cand.keep_from(floor_k);
+      // Entries tied at the floor survive the cut. A row of many ties (a flat row, or disallowed tokens
+      // set to finfo.min) would otherwise select over all of them at every tile: O(V^2 / kTile), 25 ms for
+      // 16 rows of 151936 at top-k 50. Waiting for the list to double keeps the selections' work O(V).
+      shrink_at = std::max(shrink_at, 2 * cand.n);
     }
   });
   RowPlan plan;
