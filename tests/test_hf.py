@@ -379,13 +379,15 @@ def test_sbd_cache_refuses_a_plain_forward_and_missing_position_ids(sbd_model):
               past_key_values=cache, use_cache=True)
 
 
-def test_boolean_mask_under_eager_attention_is_refused():
-    """Guards against the boolean SBD mask being added to eager attention scores (max logit error 0.49)."""
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.int32], ids=str)
+def test_boolean_or_integer_mask_under_eager_attention_is_refused(dtype):
+    """Guards against a boolean or integer 0 / 1 mask being added to eager attention scores as 1 / 0 instead of
+    0 / -inf (max logit error 0.49 for the boolean SBD mask, 27 for an int64 causal mask on this model)."""
     model = tiny_model("llama", attn="eager")
     hf.enable_sbd(model, mask_token_id=MASK_ID)
     allowed = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
-    with pytest.raises(RuntimeError, match="adds attention_mask to the scores"):
-        model(input_ids=torch.tensor([[3, 4, 5, 6]]), attention_mask=allowed)
+    with pytest.raises(RuntimeError, match=f"adds attention_mask to the scores; a {dtype} mask"):
+        model(input_ids=torch.tensor([[3, 4, 5, 6]]), attention_mask=allowed.to(dtype))
 
 
 def test_custom_generate_refuses_settings_it_would_ignore():
@@ -399,18 +401,181 @@ def test_custom_generate_refuses_settings_it_would_ignore():
         model.generate(ids, max_new_tokens=4, custom_generate=hf.sbd_generate, num_beams=2)
 
 
+def test_custom_generate_refuses_processors_and_criteria_whose_settings_it_would_ignore():
+    """Guards against a logits processor or stopping criterion of a kind the fused decode implements being
+    accepted by type and then ignored (the decode reads the generation config): a user's TopKLogitsWarper(1)
+    sampled at top_k=0, an EosTokenCriteria(28) decoded past token 28. Also refused: a sampling warper under
+    greedy decoding, and output fields the decode does not fill (scores, logits), which came back as None."""
+    from transformers import (
+        EosTokenCriteria,
+        LogitsProcessorList,
+        MaxLengthCriteria,
+        StoppingCriteriaList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    model = tiny_model("llama")
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+
+    def run(**settings):
+        return model.generate(ids, max_new_tokens=8, custom_generate=hf.sbd_generate, gamma=0.5, seed=3, **settings)
+
+    sampled = {"do_sample": True, "temperature": 1.0, "top_k": 0}
+    with pytest.raises(ValueError, match=r"TopKLogitsWarper\(top_k=1\) differs from the generation config's top_k=0"):
+        run(**sampled, logits_processor=LogitsProcessorList([TopKLogitsWarper(1)]))
+    with pytest.raises(ValueError, match="TopPLogitsWarper with min_tokens_to_keep=2"):
+        run(**sampled, top_p=0.5, logits_processor=LogitsProcessorList([TopPLogitsWarper(0.5, min_tokens_to_keep=2)]))
+    with pytest.raises(ValueError, match="TemperatureLogitsWarper given with do_sample=False"):
+        run(do_sample=False, logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.5)]))
+    with pytest.raises(ValueError, match=r"EosTokenCriteria\(eos_token_id=\[28\]\) differs .* eos_token_id \[1\]"):
+        run(stopping_criteria=StoppingCriteriaList([EosTokenCriteria(eos_token_id=28)]))
+    with pytest.raises(ValueError, match=r"MaxLengthCriteria\(max_length=5\) differs .* \(11, prompt included\)"):
+        run(stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(max_length=5)]))
+    for flag in ("output_scores", "output_logits"):
+        with pytest.raises(ValueError, match=f"{flag}=True not supported"):
+            run(return_dict_in_generate=True, **{flag: True})
+    # The same settings given both ways are what the decode applies: accepted, same tokens.
+    same = LogitsProcessorList([TopKLogitsWarper(5)])
+    assert torch.equal(run(**{**sampled, "top_k": 5}, logits_processor=same), run(**{**sampled, "top_k": 5}))
+    assert torch.equal(run(stopping_criteria=StoppingCriteriaList([EosTokenCriteria(eos_token_id=1)])), run())
+
+
+@pytest.fixture
+def two_rank_group():
+    """A process group of world size 2 in this one process, as rank 1 (torch's fake backend: collectives do
+    nothing), destroyed after the test."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+def test_decoding_refuses_a_model_sharded_over_ranks(two_rank_group, monkeypatch):
+    """Guards against decoding a model sharded over ranks (FSDP, DeepSpeed ZeRO-3: HF's synced-GPU mode, which
+    transformers does not forward to a callable custom_generate): each rank's decode runs its own number of
+    passes while every sharded forward waits for all ranks, so ranks would hang."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import fully_shard
+
+    ids = torch.tensor([[5, 6, 7]])
+    sharded = tiny_model("llama")
+    hf.enable_sbd(sharded, mask_token_id=MASK_ID, block_size=4)
+    fully_shard(sharded)
+    fsdp = "synced-GPU decoding .FSDPLlamaForCausalLM is FSDP-sharded over 2 ranks. is not supported"
+    with pytest.raises(ValueError, match=fsdp):
+        sharded.generate(ids, max_new_tokens=4, custom_generate=hf.sbd_generate)
+    with pytest.raises(ValueError, match=fsdp):
+        hf.generate(sharded, ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match=fsdp):
+        hf.check(sharded, [[3, 4, 5]])
+    model = tiny_model("llama")
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    zero3 = SimpleNamespace(is_zero3=lambda: True, config={})
+    monkeypatch.setattr(transformers.integrations.deepspeed, "_hf_deepspeed_config_weak_ref", lambda: zero3)
+    with pytest.raises(ValueError, match=r"synced-GPU decoding \(DeepSpeed ZeRO-3 over 2 ranks\)"):
+        model.generate(ids, max_new_tokens=4, custom_generate=hf.sbd_generate)
+    with pytest.raises(ValueError, match=r"synced-GPU decoding \(synced_gpus=True\)"):
+        hf.sbd_generate(model, ids, generation_config=model.generation_config, synced_gpus=True)
+
+
+def test_block_size_zero_is_refused_not_replaced():
+    """Guards against block_size=0 being silently replaced by the default (`block_size or default`) in
+    enable_sbd, generate, custom_generate and check."""
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="enable_sbd: block_size must be >= 1, got 0"):
+        hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=0)
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        hf.generate(model, ids, max_new_tokens=4, block_size=0)
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        model.generate(ids, max_new_tokens=4, custom_generate=hf.sbd_generate, block_size=0)
+    with pytest.raises(ValueError, match="check: block_size must be >= 1, got 0"):
+        hf.check(model, [[3, 4, 5]], block_size=0)
+
+
+@pytest.mark.parametrize("name,token_id", [("eos_token_id", 1), ("pad_token_id", 0), ("bos_token_id", 2)])
+def test_mask_token_cannot_be_the_eos_pad_or_bos_token(name, token_id):
+    """Guards against a mask token that is also EOS (the sampler never draws the mask token, so no decode could
+    end), pad or BOS (masked slots indistinguishable from padding or sequence starts) being accepted."""
+    with pytest.raises(ValueError, match=f"mask_token_id {token_id} is the {name} of the model or its tokenizer"):
+        hf.enable_sbd(tiny_model("llama"), mask_token_id=token_id)
+
+
+def test_reserved_token_taken_as_the_pad_token_is_not_the_mask_token():
+    """Guards against picking as the mask token the last reserved token when the tokenizer uses it as its pad
+    token (a common Llama 3 fine-tuning set-up): the next free reserved token is taken instead."""
+    tokenizer = word_tokenizer(["<|reserved_special_token_0|>", "<|reserved_special_token_1|>"])
+    tokenizer.pad_token = "<|reserved_special_token_1|>"
+    sbd_model = hf.enable_sbd(tiny_model("llama"), tokenizer)
+    assert sbd_model.mask_token_id == tokenizer.convert_tokens_to_ids("<|reserved_special_token_0|>")
+
+
+def test_mask_token_reused_from_the_tokenizer_gets_an_embedding_row():
+    """Guards against a tokenizer's `<|sbd_mask|>`, added for another copy of the model, being reused without
+    resizing the embeddings of this one: the first forward failed with IndexError (a device assert on CUDA)."""
+    tokenizer = word_tokenizer([f"<s{i}>" for i in range(VOCAB - 60)])        # fills the 96 embedding rows
+    first = tiny_model("llama")
+    assert hf.enable_sbd(first, tokenizer).mask_token_id == VOCAB
+    second = tiny_model("llama")
+    sbd_model = hf.enable_sbd(second, tokenizer)
+    assert sbd_model.mask_token_id == VOCAB
+    assert second.get_input_embeddings().weight.shape[0] == second.lm_head.weight.shape[0] == VOCAB + 1
+    out = hf.generate(second, torch.tensor([[5, 6, 7]]), max_new_tokens=4, eos_token_id=[])
+    assert int(out.generated[0]) == 4
+
+
+def test_forward_without_a_mask_is_causal_when_positions_restart():
+    """Guards against `SbdCausalLM.forward(tokens, positions, None)` attending block-diagonally: with position ids
+    that restart (the SBD layout [0..n-1 ; 0..n-1]) HF reads a missing mask as packed sequences (logits moved by
+    23 on this model), while the SbdModel protocol says None is causal."""
+    sbd_model = hf.enable_sbd(tiny_model("llama"), mask_token_id=MASK_ID)
+    tokens = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    causal = torch.ones(1, 6, 6, dtype=torch.bool).tril()
+    with torch.no_grad():
+        torch.testing.assert_close(sbd_model(tokens, positions, None), sbd_model(tokens, positions, causal),
+                                   atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_check_and_the_reference_loss_run_on_a_flex_attention_model():
+    """Guards against every boolean tensor mask failing on a flex_attention model (hf.check, the oracle decode and
+    `sbd_kernels.train.sbd_loss` pass them to `SbdCausalLM.forward`, which gave them to the flex path as tensors):
+    the mask reaches FlexAttention as a BlockMask indexing the tensor, the check passes, and the reference loss
+    equals the sdpa model's."""
+    models = {attn: hf.enable_sbd(tiny_model("llama", attn=attn), mask_token_id=MASK_ID, block_size=4)
+              for attn in ("flex_attention", "sdpa")}
+    report = hf.check(models["flex_attention"], [[3, 4, 5], [6, 7]], max_new_tokens=8)
+    assert report.passed, report.summary("flex")
+    tokens = torch.randint(4, 60, (2, 9), generator=torch.Generator().manual_seed(0))
+    targets = torch.ones_like(tokens, dtype=torch.bool)
+    losses = {}
+    with torch.no_grad():
+        for attn, sbd_model in models.items():
+            losses[attn], _ = sbd_loss(sbd_model, tokens, targets, 3, MASK_ID, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(losses["flex_attention"], losses["sdpa"], atol=1e-5, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Training: masks, collator, loss
 # ----------------------------------------------------------------------------------------------------
 def port_reference_weights(ref: Transformer) -> transformers.LlamaForCausalLM:
-    """An HF Llama with the reference model's weights (same architecture: RMSNorm, rotate-half RoPE, SwiGLU, GQA)."""
+    """An HF Llama with the reference model's weights (same architecture: RMSNorm, rotate-half RoPE, SwiGLU, GQA)
+    and its vocabulary's special ids (pad 0, EOS 1, no BOS; the mask token is 2, LlamaConfig's default EOS)."""
     cfg = ref.config
     config = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.dim,
                                       intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
                                       num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
                                       max_position_embeddings=cfg.max_seq_len, rope_theta=cfg.rope_theta,
                                       rms_norm_eps=cfg.norm_eps, attn_implementation="sdpa", pad_token_id=0,
-                                      tie_word_embeddings=False)
+                                      eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
     model = transformers.LlamaForCausalLM(config).eval()
     names = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
     layer_names = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
@@ -446,16 +611,19 @@ def test_hf_sbd_loss_equals_the_reference_objective(family):
     tokens = torch.randint(4, vocab, (3, 12))
     targets = torch.ones_like(tokens, dtype=torch.bool)
     targets[:, :5] = False
-    collator = hf.SbdDataCollator(model.config, seed=3)
-    collator._noise = torch.Generator().manual_seed(11)
-    batch = collator([{"input_ids": t, "loss_mask": m} for t, m in zip(tokens, targets)])
+    collator = hf.SbdDataCollator(model.config, seed=3, rank=0)
+    batch = collator([{"input_ids": t, "labels": torch.where(m, t, -100)} for t, m in zip(tokens, targets)])
     k = hf.training._block_size_at(3, 0, 2, 16)
+
+    def noise():
+        return hf.training._noise_generator(3, 0, None, 0)
+
     with torch.no_grad():
-        expected, _ = sbd_loss(sbd_model, tokens, targets, k, mask_id, torch.Generator().manual_seed(11))
+        expected, _ = sbd_loss(sbd_model, tokens, targets, k, mask_id, noise())
         hf_out = model(**{key: v for key, v in batch.items() if key != "labels"}, labels=batch["labels"])
         via_loss_func = hf.sbd_loss_func(hf_out, batch["labels"])
         if ref is not None:
-            on_reference, _ = sbd_loss(ref, tokens, targets, k, mask_id, torch.Generator().manual_seed(11))
+            on_reference, _ = sbd_loss(ref, tokens, targets, k, mask_id, noise())
             torch.testing.assert_close(on_reference, expected, atol=1e-5, rtol=1e-5)
     assert int((batch["labels"] != -100).sum()) > 10
     torch.testing.assert_close(hf_out.loss, expected, atol=1e-5, rtol=1e-5)
@@ -513,6 +681,112 @@ def test_collator_counts_only_the_targets_of_hf_style_labels():
     assert (labels[:, n:] != -100).any()
     with pytest.raises(ValueError, match="length of input_ids"):
         hf.SbdDataCollator(model.config)([{"input_ids": prompt, "labels": prompt[:-1]}])
+
+
+def assert_same_batch(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(actual[name], value), name
+
+
+def test_collator_strips_the_padding_its_attention_mask_marks():
+    """Guards against padded examples (a tokenizer's padding="max_length") being trained as if their pads were
+    text: pads counted as NTP targets, attended as keys, and shifting the positions of left-padded text. Right-
+    and left-padded examples give the batch of the unpadded one; an attention_mask with 0s between real tokens or
+    of another length than input_ids is refused, naming attention_mask."""
+    model = tiny_model("llama")
+    hf.enable_sbd(model, mask_token_id=MASK_ID)
+    text, labels = [5, 6, 7, 8], [-100, 6, 7, 8]
+
+    def batch(*examples):
+        return hf.SbdDataCollator(model.config, block_min=4, block_max=4, seed=1, rank=0)(list(examples))
+
+    expected = batch({"input_ids": text, "labels": labels}, {"input_ids": text[:3]})
+    right = {"input_ids": text + [0] * 4, "attention_mask": [1] * 4 + [0] * 4, "labels": labels + [-100] * 4}
+    left = {"input_ids": [0] * 4 + text, "attention_mask": [0] * 4 + [1] * 4, "labels": [-100] * 4 + labels}
+    short = {"input_ids": [0, 0] + text[:3] + [0], "attention_mask": torch.tensor([0, 0, 1, 1, 1, 0])}
+    assert_same_batch(batch(right, short), expected)
+    assert_same_batch(batch(left, short), expected)
+    with pytest.raises(ValueError, match=r"attention_mask has 0s between real tokens \(at \[2\]\)"):
+        batch({"input_ids": text, "attention_mask": [1, 1, 0, 1]})
+    with pytest.raises(ValueError, match=r"attention_mask must have the shape of input_ids \(4,\), got \(3,\)"):
+        batch({"input_ids": text, "attention_mask": [1, 1, 1]})
+    with pytest.raises(ValueError, match="attention_mask is all 0"):
+        batch({"input_ids": text, "attention_mask": [0, 0, 0, 0]})
+
+
+def collated(collator, data: list[dict], num_workers: int) -> list[dict]:
+    from torch.utils.data import DataLoader
+
+    return list(DataLoader(data, batch_size=2, collate_fn=collator, num_workers=num_workers))
+
+
+def noise_of(batch: dict) -> torch.Tensor:
+    n = batch["input_ids"].shape[1] // 2
+    return batch["input_ids"][:, n:] == MASK_ID
+
+
+def test_collator_draws_differ_across_workers_and_ranks(two_rank_group):
+    """Guards against DataLoader workers (each a copy of the collator, with its generator and batch count) and
+    ranks (rank defaulted to 0) drawing the same noise: every batch of a 2-worker loader had the noise of its
+    neighbour. The noise differs between batches, workers and ranks (the rank taken from the process group by
+    default); the block sizes follow the loader's batch order, equal for 0 and 2 workers and on every rank; a
+    single-process collator gives the same batches for the same seed."""
+    model = tiny_model("llama")
+    hf.enable_sbd(model, mask_token_id=MASK_ID)
+    data = [{"input_ids": list(range(3, 23))}] * 8                  # equal examples: only the draws differ
+    in_workers = collated(hf.SbdDataCollator(model.config, seed=0, rank=0), data, num_workers=2)
+    in_process = collated(hf.SbdDataCollator(model.config, seed=0, rank=0), data, num_workers=0)
+    noises = [noise_of(b) for b in in_workers + in_process]
+    assert all(not torch.equal(a, b) for i, a in enumerate(noises) for b in noises[i + 1:])
+    sizes = [[int(b["attention_mask"][0, 0, 20:, 20:].sum(-1)[0]) for b in run] for run in (in_workers, in_process)]
+    assert sizes[0] == sizes[1] and len(set(sizes[0])) > 1                # noisy row 0 sees its block of k
+    default_rank = hf.SbdDataCollator(model.config, seed=0)             # rank 1 of the process group
+    rank_one = hf.SbdDataCollator(model.config, seed=0, rank=1)(data[:2])
+    assert_same_batch(default_rank(data[:2]), rank_one)
+    assert not torch.equal(noise_of(rank_one), noise_of(in_process[0]))
+    assert torch.equal(rank_one["attention_mask"], in_process[0]["attention_mask"]), "the same block size"
+    again = collated(hf.SbdDataCollator(model.config, seed=0, rank=0), data, num_workers=0)
+    for a, b in zip(again, in_process):
+        assert_same_batch(a, b)
+
+
+def test_trainer_default_columns_keep_the_prompt_out_of_the_targets(tmp_path):
+    """Guards against the prompt being trained on under HF Trainer's default remove_unused_columns=True, which
+    drops every column its model's forward does not name (a `loss_mask` column among them) before the collator:
+    targets given as `labels` (-100: not a target) survive it, and a `loss_mask` the collator sees (its own loop,
+    or remove_unused_columns=False) gives the same targets."""
+    model = tiny_model("llama")
+    hf.enable_sbd(model, mask_token_id=MASK_ID)
+    prompt, answer = list(range(10, 16)), list(range(20, 28))
+    data = [{"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer}] * 4
+    args = transformers.TrainingArguments(str(tmp_path), per_device_train_batch_size=2, use_cpu=True, report_to=[])
+    assert args.remove_unused_columns
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   data_collator=hf.SbdDataCollator(model.config), compute_loss_func=hf.sbd_loss_func)
+    batch = next(iter(trainer.get_train_dataloader()))
+    n = len(prompt) + len(answer)
+    assert batch["labels"][:, :n].tolist() == [[-100] * (len(prompt) - 1) + answer + [-100]] * 2
+    by_mask = hf.SbdDataCollator(model.config)([{"input_ids": prompt + answer, "loss_mask": [0] * 6 + [1] * 8}] * 2)
+    assert torch.equal(by_mask["labels"], batch["labels"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_collator_eager_mask_is_in_the_models_dtype(dtype):
+    """Guards against the additive eager mask being fp32 for a bf16 / fp16 model (scores promoted to fp32 [B, H, T,
+    T] in every layer), where HF builds its eager masks in the model's dtype: the collator takes the dtype the
+    config records, and the model's loss is the fp32 mask's."""
+    config = tiny_config("llama", attn="eager")
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    hf.enable_sbd(model, mask_token_id=MASK_ID)
+    examples = [{"input_ids": list(range(3, 3 + m))} for m in (5, 8)]
+    batch = hf.SbdDataCollator(model.config, block_min=3, block_max=3)(examples)
+    fp32 = hf.SbdDataCollator(model.config, block_min=3, block_max=3, dtype=torch.float32)(examples)
+    mask = batch["attention_mask"]
+    assert mask.dtype == dtype
+    assert torch.equal(mask == 0, fp32["attention_mask"] == 0) and (mask[mask != 0] == torch.finfo(dtype).min).all()
+    with torch.no_grad():
+        assert torch.equal(model(**batch).loss, model(**{**batch, "attention_mask": fp32["attention_mask"]}).loss)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

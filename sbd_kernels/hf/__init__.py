@@ -3,9 +3,10 @@
 
     from sbd_kernels import hf
     sbd_model = hf.enable_sbd(model, tokenizer, block_size=16)          # mask token, "sbd" attention
+    ds = [{"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer}]   # -100: not a target
     collator = hf.SbdDataCollator(model.config)                         # SBD objective for Trainer / a loop
     Trainer(model=model, args=args, train_dataset=ds, data_collator=collator,
-            compute_loss_func=hf.sbd_loss_func).train()
+            compute_loss_func=hf.sbd_loss_func).train()                # default remove_unused_columns keeps labels
     out = hf.generate(model, input_ids, attention_mask, max_new_tokens=128, gamma=0.1)   # or custom_generate=
     print(out.sequences, out.nfe, hf.check(model, input_ids, attention_mask).passed)
 

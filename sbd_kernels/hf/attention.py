@@ -59,13 +59,14 @@ def base_implementation(config: Any) -> str:
 
 def _check_mask_form(base: str, attention_mask: Any) -> None:
     """Rejects a mask the base implementation would read differently from what the caller meant: eager attention
-    adds the mask to the scores, so a boolean mask (True = attend) would add 1 / 0 instead of 0 / -inf."""
-    if base == "eager" and isinstance(attention_mask, Tensor) and attention_mask.dtype == torch.bool:
+    adds the mask to the scores, so a boolean or integer 0 / 1 mask (1 = attend) would add 1 / 0 instead of
+    0 / -inf. (A floating-point mask is taken as additive, as HF builds it.)"""
+    if base == "eager" and isinstance(attention_mask, Tensor) and not attention_mask.is_floating_point():
         raise RuntimeError(
-            "sbd attention: the model's base attention is 'eager', which adds attention_mask to the scores; a boolean "
-            "mask would be added as 1 / 0 instead of 0 / -inf. Build the SBD training mask with "
-            "sbd_kernels.hf.sbd_training_mask(..., implementation='eager') or the SbdDataCollator, which give an "
-            "additive mask")
+            "sbd attention: the model's base attention is 'eager', which adds attention_mask to the scores; a "
+            f"{attention_mask.dtype} mask would be added as 1 / 0 instead of 0 / -inf. Build the SBD training mask "
+            "with sbd_kernels.hf.sbd_training_mask(..., implementation='eager') or the SbdDataCollator, which give "
+            "an additive mask")
     if base == "flex_attention" and isinstance(attention_mask, Tensor):
         raise RuntimeError(
             "sbd attention: the model's base attention is 'flex_attention', which takes a BlockMask, got a tensor "

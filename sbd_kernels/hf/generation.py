@@ -14,7 +14,8 @@ tokens are real, and position ids are built inside (real tokens at 0, 1, ...).
 Generation settings read from HF: `max_new_tokens` (or `max_length`), `eos_token_id` (one or several), `do_sample`
 with `temperature`, `top_k`, `top_p` and `min_p` (greedy unless do_sample), `pad_token_id`. Logits processors and
 stopping criteria the fused kernels do not implement (repetition penalty, bad words, stop strings, ...) are
-refused by name rather than ignored.
+refused by name rather than ignored, and so are processors / criteria of the handled kinds passed to `generate`
+with other settings than the generation config's (the decode reads the config, not the processors).
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from transformers.distributed.fsdp import is_fsdp_managed_module
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     SuppressTokensLogitsProcessor,
@@ -33,6 +36,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from sbd_kernels.generate import DecodeConfig, DecodeOps, DecodeResult, fused_ops
 from sbd_kernels.generate import generate as decode
@@ -96,10 +100,12 @@ def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None
     input_ids `[B, P]` int64 with optional attention_mask `[B, P]` (left or right padding); eos_token_id: one id or
     several (default: the model's generation config); block_size: default the one recorded by `enable_sbd`;
     temperature > 0 samples, after the top_k / top_p / min_p filters (0 / 1 / 0 = off), sequence i with seed
-    `seed + i`; cuda_graph: replay the decode steps from CUDA graphs (model on
-    a CUDA device). Returns `SbdGenerateOutput` (see the module docstring).
+    `seed + i`; cuda_graph: replay the decode steps from CUDA graphs (model on a CUDA device). Returns
+    `SbdGenerateOutput` (see the module docstring). A model sharded over several ranks (DeepSpeed ZeRO-3, FSDP) is
+    refused (`refuse_synced_gpus`).
     """
     sbd_model = model if isinstance(model, SbdCausalLM) else SbdCausalLM(model)
+    refuse_synced_gpus(sbd_model.hf_model)
     generation_config = getattr(sbd_model.hf_model, "generation_config", None)
     eos_ids = _eos_ids(eos_token_id if eos_token_id is not None
                        else getattr(generation_config, "eos_token_id", None))
@@ -109,9 +115,10 @@ def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None
         pad_token_id = eos_ids[0] if eos_ids else 0
     if not eos_ids:
         eos_ids = (-1,)  # no end token: every sequence runs to max_new_tokens
-    cfg = DecodeConfig(method=method, block_size=block_size or sbd_model.block_size, gamma=gamma,
-                       temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, rule=rule,
-                       top_k=top_k, top_p=top_p, min_p=min_p)
+    if block_size is None:
+        block_size = sbd_model.block_size
+    cfg = DecodeConfig(method=method, block_size=block_size, gamma=gamma, temperature=temperature,
+                       max_new_tokens=max_new_tokens, seed=seed, rule=rule, top_k=top_k, top_p=top_p, min_p=min_p)
     prompts = prompts_from_batch(input_ids, attention_mask)
     result = decode(sbd_model, prompts, cfg, eos_id=eos_ids, pad_id=pad_token_id, batch_size=batch_size,
                     ops=ops or fused_ops(), cuda_graph=cuda_graph)
@@ -119,29 +126,100 @@ def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None
                              generated=result.generated, accepted_hist=result.accepted_hist)
 
 
-# Processors / criteria HF adds from generation settings that the fused decode implements itself.
-_HANDLED_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
-                       SuppressTokensLogitsProcessor)
+def _synced_gpus_reason(model: Any) -> str | None:
+    """Why HF would generate with `model` in synced-GPU mode (its own rule: parameters sharded by DeepSpeed
+    ZeRO-3 or FSDP, in a process group of more than one rank), or None."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world < 2:
+        return None
+    if is_deepspeed_zero3_enabled():
+        return f"DeepSpeed ZeRO-3 over {world} ranks"
+    if is_fsdp_managed_module(model):
+        return f"{type(model).__name__} is FSDP-sharded over {world} ranks"
+    return None
+
+
+def refuse_synced_gpus(model: Any, synced_gpus: bool = False) -> None:
+    """Raises ValueError when the decode would have to run in synced-GPU mode (`synced_gpus=True`, or `model`
+    sharded over ranks): every forward of a sharded model gathers parameters from all ranks, so all ranks must
+    run the same number of passes, while an SBD decode runs as many as its own sequences need (ranks would wait
+    on each other forever)."""
+    reason = "synced_gpus=True" if synced_gpus else _synced_gpus_reason(model)
+    if reason is not None:
+        raise ValueError(f"generate: synced-GPU decoding ({reason}) is not supported: each rank's decode runs its "
+                         "own number of forward passes, and a sharded forward waits for every rank; decode with "
+                         "an unsharded copy of the model (e.g. the full state dict loaded on one process)")
+
+
+# Processors / criteria HF builds from generation settings that the fused decode applies itself, by exact type (a
+# subclass may filter otherwise): the sampling warpers, each with the generation-config setting it applies.
+_WARPER_SETTINGS = {TemperatureLogitsWarper: "temperature", TopKLogitsWarper: "top_k", TopPLogitsWarper: "top_p",
+                    MinPLogitsWarper: "min_p"}
+_HANDLED_PROCESSORS = (*_WARPER_SETTINGS, SuppressTokensLogitsProcessor)
 _HANDLED_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
+# Fields of HF's generate output that the fused decode does not produce (it keeps no per-step scores or states).
+_OUTPUT_FLAGS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def _check_warper(warper: Any, generation_config: Any, sampling: dict[str, Any]) -> None:
+    """Raises ValueError when a sampling warper (passed to `generate`, or built by HF from the generation config)
+    filters otherwise than the fused sampler, which applies `sampling` (`_sampling_settings` of the config)."""
+    name = type(warper).__name__
+    if not generation_config.do_sample:
+        raise ValueError(f"sbd_generate: {name} given with do_sample=False, where the fused decode is greedy; set "
+                         "do_sample=True and the sampling settings in the generation config instead")
+    setting = _WARPER_SETTINGS[type(warper)]
+    value = getattr(warper, setting)
+    if value != sampling[setting]:
+        raise ValueError(f"sbd_generate: {name}({setting}={value}) differs from the generation config's {setting}="
+                         f"{sampling[setting]}; the fused decode samples with the generation config's settings, so "
+                         f"pass {setting}={value} to generate instead of the logits processor")
+    kept = getattr(warper, "min_tokens_to_keep", 1), getattr(warper, "filter_value", -float("inf"))
+    if kept != (1, -float("inf")):
+        raise ValueError(f"sbd_generate: {name} with min_tokens_to_keep={kept[0]}, filter_value={kept[1]} is not "
+                         "supported (the fused filters keep at least 1 token and drop the others entirely)")
+
+
+def _check_criterion(criterion: Any, generation_config: Any, max_length: int) -> None:
+    """Raises ValueError when a max-length or EOS criterion (passed to `generate`, or built by HF) stops otherwise
+    than the fused decode: at `max_length` tokens (prompt included) or on the generation config's EOS ids."""
+    if isinstance(criterion, MaxLengthCriteria) and criterion.max_length != max_length:
+        raise ValueError(f"sbd_generate: MaxLengthCriteria(max_length={criterion.max_length}) differs from the "
+                         f"generation config's length limit ({max_length}, prompt included); pass max_new_tokens or "
+                         "max_length to generate instead")
+    if isinstance(criterion, EosTokenCriteria):
+        given, configured = set(_eos_ids(criterion.eos_token_id)), set(_eos_ids(generation_config.eos_token_id))
+        if given != configured:
+            raise ValueError(f"sbd_generate: EosTokenCriteria(eos_token_id={sorted(given)}) differs from the "
+                             f"generation config's eos_token_id {sorted(configured)}; pass eos_token_id to generate "
+                             "instead")
 
 
 def _refuse_unsupported(logits_processor: Any, stopping_criteria: Any, generation_config: Any,
-                        mask_token_id: int, streamer: Any, synced_gpus: bool) -> None:
-    """Raises ValueError naming any HF generation feature this decode would otherwise silently ignore."""
-    unsupported = [type(p).__name__ for p in logits_processor or [] if not isinstance(p, _HANDLED_PROCESSORS)]
-    unsupported += [type(c).__name__ for c in stopping_criteria or [] if not isinstance(c, _HANDLED_CRITERIA)]
+                        mask_token_id: int, sampling: dict[str, Any], max_length: int) -> None:
+    """Raises ValueError naming any HF generation feature or setting this decode would otherwise silently ignore:
+    processors / criteria it does not implement, handled ones whose settings differ from the generation config's
+    (the decode reads only the config), beams, and output fields it does not produce."""
+    unsupported = [type(p).__name__ for p in logits_processor or [] if type(p) not in _HANDLED_PROCESSORS]
+    unsupported += [type(c).__name__ for c in stopping_criteria or [] if type(c) not in _HANDLED_CRITERIA]
     if unsupported:
         raise ValueError(f"sbd_generate: {', '.join(unsupported)} not supported by the fused SBD decode (it samples "
                          "inside sbd.entropy_sample and stops on EOS / length); remove the settings that add them")
     for proc in logits_processor or []:
-        if isinstance(proc, SuppressTokensLogitsProcessor) and set(proc.suppress_tokens.tolist()) - {mask_token_id}:
-            raise ValueError("sbd_generate: suppress_tokens other than the mask token are not supported")
+        if isinstance(proc, SuppressTokensLogitsProcessor):
+            if set(proc.suppress_tokens.tolist()) - {mask_token_id}:
+                raise ValueError("sbd_generate: suppress_tokens other than the mask token are not supported")
+        else:
+            _check_warper(proc, generation_config, sampling)
+    for criterion in stopping_criteria or []:
+        _check_criterion(criterion, generation_config, max_length)
     if getattr(generation_config, "num_beams", 1) != 1:
         raise ValueError("sbd_generate: beam search is not supported (num_beams must be 1)")
-    if streamer is not None:
-        raise ValueError("sbd_generate: streamers are not supported")
-    if synced_gpus:
-        raise ValueError("sbd_generate: synced_gpus is not supported")
+    requested = [flag for flag in _OUTPUT_FLAGS if getattr(generation_config, flag, False)]
+    if requested:
+        raise ValueError(f"sbd_generate: {', '.join(f'{flag}=True' for flag in requested)} not supported: the fused "
+                         "decode samples inside sbd.entropy_sample and keeps no per-step scores, logits or states "
+                         "(the output has sequences, nfe, generated, accepted_hist)")
 
 
 def _sampling_settings(generation_config: Any) -> dict[str, Any]:
@@ -164,13 +242,25 @@ def sbd_generate(model: Any, input_ids: Tensor, logits_processor: Any = None, st
 
     HF prepares the inputs and the generation config, then calls this with them; the decode is `generate` above.
     Returns `SbdGenerateOutput` with `return_dict_in_generate=True`, else the sequences tensor (as HF does).
+    output_scores / output_logits / output_attentions / output_hidden_states are refused (the fused decode keeps
+    none of them), as are logits processors and stopping criteria whose settings differ from the generation
+    config's (the decode reads only the config).
+
+    HF does not forward `streamer` or `synced_gpus` to a callable custom_generate (transformers 5 rebuilds its
+    keyword arguments from the callable's own parameters): a streamer given to `model.generate` receives the
+    prompt from HF and nothing after it, and synced-GPU mode (a model sharded by DeepSpeed ZeRO-3 or FSDP over
+    several ranks), which this decode cannot run in, is worked out here from the model and refused. Passed to this
+    function directly, a streamer or `synced_gpus=True` is refused too.
     """
     sbd_model = SbdCausalLM(model)
-    _refuse_unsupported(logits_processor, stopping_criteria, generation_config, sbd_model.mask_token_id, streamer,
-                        synced_gpus)
+    if streamer is not None:
+        raise ValueError("sbd_generate: streamers are not supported")
+    refuse_synced_gpus(model, synced_gpus)
     prompt_len = input_ids.shape[1]
     max_new = generation_config.max_new_tokens or generation_config.max_length - prompt_len
     sampling = _sampling_settings(generation_config)
+    _refuse_unsupported(logits_processor, stopping_criteria, generation_config, sbd_model.mask_token_id, sampling,
+                        prompt_len + max_new)
     out = generate(sbd_model, input_ids, model_kwargs.get("attention_mask"), max_new_tokens=max_new,
                    eos_token_id=generation_config.eos_token_id, pad_token_id=generation_config.pad_token_id,
                    method=method, block_size=block_size, gamma=gamma, rule=rule, seed=seed, ops=ops,

@@ -11,10 +11,12 @@ have been encoded differently from the recomputed one). Every refusal names the 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import create_block_mask
 
 from sbd_kernels.hf.attention import (
     ATTN_IMPLEMENTATION,
@@ -39,6 +41,7 @@ LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 # Special-token names that tokenizers reserve and leave unused (Llama 3: <|reserved_special_token_N|>).
 RESERVED_TOKEN_MARKERS = ("reserved_special_token", "<|reserved", "<unused")
 MASK_TOKEN_TEXT = "<|sbd_mask|>"
+DEFAULT_BLOCK_SIZE = 16  # the SBD recipe's decode block size
 
 
 class SbdUnsupportedModelError(ValueError):
@@ -95,17 +98,40 @@ def check_supported(config: Any) -> None:
                                        "would not match a recompute; use a model without it")
 
 
-def _unused_reserved_token(tokenizer: Any) -> int | None:
-    """The id of the last reserved special token of the tokenizer (e.g. Llama 3's reserved tokens), or None."""
-    candidates = [(idx, tok) for tok, idx in tokenizer.get_vocab().items()
-                  if any(marker in tok for marker in RESERVED_TOKEN_MARKERS)]
-    return max(candidates)[0] if candidates else None
+def _special_token_ids(model: nn.Module, tokenizer: Any = None) -> dict[str, set[int]]:
+    """The EOS / pad / BOS ids of the model's config and generation config (and of the tokenizer, if given), by
+    name: ids the mask token must not be (the decode stops on EOS, and pads / BOS mean something else)."""
+    sources = [s for s in (model.config, getattr(model, "generation_config", None), tokenizer) if s is not None]
+    ids: dict[str, set[int]] = {"eos_token_id": set(), "pad_token_id": set(), "bos_token_id": set()}
+    for source in sources:
+        for name, found in ids.items():
+            value = getattr(source, name, None)
+            if isinstance(value, Tensor):
+                value = value.tolist()
+            found.update([value] if isinstance(value, int) else value or ())
+    return ids
+
+
+def _unused_reserved_token(tokenizer: Any, taken: set[int]) -> int | None:
+    """The id of the last reserved special token of the tokenizer (e.g. Llama 3's reserved tokens) that is not in
+    `taken` (a reserved token may have been made the pad token), or None."""
+    candidates = [idx for tok, idx in tokenizer.get_vocab().items()
+                  if any(marker in tok for marker in RESERVED_TOKEN_MARKERS) and idx not in taken]
+    return max(candidates) if candidates else None
+
+
+def _ensure_embedding_row(model: nn.Module, token_id: int) -> None:
+    """Resizes the model's embeddings (and tied / untied LM head) so that `token_id` has a row."""
+    if token_id >= model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(token_id + 1)
 
 
 def choose_mask_token(model: nn.Module, tokenizer: Any = None, mask_token_id: int | None = None) -> int:
-    """The mask token id: `mask_token_id` if given; else an unused reserved special token of the tokenizer; else a
-    new special token `<|sbd_mask|>` added to the tokenizer (the embeddings are resized when its id falls outside
-    the model's vocabulary). Raises ValueError when neither a tokenizer nor an id is given."""
+    """The mask token id: `mask_token_id` if given (it must have an embedding row); else the tokenizer's
+    `<|sbd_mask|>` (from an earlier `enable_sbd`); else an unused reserved special token of the tokenizer that is
+    not its EOS / pad / BOS; else a new special token `<|sbd_mask|>` added to the tokenizer. The embeddings are
+    resized when a `<|sbd_mask|>` id falls outside the model's vocabulary (a tokenizer extended for another copy of
+    the model). Raises ValueError when neither a tokenizer nor an id is given."""
     vocab_size = model.get_input_embeddings().weight.shape[0]
     if mask_token_id is not None:
         if not 0 <= mask_token_id < vocab_size:
@@ -113,16 +139,26 @@ def choose_mask_token(model: nn.Module, tokenizer: Any = None, mask_token_id: in
         return mask_token_id
     if tokenizer is None:
         raise ValueError("enable_sbd: pass the tokenizer (to pick or add the mask token) or mask_token_id")
-    if MASK_TOKEN_TEXT in tokenizer.get_vocab():
-        return tokenizer.convert_tokens_to_ids(MASK_TOKEN_TEXT)
-    reserved = _unused_reserved_token(tokenizer)
-    if reserved is not None and reserved < vocab_size:
-        return reserved
-    tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN_TEXT]})
+    if MASK_TOKEN_TEXT not in tokenizer.get_vocab():
+        taken = set().union(*_special_token_ids(model, tokenizer).values())
+        reserved = _unused_reserved_token(tokenizer, taken)
+        if reserved is not None and reserved < vocab_size:
+            return reserved
+        tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN_TEXT]})
     mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN_TEXT)
-    if mask_id >= vocab_size:
-        model.resize_token_embeddings(mask_id + 1)
+    _ensure_embedding_row(model, mask_id)
     return mask_id
+
+
+def _refuse_special_mask_token(model: nn.Module, tokenizer: Any, mask_token_id: int) -> None:
+    """Raises ValueError when the mask token is an EOS, pad or BOS token of the model (or tokenizer): the mask
+    token is suppressed from every sample, so with it as EOS no decode could end, and as pad or BOS the model could
+    not tell a masked slot from padding or a sequence start."""
+    for name, ids in _special_token_ids(model, tokenizer).items():
+        if mask_token_id in ids:
+            raise ValueError(f"enable_sbd: mask_token_id {mask_token_id} is the {name} of the model or its "
+                             f"tokenizer ({sorted(ids)}); the mask token must be a token of its own: pass another "
+                             "id, or the tokenizer to pick a reserved token or add <|sbd_mask|>")
 
 
 def enable_sbd(model: nn.Module, tokenizer: Any = None, *, block_size: int | None = None,
@@ -131,7 +167,8 @@ def enable_sbd(model: nn.Module, tokenizer: Any = None, *, block_size: int | Non
 
     - Checks the model is supported (`check_supported`) and that its attention implementation is one the SBD
       training mask can be given to ("sdpa", "eager", "flex_attention").
-    - Picks the mask token (`choose_mask_token`; an earlier `enable_sbd` recorded in the config is reused).
+    - Picks the mask token (`choose_mask_token`; an earlier `enable_sbd` recorded in the config is reused), and
+      refuses one that is an EOS, pad or BOS id of the model or tokenizer.
     - Records `sbd_block_size`, `sbd_mask_token_id` and `sbd_base_attn_implementation` in `model.config`, so they
       are saved and loaded with `save_pretrained` / `from_pretrained` (call `enable_sbd` again after loading).
     - Adds the mask token to `generation_config.suppress_tokens`, so HF's own `generate` never emits it.
@@ -146,12 +183,15 @@ def enable_sbd(model: nn.Module, tokenizer: Any = None, *, block_size: int | Non
         raise SbdUnsupportedModelError(
             f"attention implementation {current!r} cannot take the SBD training mask; load the model with "
             f"attn_implementation in {BASE_IMPLEMENTATIONS}")
-    block_size = block_size or getattr(config, "sbd_block_size", None) or 16
+    if block_size is None:
+        block_size = getattr(config, "sbd_block_size", None) or DEFAULT_BLOCK_SIZE
     if block_size < 1:
         raise ValueError(f"enable_sbd: block_size must be >= 1, got {block_size}")
     if mask_token_id is None:
         mask_token_id = getattr(config, "sbd_mask_token_id", None)
-    config.sbd_mask_token_id = choose_mask_token(model, tokenizer, mask_token_id)
+    mask_token_id = choose_mask_token(model, tokenizer, mask_token_id)
+    _refuse_special_mask_token(model, tokenizer, mask_token_id)
+    config.sbd_mask_token_id = mask_token_id
     config.sbd_block_size = block_size
     config.sbd_base_attn_implementation = base
     generation_config = getattr(model, "generation_config", None)
@@ -164,16 +204,40 @@ def enable_sbd(model: nn.Module, tokenizer: Any = None, *, block_size: int | Non
     return SbdCausalLM(model)
 
 
-def mask_for_implementation(allowed: Tensor, implementation: str, dtype: torch.dtype) -> Tensor:
-    """A boolean mask (True = may attend, `[B or 1, T, T]`) as the 4-D mask `[B or 1, 1, T, T]` an HF attention
-    implementation reads: boolean for sdpa, additive (0 / dtype's lowest) for eager. FlexAttention takes a
-    BlockMask, built from the mask predicate instead (`sbd_kernels.hf.training.sbd_training_mask`)."""
+@dataclass(frozen=True)
+class DenseMaskMod:
+    """A FlexAttention `mask_mod(b, h, q, kv)` that reads a boolean mask tensor `allowed [B or 1, T, T]` (True =
+    may attend): how a tensor mask reaches a flex_attention model. The tensor is a field, so the device check of
+    the "sbd" attention finds it (`tensors`)."""
+
+    allowed: Tensor
+
+    def __call__(self, b: Tensor, h: Any, q: Tensor, kv: Tensor) -> Tensor:
+        # FlexAttention calls the mask_mod with the query's batch index even when the BlockMask has batch 1.
+        row = b if self.allowed.shape[0] > 1 else torch.zeros_like(b)
+        return self.allowed[row, q, kv]
+
+    def tensors(self) -> list[Tensor]:
+        return [self.allowed]
+
+
+def mask_for_implementation(allowed: Tensor, implementation: str, dtype: torch.dtype) -> Any:
+    """A boolean mask (True = may attend, `[B or 1, T, T]`) in the form an HF attention implementation reads:
+    `[B or 1, 1, T, T]` boolean for sdpa, additive (0 / dtype's lowest) for eager, and for flex_attention a
+    BlockMask whose mask_mod indexes the tensor (`DenseMaskMod`; batch 1 broadcasts over the batch). The SBD
+    training mask of flex_attention is built from its predicate instead (`sbd_kernels.hf.sbd_training_mask`),
+    without a dense tensor."""
     if implementation == "sdpa":
         return allowed[:, None]
     if implementation == "eager":
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
             ~allowed, torch.finfo(dtype).min)[:, None]
-    raise ValueError(f"mask_for_implementation: {implementation!r} takes a BlockMask, not a tensor mask")
+    if implementation == "flex_attention":
+        batch, q_len, kv_len = allowed.shape
+        return create_block_mask(DenseMaskMod(allowed), B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len,
+                                 device=allowed.device)
+    raise ValueError(f"mask_for_implementation: unknown attention implementation {implementation!r}, expected one "
+                     f"of {BASE_IMPLEMENTATIONS}")
 
 
 def _last_rows(length: int, keep_last: int, device: torch.device) -> int | Tensor:
@@ -215,8 +279,14 @@ class SbdCausalLM(nn.Module):
         return self.config.sbd_block_size
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None, attn_mask: Any = None) -> Tensor:
-        """tokens `[B, T]` -> logits `[B, T, V]` fp32, no cache. attn_mask: None (causal), bool `[B or 1, T, T]`
-        (True = may attend), or a FlexAttention BlockMask (flex_attention base only)."""
+        """tokens `[B, T]` -> logits `[B, T, V]` fp32, no cache. positions: `[B, T]` (None: 0..T-1). attn_mask: None
+        (causal in token order, whatever the positions), bool `[B or 1, T, T]` (True = may attend; any base), or a
+        FlexAttention BlockMask (flex_attention base only)."""
+        if attn_mask is None and positions is not None:
+            # Explicit: given position ids that restart (the SBD training layout [0..n-1 ; 0..n-1]), HF reads a None
+            # mask as packed sequences and attends block-diagonally. Without positions HF numbers the tokens 0..T-1
+            # and its own causal mask is right.
+            attn_mask = torch.ones(1, tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).tril()
         mask = attn_mask
         if isinstance(attn_mask, Tensor):
             weight = self.hf_model.get_input_embeddings().weight

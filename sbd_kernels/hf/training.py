@@ -11,10 +11,11 @@ Training blocks are aligned at position 0 of each sequence (0, k, 2k, ...), whil
 end of the prompt. Both are the SBD recipe: what the model learns is to fill a block given everything before it,
 and position ids carry where the block is.
 
-Batch layout from `SbdDataCollator` (n = longest sequence of the batch, right-padded):
+Batch layout from `SbdDataCollator` (n = the longest real sequence of the batch, padded on the right):
     input_ids     [B, 2n] int64      [clean ; noisy]
     position_ids  [B, 2n] int64      [0..n-1 ; 0..n-1]
-    attention_mask                   [B, 1, 2n, 2n] bool (sdpa), additive (eager) or an SbdBlockMask (flex_attention)
+    attention_mask                   [B, 1, 2n, 2n] bool (sdpa), additive (eager; in the config's dtype) or an
+                                     SbdBlockMask (flex_attention)
     labels, shift_labels [B, 2n] int64   aligned with the logits, -100 where not counted
 HF's causal-LM loss uses `shift_labels` as given, so `model(**batch).loss` is the SBD loss too; with
 `compute_loss_func=sbd_loss_func` the Trainer uses this module's loss.
@@ -22,11 +23,14 @@ HF's causal-LM loss uses `shift_labels` as given, so `model(**batch).loss` is th
 from __future__ import annotations
 
 import copy
+import hashlib
+import os
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
@@ -76,34 +80,97 @@ def sbd_training_mask(lengths: Tensor, n: int, block_size: int, implementation: 
 
 
 def _block_size_at(seed: int, batch_index: int, block_min: int, block_max: int) -> int:
-    """k ~ U{block_min..block_max} for batch `batch_index`: the same on every data-parallel rank (ranks call the
-    collator once per step in lockstep), independent of the data."""
+    """k ~ U{block_min..block_max} for batch `batch_index` of the data loader: the same on every data-parallel rank
+    (ranks draw their batches in lockstep), independent of the data."""
     rng = torch.Generator().manual_seed(zlib.crc32(f"sbd-k/{seed}/{batch_index}".encode()))
     return int(torch.randint(block_min, block_max + 1, (1,), generator=rng))
+
+
+def _noise_generator(seed: int, rank: int, worker_seed: int | None, batch_index: int) -> torch.Generator:
+    """The generator of one batch's noise, seeded from every coordinate that tells batches apart: the collator's
+    seed, the rank, the DataLoader worker's seed (None in the main process) and the batch's index in that process.
+    A 64-bit hash, so that seeds of distinct batches do not collide over a long training."""
+    key = f"sbd-noise/{seed}/{rank}/{worker_seed}/{batch_index}".encode()
+    return torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little"))
+
+
+def _worker() -> tuple[int, int, int | None]:
+    """(worker id, number of workers, worker seed) of the DataLoader worker this runs in; (0, 1, None) in the main
+    process. torch seeds each worker with the loader's base seed, drawn anew for every epoch's workers, plus its
+    id."""
+    info = torch.utils.data.get_worker_info()
+    return (0, 1, None) if info is None else (info.id, info.num_workers, info.seed)
+
+
+def _default_rank() -> int:
+    """This process's data-parallel rank: torch.distributed's when a process group is initialized, else the RANK
+    variable torchrun / accelerate set (DataLoader workers started with "spawn" see no process group), else 0."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    """The dtype `config` records (`from_pretrained(..., dtype=...)`), fp32 when it records none."""
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def _real_span(example: dict[str, Any], length: int) -> slice:
+    """Where an example's real tokens are: all `length` of input_ids, or the 1s of its `attention_mask` (the
+    padding, 0s at either end, is left out). ValueError naming attention_mask when it has another length than
+    input_ids, no 1, or 0s between 1s (one sequence per example: packed examples are not supported)."""
+    if example.get("attention_mask") is None:
+        return slice(0, length)
+    mask = torch.as_tensor(example["attention_mask"])
+    if mask.shape != (length,):
+        raise ValueError(f"SbdDataCollator: attention_mask must have the shape of input_ids ({length},), got "
+                         f"{tuple(mask.shape)}")
+    real = mask.nonzero().flatten().tolist()
+    if not real:
+        raise ValueError("SbdDataCollator: attention_mask is all 0 (an example without a real token)")
+    if len(real) != real[-1] + 1 - real[0]:
+        holes = sorted(set(range(real[0], real[-1] + 1)) - set(real))
+        raise ValueError(f"SbdDataCollator: attention_mask has 0s between real tokens (at {holes}); only padding at "
+                         "either end is supported, one sequence per example")
+    return slice(real[0], real[-1] + 1)
 
 
 @dataclass
 class SbdDataCollator:
     """Turns tokenized examples into SBD training batches for an HF model prepared by `enable_sbd`.
 
-    Each example is a dict with `input_ids` (list or 1-D tensor) and optionally `labels` of the same length in HF's
-    causal-LM convention (-100 where a token is not a target, e.g. the prompt of chat / instruction data) or
-    `loss_mask` (1 = target). Without either, every token but the first is a target. The noise is applied to every
-    token, prompts included; only targets are counted in the loss.
+    Each example is a dict with `input_ids` (list or 1-D tensor), optionally `attention_mask` (padding to strip:
+    0s at either end) and the targets, all of the same length: `labels` in HF's causal-LM convention (-100 where a
+    token is not a target, e.g. the prompt of chat / instruction data, the token id where it is) or `loss_mask`
+    (1 = target). Without either, every real token but the first is a target. The noise is applied to every real
+    token, prompts included; only targets are counted in the loss. Under HF Trainer, give `labels`: its default
+    `remove_unused_columns=True` keeps `labels` and `attention_mask` but drops a `loss_mask` column before the
+    collator sees it, which then trains on the prompts (the collator cannot tell those examples from unlabelled ones).
 
-    model_config: `model.config` after `enable_sbd` (mask id, base attention implementation, dtype for eager).
+    model_config: `model.config` after `enable_sbd` (mask id, base attention implementation, recorded dtype).
     block_min, block_max: the range of the per-batch block size (SBD recipe: 2..16).
-    seed: seeds the block size (from the batch count: equal on every rank) and the noise (with `rank`).
+    seed: seeds the block size and the noise. Each batch's block size follows from the seed and the batch's index
+    in the data loader (equal on every rank), its noise from the seed, `rank`, the DataLoader worker's seed (a
+    fresh one per worker and epoch, drawn from torch's RNG: seed it, or the Trainer does) and the batch's index in
+    that worker: no two ranks, workers or batches draw the same noise. Called outside DataLoader workers, the
+    batches follow from the seed and the rank alone.
+    rank: the data-parallel rank (default: `torch.distributed`'s when a process group is initialized, else the RANK
+    environment variable, else 0).
     pad_to_multiple_of: pads n up to a multiple (e.g. 8 for tensor cores; 128 for FlexAttention blocks).
+    dtype: of the additive mask of eager attention (default: the dtype `model_config` records, fp32 when none;
+    HF's eager masks are in the model's dtype too, and one in another dtype is exact, promoted on addition).
     """
 
     model_config: Any
     block_min: int = 2
     block_max: int = 16
     seed: int = 0
-    rank: int = 0
+    rank: int | None = None
     pad_to_multiple_of: int = 1
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | None = None
     _batches: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -117,13 +184,17 @@ class SbdDataCollator:
         if self.implementation not in BASE_IMPLEMENTATIONS:
             raise ValueError(f"SbdDataCollator: unsupported attention implementation {self.implementation!r}")
         self.pad_token_id = getattr(self.model_config, "pad_token_id", None) or 0
-        self._noise = torch.Generator().manual_seed(zlib.crc32(f"sbd-noise/{self.seed}/{self.rank}".encode()))
+        if self.dtype is None:
+            self.dtype = _config_dtype(self.model_config)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         tokens, targets, lengths = self._pad(examples)
-        k = _block_size_at(self.seed, self._batches, self.block_min, self.block_max)
+        worker, workers, worker_seed = _worker()
+        rank = _default_rank() if self.rank is None else self.rank
+        # Workers take the loader's batches in turns: batch i of worker w is batch i * workers + w of the loader.
+        k = _block_size_at(self.seed, self._batches * workers + worker, self.block_min, self.block_max)
+        noisy, _ = add_noise(tokens, self.mask_token_id, _noise_generator(self.seed, rank, worker_seed, self._batches))
         self._batches += 1
-        noisy, _ = add_noise(tokens, self.mask_token_id, self._noise)
         labels = sbd_labels(tokens, targets, noisy, self.mask_token_id)                   # [B, 2n]
         mask = sbd_training_mask(lengths, tokens.shape[1], k, self.implementation, self.dtype)
         input_ids, position_ids, attention_mask = sbd_train_inputs(tokens, noisy, k, mask)
@@ -135,37 +206,39 @@ class SbdDataCollator:
         return {name: value.contiguous() if isinstance(value, Tensor) else value for name, value in batch.items()}
 
     def _pad(self, examples: list[dict[str, Any]]) -> tuple[Tensor, Tensor, Tensor]:
-        """(tokens [B, n] int64 right-padded, targets [B, n] bool, lengths [B] int64)."""
+        """(tokens [B, n] int64 right-padded, targets [B, n] bool, lengths [B] int64) of the examples' real tokens."""
         if not examples:
             raise ValueError("SbdDataCollator: empty batch")
-        rows = [torch.as_tensor(ex["input_ids"], dtype=torch.int64) for ex in examples]
-        if any(r.dim() != 1 or r.numel() == 0 for r in rows):
-            raise ValueError("SbdDataCollator: every example needs a non-empty 1-D input_ids")
-        longest = max(r.numel() for r in rows)
-        n = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        rows, row_targets = zip(*(self._example(ex) for ex in examples))
+        lengths = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
+        n = -(-int(lengths.max()) // self.pad_to_multiple_of) * self.pad_to_multiple_of
         tokens = torch.full((len(rows), n), self.pad_token_id, dtype=torch.int64)
         targets = torch.zeros(len(rows), n, dtype=torch.bool)
-        for i, (row, ex) in enumerate(zip(rows, examples)):
+        for i, (row, target) in enumerate(zip(rows, row_targets)):
             tokens[i, : row.numel()] = row
-            targets[i, : row.numel()] = self._targets(ex, row.numel())
-        lengths = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
+            targets[i, : row.numel()] = target
         return tokens, targets, lengths
 
     @staticmethod
-    def _targets(example: dict[str, Any], length: int) -> Tensor:
-        """[length] bool: which tokens are targets (see the class docstring)."""
-        if "labels" in example:
-            labels = torch.as_tensor(example["labels"], dtype=torch.int64)
-            mask = labels != IGNORE
-        elif "loss_mask" in example:
-            mask = torch.as_tensor(example["loss_mask"]).bool()
+    def _example(example: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """(tokens [m] int64, targets [m] bool) of one example's m real tokens (see the class docstring)."""
+        tokens = torch.as_tensor(example["input_ids"], dtype=torch.int64)
+        if tokens.dim() != 1 or tokens.numel() == 0:
+            raise ValueError(f"SbdDataCollator: every example needs a non-empty 1-D input_ids, got shape "
+                             f"{tuple(tokens.shape)}")
+        real = _real_span(example, tokens.numel())
+        if example.get("labels") is not None:
+            name, targets = "labels", torch.as_tensor(example["labels"], dtype=torch.int64) != IGNORE
+        elif example.get("loss_mask") is not None:
+            name, targets = "loss_mask", torch.as_tensor(example["loss_mask"]).bool()
         else:
-            mask = torch.ones(length, dtype=torch.bool)
-            mask[0] = False
-        if mask.shape != (length,):
-            raise ValueError(f"SbdDataCollator: labels / loss_mask must have the length of input_ids ({length}), "
-                             f"got {tuple(mask.shape)}")
-        return mask
+            targets = torch.ones(real.stop - real.start, dtype=torch.bool)
+            targets[0] = False
+            return tokens[real], targets
+        if targets.shape != tokens.shape:
+            raise ValueError(f"SbdDataCollator: {name} must have the length of input_ids ({tokens.numel()}), got "
+                             f"shape {tuple(targets.shape)}")
+        return tokens[real], targets[real]
 
 
 def sbd_loss_func(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int | None = None) -> Tensor:
