@@ -109,6 +109,8 @@ def run_generate(args: argparse.Namespace) -> None:
             ok = exact_match(answer, TOKENIZER.encode_answer(references[i]))
             hits += ok
             line += "  correct" if ok else f"  WRONG (expected {references[i]})"
+        if bool(result.stopped_early[i]):
+            line += "  STOPPED EARLY (invalid logits)"
         print(line)
     setting = f"block {cfg.block_size}, gamma {cfg.gamma}, " if args.method == "sbd" else ""
     print(f"\n{args.method.upper()} ({setting}temperature {cfg.temperature}): "
@@ -119,6 +121,9 @@ def run_generate(args: argparse.Namespace) -> None:
         print(f"tokens accepted per pass (count of passes): {hist}")
     if references is not None:
         print(f"exact match {hits}/{len(texts)}")
+    if result.num_stopped_early:
+        print(f"warning: {result.num_stopped_early} of {len(texts)} sequences stopped early on invalid (NaN / +inf) "
+              "logits")
 
 
 # ----------------------------------------------------------------------------------------------------

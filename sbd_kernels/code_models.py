@@ -374,10 +374,12 @@ class CurvePoint:
 def decode_examples(sbd_model, examples: list[Example], lines: int, setting: Setting, batch_size: int,
                     ops: DecodeOps | None = None) -> tuple[DecodeResult, Scores]:
     """Decodes the examples' prompts with `setting` (budget BUDGET[lines]; a one-line decode stops at the newline,
-    a 4-line one runs to its budget, as the decode loop stops on a token, not on a count of them) and scores it."""
+    a 4-line one runs to its budget, as the decode loop stops on a token, not on a count of them) and scores it.
+    RuntimeError when a sequence stopped early on invalid logits (`DecodeResult.require_complete`)."""
     eos = ByteTokenizer.NEWLINE if lines == 1 else -1
     result = generate(sbd_model, [ex.prompt for ex in examples], setting.config(BUDGET[lines]), eos_id=eos,
                       pad_id=ByteTokenizer.PAD, batch_size=batch_size, ops=ops)
+    result.require_complete(f"code completion, {lines}-line examples")
     return result, score(result.tokens, examples, lines)
 
 

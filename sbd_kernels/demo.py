@@ -182,8 +182,10 @@ def timed_decode(model: SbdModel, prompts: list[list[int]], method: str, gamma: 
     """The run of median wall time among identical decodes (greedy: same tokens every time), repeated
     until TIMING_MIN_S of decoding or max_runs runs. A 0.3 s SBD run on this shared 2-core machine is
     easily doubled by a neighbour's burst; a 15 s NTP run averages such bursts out and is timed once.
-    The median, not the fastest, so that short runs are not favoured over long ones."""
+    The median, not the fastest, so that short runs are not favoured over long ones. RuntimeError when a
+    sequence stopped early on invalid logits (`DecodeResult.require_complete`): no table row from such a run."""
     runs = [decode(model, prompts, method, gamma, max_new_tokens, batch_size, ops, eos_id, pad_id)]
+    runs[0].require_complete(f"{method} decode (gamma {gamma})")
     while sum(r.wall_s for r in runs) < TIMING_MIN_S and len(runs) < max_runs:
         runs.append(decode(model, prompts, method, gamma, max_new_tokens, batch_size, ops, eos_id, pad_id))
     return sorted(runs, key=lambda r: r.wall_s)[len(runs) // 2]

@@ -13,6 +13,10 @@ chosen by the entropy-bounded rule (`sbd::mask_scatter_`):
     sort masked positions by entropy H ascending, reveal the first s >= 1 with H(i_1)+...+H(i_{s-1}) <= gamma.
 EOS (docs/algorithm.md §3.8): once an EOS is revealed and every position before it in its block is too, the
 sequence is finished and later positions are dropped.
+Invalid logits (docs/algorithm.md §3.6): a position with a NaN or +inf logit is never revealed (NTP: never
+emitted). A sequence whose pass has nothing it may reveal would read the same logits again, so it stops there
+with the tokens it had completed, flagged in `DecodeResult.stopped_early`; so does a sequence still running at
+the pass limit, which only ops breaking their contract reach.
 NFE (docs/algorithm.md §3.9): a pass counts 1 for every sequence still running in it (the fused prefill
 included, as the NTP prefill that yields the first token is); a finished sequence stops counting.
 
@@ -38,6 +42,8 @@ from dataclasses import dataclass
 import torch
 
 from sbd_kernels.ops import trusted_values
+from sbd_kernels.ops.sampling._checks import FLOAT32_MAX
+from sbd_kernels.ops.scatter._checks import RULES
 from sbd_kernels.protocol import DecodeCache, SbdModel
 
 METHODS = ("ntp", "sbd")
@@ -51,8 +57,10 @@ class DecodeConfig:
     """How to decode.
 
     method: "ntp" (one token per pass) or "sbd" (blocks of `block_size` positions).
-    gamma: entropy budget of the EB rule (SBD only; paper: 0.1 reasoning, 0.35 faster).
-    temperature: 0 = greedy; T > 0 samples from softmax(logits / T) (the EB entropy stays at T = 1).
+    gamma: entropy budget of the EB rule (SBD only; paper: 0.1 reasoning, 0.35 faster); >= 0, +inf allowed.
+    temperature: 0 = greedy; T > 0 samples from softmax(logits / T) (the EB entropy stays at T = 1); finite
+        as a float32, the precision the sampler runs at.
+    rule: the acceptance rule of SBD, "eb" or "threshold" (docs/algorithm.md §3.5).
     top_k, top_p, min_p: filters applied before sampling, as Hugging Face applies them (top-k, then top-p,
         then min-p on softmax(logits / T); see `sbd_kernels.entropy_sample`); 0 / 1.0 / 0.0 = off; ignored
         at T = 0.
@@ -77,10 +85,13 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig: method must be one of {METHODS}, got {self.method!r}")
         if self.block_size < 1:
             raise ValueError(f"DecodeConfig: block_size must be >= 1, got {self.block_size}")
-        if self.gamma < 0:
+        if not self.gamma >= 0:                                  # written so that NaN fails too
             raise ValueError(f"DecodeConfig: gamma must be >= 0, got {self.gamma}")
-        if self.temperature < 0:
-            raise ValueError(f"DecodeConfig: temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature <= FLOAT32_MAX:
+            raise ValueError(f"DecodeConfig: temperature must be finite and >= 0 as a float32 (at most "
+                             f"{FLOAT32_MAX:.8g}), got {self.temperature}")
+        if self.rule not in RULES:
+            raise ValueError(f"DecodeConfig: rule must be one of {RULES}, got {self.rule!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"DecodeConfig: max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.top_k < 0:
@@ -124,8 +135,13 @@ class DecodeResult:
     nfe: [N] int64, forward passes each sequence took part in (docs/algorithm.md §3.9).
     generated: [N] int64, tokens each sequence produced, EOS included (what the passes paid for).
     accepted_hist: [K + 1] int64, accepted_hist[a] = passes (per sequence) that revealed a tokens
-        (NTP: K = 1, every pass reveals 1).
+        (NTP: K = 1, every pass with valid logits reveals 1).
     wall_s: seconds spent decoding (prefill included), summed over batches.
+    stopped_early: [N] bool, True where a sequence stopped before its end (EOS or budget): a pass found no
+        valid logits at any position it could reveal (a NaN or +inf logit, docs/algorithm.md §3.6), or the
+        decode reached its pass limit. Its `tokens` are those it had completed (NTP: the tokens before that
+        pass; SBD: its completed blocks and the revealed prefix of its current block). None (the default)
+        means no sequence did.
     """
 
     answers: list[list[int]]
@@ -134,6 +150,11 @@ class DecodeResult:
     accepted_hist: torch.Tensor
     wall_s: float = 0.0
     tokens: list[list[int]] = dataclasses.field(default_factory=list)
+    stopped_early: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.stopped_early is None:
+            self.stopped_early = torch.zeros(len(self.answers), dtype=torch.bool)
 
     @property
     def total_nfe(self) -> int:
@@ -152,6 +173,25 @@ class DecodeResult:
     def tokens_per_s(self) -> float:
         return self.total_generated / self.wall_s if self.wall_s > 0 else float("nan")
 
+    @property
+    def num_stopped_early(self) -> int:
+        """Sequences that stopped before their end (see `stopped_early`)."""
+        return int(self.stopped_early.sum())
+
+    def require_complete(self, what: str) -> None:
+        """Raises RuntimeError naming `what` when a sequence stopped early: measurements (accuracy, NFE, speed)
+        of a model whose logits went NaN / +inf would be silently wrong."""
+        if self.num_stopped_early:
+            rows = self.stopped_early.nonzero().flatten().tolist()
+            raise RuntimeError(f"{what}: {self.num_stopped_early} of {len(self.answers)} sequences stopped early on "
+                               f"invalid (NaN / +inf) logits (rows {rows[:10]}{' ...' if len(rows) > 10 else ''})")
+
+    @staticmethod
+    def empty(block_size: int) -> DecodeResult:
+        """The result of decoding no prompt (accepted_hist of K + 1 zeros)."""
+        none = torch.zeros(0, dtype=torch.int64)
+        return DecodeResult([], none, none.clone(), torch.zeros(block_size + 1, dtype=torch.int64))
+
     @staticmethod
     def concat(parts: list[DecodeResult]) -> DecodeResult:
         """One result for prompts decoded in several batches (in order)."""
@@ -162,6 +202,7 @@ class DecodeResult:
             accepted_hist=torch.stack([p.accepted_hist for p in parts]).sum(0),
             wall_s=sum(p.wall_s for p in parts),
             tokens=[t for p in parts for t in p.tokens],
+            stopped_early=torch.cat([p.stopped_early for p in parts]),
         )
 
 
@@ -209,6 +250,32 @@ class DecodeConstants:
 # ----------------------------------------------------------------------------------------------------
 # Shared helpers
 # ----------------------------------------------------------------------------------------------------
+def vocab_size_of(model: SbdModel) -> int | None:
+    """The vocabulary size in the model's config (`ModelConfig`, or the HF config behind the adapter), or None
+    for a model without one (the `SbdModel` protocol does not ask for it)."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def check_prompts(model: SbdModel, prompts: list[list[int]], pad_id: int, caller: str) -> None:
+    """Raises ValueError naming the argument and the value when a prompt is empty, or a prompt id or pad_id
+    lies outside the model's vocabulary [0, V): the embedding lookup would otherwise fail mid-decode with a
+    bare IndexError (on CUDA a device-side assert). Checked on the host, where the token lists already are,
+    once for every batch of the call."""
+    vocab = vocab_size_of(model)
+    if vocab is not None and not 0 <= pad_id < vocab:
+        raise ValueError(f"{caller}: pad_id {pad_id} is outside the model's vocabulary [0, {vocab})")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"{caller}: prompts[{i}] is empty; every prompt needs at least one token")
+        if vocab is None:
+            continue
+        bad = next((t for t in (min(prompt), max(prompt)) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{caller}: prompts[{i}] holds token id {bad}, outside the model's vocabulary "
+                             f"[0, {vocab})")
+
+
 def pad_prompts(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad token lists: returns tokens [B, P] int64 (P = longest prompt) and lengths [B] int32."""
     if any(len(p) == 0 for p in prompts):
@@ -252,7 +319,7 @@ def _result(state: NtpState | SbdState, hist: torch.Tensor, wall: float, eos_ids
     """The DecodeResult of a finished batch (one device-to-host copy of each state tensor)."""
     tokens = _generated_tokens(state.answer, state.generated)
     return DecodeResult([_strip_after_eos(t, eos_ids) for t in tokens], state.nfe.cpu(), state.generated.cpu(),
-                        hist.cpu(), wall, tokens)
+                        hist.cpu(), wall, tokens, state.stopped_early.cpu())
 
 
 def _sync(device: torch.device) -> None:
@@ -269,6 +336,7 @@ class NtpState:
 
     last: [B] int64 token to feed next. answer: [B, W] int64 tokens so far (slot W-1 absorbs the pad
     writes of finished rows). generated: [B] int64 tokens produced (EOS included). finished: [B] bool.
+    stopped_early: [B] bool, finished on invalid logits (see `DecodeResult`).
     nfe: [B] int64. seed, offset: [B] int64 sampling keys (offset = passes done so far).
     """
 
@@ -276,6 +344,7 @@ class NtpState:
     answer: torch.Tensor
     generated: torch.Tensor
     finished: torch.Tensor
+    stopped_early: torch.Tensor
     nfe: torch.Tensor
     seed: torch.Tensor
     offset: torch.Tensor
@@ -288,21 +357,28 @@ class NtpState:
             last=zeros.clone(),
             answer=torch.full((batch, sp.max_new_tokens + 1), sp.pad_id, dtype=torch.int64, device=dev),
             generated=zeros.clone(), finished=torch.zeros(batch, dtype=torch.bool, device=dev),
-            nfe=zeros.clone(), seed=seed, offset=zeros.clone())
+            stopped_early=torch.zeros(batch, dtype=torch.bool, device=dev), nfe=zeros.clone(), seed=seed,
+            offset=zeros.clone())
 
 
 def _ntp_accept(state: NtpState, logits: torch.Tensor, ops: DecodeOps, sp: DecodeConstants) -> None:
-    """Sample one token per running row from logits [B, 1, V] and append it to the answer."""
+    """Sample one token per running row from logits [B, 1, V] and append it to the answer.
+
+    A row whose logits are invalid (a NaN or +inf logit, docs/algorithm.md §3.6) emits nothing and stops,
+    flagged in `stopped_early`: its next pass would read the same logits. The pass still counts in its NFE."""
     running = ~state.finished
-    tokens, _, _ = _sample(ops, logits, state.seed, state.offset, running[:, None], sp)
-    token = torch.where(running, tokens[:, 0], sp.pad_id)                          # [B]
+    tokens, _, valid = _sample(ops, logits, state.seed, state.offset, running[:, None], sp)
+    emit = running & valid[:, 0]
+    token = torch.where(emit, tokens[:, 0], sp.pad_id)                             # [B]
     state.answer.scatter_(1, state.generated[:, None], token[:, None])
     step = running.long()
     state.nfe.add_(step)
     state.offset.add_(step)
-    state.generated.add_(step)
-    state.finished.logical_or_(running & (sp.is_eos(token) | (state.generated >= sp.max_new_tokens)))
-    state.last.copy_(torch.where(running, token, state.last))
+    state.generated.add_(emit.long())
+    invalid = running & ~valid[:, 0]
+    state.stopped_early.logical_or_(invalid)
+    state.finished.logical_or_(invalid | (emit & (sp.is_eos(token) | (state.generated >= sp.max_new_tokens))))
+    state.last.copy_(torch.where(emit, token, state.last))
 
 
 def ntp_prefill(model: SbdModel, cache: DecodeCache, state: NtpState, prompt: torch.Tensor,
@@ -341,7 +417,8 @@ def _decode_ntp_batch(model: SbdModel, prompts: list[list[int]], seed: torch.Ten
         steps.ntp_decode_step(model, cache, state, ops, sp)
     _sync(device)
     wall = time.perf_counter() - start
-    hist = torch.stack([torch.zeros_like(state.nfe[0]), state.nfe.sum()])
+    # Every pass reveals one token, except a pass with invalid logits, which reveals none and stops its row.
+    hist = torch.stack([(state.nfe - state.generated).sum(), state.generated.sum()])
     return _result(state, hist, wall, sp.eos_ids)
 
 
@@ -358,6 +435,7 @@ class SbdState:
     num_pending: [B] int32, K right after a block completed, else 0 (the next pass's num_causal).
     answer: [B, W] int64 answer tokens. block_start: [B] int64 answer index of block[:, 0].
     generated: [B] int64 tokens produced (EOS included), set when the row finishes. finished: [B] bool.
+    stopped_early: [B] bool, finished on invalid logits or at the pass limit (see `DecodeResult`).
     nfe: [B] int64. accepted_hist: [K + 1] int64. seed, offset: [B] int64 (offset = passes done so far).
     """
 
@@ -369,6 +447,7 @@ class SbdState:
     block_start: torch.Tensor
     generated: torch.Tensor
     finished: torch.Tensor
+    stopped_early: torch.Tensor
     nfe: torch.Tensor
     accepted_hist: torch.Tensor
     seed: torch.Tensor
@@ -386,8 +465,14 @@ class SbdState:
             num_pending=torch.zeros(batch, dtype=torch.int32, device=dev),
             answer=torch.full((batch, width), sp.pad_id, dtype=torch.int64, device=dev),
             block_start=zeros.clone(), generated=zeros.clone(),
-            finished=torch.zeros(batch, dtype=torch.bool, device=dev), nfe=zeros.clone(),
+            finished=torch.zeros(batch, dtype=torch.bool, device=dev),
+            stopped_early=torch.zeros(batch, dtype=torch.bool, device=dev), nfe=zeros.clone(),
             accepted_hist=torch.zeros(k + 1, dtype=torch.int64, device=dev), seed=seed, offset=zeros.clone())
+
+
+def sbd_max_passes(sp: DecodeConstants) -> int:
+    """The pass limit of an SBD decode, per sequence: W = K * ceil(max_new_tokens / K), the answer width."""
+    return sp.block_size * math.ceil(sp.max_new_tokens / sp.block_size)
 
 
 def _in_budget(block_start: torch.Tensor, sp: DecodeConstants) -> torch.Tensor:
@@ -398,9 +483,19 @@ def _in_budget(block_start: torch.Tensor, sp: DecodeConstants) -> torch.Tensor:
     return cols < sp.max_new_tokens
 
 
+def _revealed_prefix(is_masked: torch.Tensor) -> torch.Tensor:
+    """[B, K] bool: the block positions before the first still-masked one."""
+    return (~is_masked).int().cumprod(1).bool()
+
+
 def _sbd_accept(state: SbdState, block_logits: torch.Tensor, ops: DecodeOps, sp: DecodeConstants) -> None:
     """Reveal a set of block positions from block_logits [B, K, V], then apply the EOS rule and move rows
-    whose block is complete to a fresh block. Everything is batched tensor math: no host sync."""
+    whose block is complete to a fresh block. Everything is batched tensor math: no host sync.
+
+    A running row whose pass reveals nothing had no valid logits at any masked position (both rules reveal
+    the first-ranked candidate whenever there is one; docs/algorithm.md §3.6: an invalid position is never
+    revealed). Its next pass would read the same logits, so it stops now, flagged in `stopped_early`, with
+    its completed blocks and the revealed prefix of its block as its tokens."""
     k = sp.block_size
     running = ~state.finished
     sampled, entropy, valid = _sample(ops, block_logits, state.seed, state.offset,
@@ -415,16 +510,20 @@ def _sbd_accept(state: SbdState, block_logits: torch.Tensor, ops: DecodeOps, sp:
     state.answer.scatter_(1, cols, state.block)
 
     # EOS rule: a revealed EOS whose block prefix is fully revealed ends the sequence.
-    prefix_revealed = (~state.is_masked).int().cumprod(1).bool()                           # [B, K]
+    prefix_revealed = _revealed_prefix(state.is_masked)                                     # [B, K]
     eos_hit = sp.is_eos(state.block) & prefix_revealed
     has_eos = eos_hit.any(1)
     first_eos = eos_hit.int().argmax(1)                                                     # [B]
     block_full = prefix_revealed[:, -1]
-    end = torch.where(has_eos, state.block_start + first_eos + 1, state.block_start + k)
+    # Without an EOS a row ends after its revealed prefix: the whole block when it is full (positions past
+    # the budget count as revealed; the clamp drops them), the prefix before the stuck position otherwise.
+    end = torch.where(has_eos, state.block_start + first_eos + 1, state.block_start + prefix_revealed.sum(1))
     finishing = running & (has_eos | (block_full & (state.block_start + k >= sp.max_new_tokens)))
+    stuck = running & ~finishing & (num_accepted == 0)
     completing = running & block_full & ~finishing
-    state.generated.copy_(torch.where(finishing, end.clamp(max=sp.max_new_tokens), state.generated))
-    state.finished.logical_or_(finishing)
+    state.generated.copy_(torch.where(finishing | stuck, end.clamp(max=sp.max_new_tokens), state.generated))
+    state.finished.logical_or_(finishing | stuck)
+    state.stopped_early.logical_or_(stuck)
 
     # A completed block becomes the causal prefix of the next pass; its slot restarts as K masks.
     state.pending.copy_(torch.where(completing[:, None], state.block, state.pending))
@@ -470,9 +569,9 @@ def _decode_sbd_batch(model: SbdModel, prompts: list[list[int]], seed: torch.Ten
     prompt, prompt_lens = pad_prompts(prompts, sp.pad_id, device)
     state = SbdState.empty(len(prompts), sp, seed)
     cache = model.new_cache(len(prompts), prompt.shape[1] + state.answer.shape[1])
-    # Every pass of a row with valid logits reveals >= 1 token, so W passes finish every row; the bound
-    # only matters for rows whose logits are all NaN (nothing is ever valid, nothing is revealed).
-    max_passes = state.answer.shape[1]
+    # Every pass of a running row reveals >= 1 token or stops the row (no valid logits), so W passes finish
+    # every row; the bound only matters for ops that break that contract (`_stop_running_rows`).
+    max_passes = sbd_max_passes(sp)
     start = time.perf_counter()
     steps.sbd_prefill(model, cache, state, prompt, prompt_lens, ops, sp)
     for _ in range(max_passes - 1):
@@ -484,9 +583,21 @@ def _decode_sbd_batch(model: SbdModel, prompts: list[list[int]], seed: torch.Ten
         if all_done:
             break
         steps.sbd_block_step(model, cache, state, ops, sp, k if any_pending else 0)
+    _stop_running_rows(state, sp)
     _sync(device)
     wall = time.perf_counter() - start
     return _result(state, state.accepted_hist, wall, sp.eos_ids)
+
+
+def _stop_running_rows(state: SbdState, sp: DecodeConstants) -> None:
+    """Ends the rows still running after the pass limit, flagged in `stopped_early`, with their completed
+    blocks and the revealed prefix of their block as tokens (as a row stopped by invalid logits). A decode
+    with ops that keep the contract never gets here: each pass reveals a token of a row or stops it."""
+    running = ~state.finished
+    end = (state.block_start + _revealed_prefix(state.is_masked).sum(1)).clamp(max=sp.max_new_tokens)
+    state.generated.copy_(torch.where(running, end, state.generated))
+    state.stopped_early.logical_or_(running)
+    state.finished.logical_or_(running)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -518,6 +629,7 @@ def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eo
              pad_id: int, batch_size: int | None = None, ops: DecodeOps | None = None,
              steps: StepFunctions | None = None, cuda_graph: bool = False) -> DecodeResult:
     """Decode every prompt (token-id lists) with the KV cache, `batch_size` prompts per batch (default all).
+    No prompt gives an empty result. Prompt ids and pad_id must lie in the model's vocabulary (ValueError).
 
     ops: the kernels (default `fused_ops()`; `naive_ops()` runs the same loop on the oracles).
     steps: the step functions (default eager; `compiled_steps()` for torch.compile).
@@ -538,6 +650,11 @@ def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eo
     device = next(model.parameters()).device
     if cuda_graph and device.type != "cuda":
         raise ValueError(f"generate: cuda_graph=True needs the model on a CUDA device, it is on {device}")
+    if batch_size is not None and not batch_size >= 1:
+        raise ValueError(f"generate: batch_size must be >= 1 (or None: one batch), got {batch_size}")
+    check_prompts(model, prompts, pad_id, "generate")
+    if not prompts:
+        return DecodeResult.empty(sp.block_size)
     batch_size = batch_size or len(prompts)
     decode_batch = _decode_sbd_batch if cfg.method == "sbd" else _decode_ntp_batch
     parts = []
@@ -580,9 +697,12 @@ class OraclePass:
     """One pass of `oracle_decode`, as its observer sees it (`sbd_kernels.checks` judges near-ties from it).
 
     prompt: index of the prompt decoded. start: answer tokens committed before the positions of the pass (NTP:
-    before its token; SBD: before its block). logits: [K, V] fp32 logits of the pass's positions (NTP: K = 1).
-    entropy: [K] fp32 entropies of softmax(logits). candidates: [K] bool, the positions the pass could reveal
-    (still masked, finite logits). accepted: [K] bool, those it revealed.
+    before its token; SBD: before its block). logits: [K, V] fp32 logits of the pass's positions (NTP: K = 1),
+    the mask token's column included. entropy: [K] fp32 entropies the sampler computed: of the softmax over
+    the logits without the mask token's column (docs/algorithm.md §3.6), +inf at an invalid position.
+    candidates: [K] bool, the positions the pass could reveal (still masked, valid logits). accepted: [K] bool,
+    those it revealed. mask_token_id: the column the sampler leaves out (never drawn, not in the entropy);
+    None: none is.
     """
 
     prompt: int
@@ -591,6 +711,7 @@ class OraclePass:
     entropy: torch.Tensor
     candidates: torch.Tensor
     accepted: torch.Tensor
+    mask_token_id: int | None = None
 
 
 PassObserver = Callable[[OraclePass], None]
@@ -598,26 +719,43 @@ PassObserver = Callable[[OraclePass], None]
 _PassHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+# What an oracle loop returns for one prompt: (tokens, NFE, accepted_hist counts, stopped early).
+_OracleRun = tuple[list[int], int, list[int], bool]
+
+
 def _oracle_ntp(model: SbdModel, prompt: list[int], seed: int, ops: DecodeOps, sp: DecodeConstants,
-                observe: _PassHook):
+                observe: _PassHook) -> _OracleRun:
     device = next(model.parameters()).device
-    seq, answer = list(prompt), []
+    seq, answer, nfe = list(prompt), [], 0
     one = torch.ones(1, dtype=torch.bool, device=device)
     while len(answer) < sp.max_new_tokens:
         logits = _oracle_logits(model, seq, 0)[:, -1:]                                    # [1, 1, V]
-        key = torch.tensor([seed], device=device), torch.tensor([len(answer)], device=device)
+        key = torch.tensor([seed], device=device), torch.tensor([nfe], device=device)
         tokens, entropy, valid = _sample(ops, logits, *key, one[None], sp)
-        observe(len(answer), logits[0], entropy[0], valid[0], one)
+        observe(len(answer), logits[0], entropy[0], valid[0], valid[0])
+        nfe += 1
+        if not bool(valid[0, 0]):                                # invalid logits: nothing emitted, stop
+            return answer, nfe, [nfe - len(answer), len(answer)], True
         token = int(tokens[0])
         answer.append(token)
         seq.append(token)
         if token in sp.eos_ids:
             break
-    return answer, len(answer), [0, len(answer)]
+    return answer, nfe, [0, nfe], False
+
+
+def _oracle_prefix(block: list[int], is_masked: list[bool]) -> list[int]:
+    """The tokens of the block positions before its first still-masked one."""
+    prefix = []
+    for token, masked in zip(block, is_masked):
+        if masked:
+            break
+        prefix.append(token)
+    return prefix
 
 
 def _oracle_sbd(model: SbdModel, prompt: list[int], seed: int, ops: DecodeOps, sp: DecodeConstants,
-                observe: _PassHook):
+                observe: _PassHook) -> _OracleRun:
     device, k = next(model.parameters()).device, sp.block_size
     answer, nfe, hist = [], 0, [0] * (k + 1)
     while True:
@@ -625,6 +763,9 @@ def _oracle_sbd(model: SbdModel, prompt: list[int], seed: int, ops: DecodeOps, s
         in_budget = [len(answer) + j < sp.max_new_tokens for j in range(k)]
         is_masked = torch.tensor([in_budget], dtype=torch.bool, device=device)
         while bool(is_masked.any()):
+            if nfe == sbd_max_passes(sp):                        # the cached loop's pass limit
+                prefix = _oracle_prefix(block[0].tolist(), is_masked[0].tolist())
+                return (answer + prefix)[: sp.max_new_tokens], nfe, hist, True
             logits = _oracle_logits(model, list(prompt) + answer + block[0].tolist(), k)[:, -k:]
             key = torch.tensor([seed], device=device), torch.tensor([nfe], device=device)
             sampled, entropy, valid = _sample(ops, logits, *key, is_masked.clone(), sp)
@@ -634,16 +775,15 @@ def _oracle_sbd(model: SbdModel, prompt: list[int], seed: int, ops: DecodeOps, s
             observe(len(answer), logits[0], entropy[0], candidates, accepted[0])
             nfe += 1
             hist[int(num_accepted[0])] += 1
-            revealed = block[0].tolist()
-            for j in range(k):                                   # EOS rule, literally
-                if bool(is_masked[0, j]):
-                    break
-                if revealed[j] in sp.eos_ids:
-                    answer += revealed[: j + 1]
-                    return answer[: sp.max_new_tokens], nfe, hist
+            prefix = _oracle_prefix(block[0].tolist(), is_masked[0].tolist())
+            eos = next((j for j, token in enumerate(prefix) if token in sp.eos_ids), None)   # EOS rule, literally
+            if eos is not None:
+                return (answer + prefix[: eos + 1])[: sp.max_new_tokens], nfe, hist, False
+            if int(num_accepted[0]) == 0:                        # no valid logits at any masked position
+                return (answer + prefix)[: sp.max_new_tokens], nfe, hist, True
         answer += block[0].tolist()
         if len(answer) >= sp.max_new_tokens:
-            return answer[: sp.max_new_tokens], nfe, hist
+            return answer[: sp.max_new_tokens], nfe, hist, False
 
 
 @torch.inference_mode()
@@ -684,23 +824,27 @@ def oracle_decode(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, 
                   eos_id: int | Sequence[int], pad_id: int, ops: DecodeOps | None = None,
                   observer: PassObserver | None = None) -> DecodeResult:
     """Reference decode: no KV cache, each pass recomputes the sequence (docs/algorithm.md §3.10 mask), one
-    prompt at a time, with the naive ops by default. Same seeds, NFE accounting and EOS rule as `generate`.
-    `observer`, if given, is called after every pass with its `OraclePass`."""
+    prompt at a time, with the naive ops by default. Same seeds, NFE accounting, EOS rule, invalid-logits stop
+    and pass limit as `generate`. `observer`, if given, is called after every pass with its `OraclePass`."""
     ops = ops or naive_ops()
     sp = DecodeConstants.of(model.mask_token_id, cfg, eos_id, pad_id)
+    check_prompts(model, prompts, pad_id, "oracle_decode")
     decode_one = _oracle_sbd if cfg.method == "sbd" else _oracle_ntp
-    answers, all_tokens, nfes, generated = [], [], [], []
+    answers, all_tokens, nfes, generated, stopped = [], [], [], [], []
     hist = torch.zeros(sp.block_size + 1, dtype=torch.int64)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         def observe(answer_len, logits, entropy, candidates, accepted, i=i):
             if observer is not None:
-                observer(OraclePass(i, answer_len, logits.float(), entropy.float(), candidates, accepted))
-        tokens, nfe, counts = decode_one(model, prompt, cfg.seed + i, ops, sp, observe)
+                observer(OraclePass(i, answer_len, logits.float(), entropy.float(), candidates, accepted,
+                                    sp.mask_id))
+        tokens, nfe, counts, stopped_early = decode_one(model, prompt, cfg.seed + i, ops, sp, observe)
         answers.append(_strip_after_eos(tokens, sp.eos_ids))
         all_tokens.append(tokens)
         nfes.append(nfe)
         generated.append(len(tokens))
+        stopped.append(stopped_early)
         hist += torch.tensor(counts, dtype=torch.int64)
     return DecodeResult(answers, torch.tensor(nfes, dtype=torch.int64),
-                        torch.tensor(generated, dtype=torch.int64), hist, time.perf_counter() - start, all_tokens)
+                        torch.tensor(generated, dtype=torch.int64), hist, time.perf_counter() - start, all_tokens,
+                        torch.tensor(stopped, dtype=torch.bool))

@@ -36,7 +36,14 @@ CHAR_MASK_TOKEN_ID = 2
 
 @dataclass
 class ModelConfig:
-    """Shapes of the decoder. `preset(name)` gives the named configurations."""
+    """Shapes of the decoder. `preset(name)` gives the named configurations.
+
+    head_dim = dim / n_heads must be even (RoPE rotates pairs of features). max_seq_len: the sequence length the
+    configuration is sized for (the character presets: the longest task sequence plus a block; the 8B shapes:
+    the published context lengths); a record, not a limit: RoPE angles are computed for any position
+    (`rope_cos_sin`, no table), so neither the forward nor a decode checks it, and positions past the length a
+    model was trained on run without error, with predictions of unknown quality.
+    """
 
     vocab_size: int
     dim: int
@@ -55,6 +62,9 @@ class ModelConfig:
                 f"ModelConfig: dim ({self.dim}) must divide by n_heads ({self.n_heads}) and n_heads by "
                 f"n_kv_heads ({self.n_kv_heads})"
             )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig: head_dim {self.head_dim} must be even (dim {self.dim} / n_heads "
+                             f"{self.n_heads}; RoPE rotates pairs of features)")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"ModelConfig: mask_token_id {self.mask_token_id} outside the vocabulary")
 
@@ -527,7 +537,7 @@ def _checkpoint_parts(path: str, payload: Any) -> tuple[dict, dict, dict]:
 
 def _checkpoint_config(path: str, config: dict) -> ModelConfig:
     """The ModelConfig of a checkpoint's config dict: known keys, sizes in CHECKPOINT_LIMITS, finite
-    positive floats, divisible heads, an even head dimension (RoPE rotates pairs)."""
+    positive floats, and what `ModelConfig` checks (divisible heads, an even head dimension, the mask id)."""
     fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
     for key in config:
         if key not in fields:
@@ -546,12 +556,9 @@ def _checkpoint_config(path: str, config: dict) -> ModelConfig:
         elif type(value) is not int:
             raise CheckpointError(f"{path}: config {key!r} must be an integer, got {value!r}")
     try:
-        cfg = ModelConfig(**config)
+        return ModelConfig(**config)
     except ValueError as err:
         raise CheckpointError(f"{path}: bad config: {err}") from err
-    if cfg.head_dim % 2:
-        raise CheckpointError(f"{path}: bad config: head_dim {cfg.head_dim} must be even (RoPE rotates pairs)")
-    return cfg
 
 
 def _expected_weights(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -2,6 +2,7 @@
 near-ties, and that a difference with no tie before it still fails the check."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from sbd_kernels.checks import decisions_are_robust, exact_kv_check
-from sbd_kernels.generate import OraclePass, fused_ops
+from sbd_kernels.generate import DecodeConfig, OraclePass, fused_ops, oracle_decode
 from sbd_kernels.model import ModelConfig, Transformer
 from sbd_kernels.testing import tolerance
 
@@ -31,10 +32,16 @@ def entropy_of(x: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def step_of(x: torch.Tensor, accepted: list[bool], candidates: list[bool] | None = None) -> OraclePass:
+def step_of(x: torch.Tensor, accepted: list[bool], candidates: list[bool] | None = None,
+            mask_token_id: int | None = None) -> OraclePass:
+    """The pass of logits x [K, V], with the entropies the sampler computes (mask column left out)."""
     k = len(x)
-    return OraclePass(prompt=0, start=0, logits=x, entropy=entropy_of(x),
-                      candidates=torch.tensor(candidates or [True] * k), accepted=torch.tensor(accepted))
+    seen = x.clone()
+    if mask_token_id is not None:
+        seen[:, mask_token_id] = -math.inf
+    return OraclePass(prompt=0, start=0, logits=x, entropy=entropy_of(seen),
+                      candidates=torch.tensor(candidates or [True] * k), accepted=torch.tensor(accepted),
+                      mask_token_id=mask_token_id)
 
 
 def test_clear_decisions_are_robust():
@@ -88,6 +95,27 @@ def test_nan_rows_are_not_candidates():
     assert decisions_are_robust(step_of(x, [True, False], [True, False]), 0.1, "eb", ATOL, RTOL)
 
 
+def test_the_mask_column_is_left_out_of_the_decisions():
+    """Guards against judging ties on the mask token's logit, which the sampler never draws: a mask column on
+    top hid a real near-tie between the two best tokens, and a mask logit just above the real best one made a
+    clear argmax look tied."""
+    mask = 2
+    torn = one_hot_logits([5], 5.0, runner_up=5.0 - 1e-6)     # tokens 5 and 6 within 1e-6
+    torn[0, mask] = 12.0
+    assert not decisions_are_robust(step_of(torn, [True], mask_token_id=mask), 0.1, "eb", ATOL, RTOL)
+    clear = one_hot_logits([5], 12.0)
+    clear[0, mask] = 12.0 + 1e-6
+    assert decisions_are_robust(step_of(clear, [True], mask_token_id=mask), 0.1, "eb", ATOL, RTOL)
+
+
+def test_oracle_passes_name_the_mask_token(sharp_model):
+    """Guards against the oracle's observer losing the mask id, so that the judge would see the mask column."""
+    steps = []
+    oracle_decode(sharp_model, [[3, 4, 5]], DecodeConfig(block_size=4, max_new_tokens=4), eos_id=-1, pad_id=0,
+                  observer=steps.append)
+    assert steps and all(step.mask_token_id == sharp_model.mask_token_id for step in steps)
+
+
 @pytest.fixture(scope="module")
 def sharp_model():
     """A reference model at std 1: sharp, varied predictions, so its greedy decisions are far from ties."""
@@ -117,3 +145,23 @@ def test_a_difference_without_a_tie_fails_the_check(sharp_model):
                             ops=dataclasses.replace(ops, entropy_sample=second_best))
     assert not broken.passed and broken.decode_mismatches and not broken.decode_ties, broken.summary("broken")
     assert "FAIL" in broken.summary("broken")
+
+
+@pytest.mark.parametrize("answers,words", [([[10, 11, 12]], r"answers holds 1 token lists for 2 prompts"),
+                                           ([[10, 11], [12], [13]], r"answers holds 3 token lists for 2 prompts"),
+                                           ([[10, 11], []], r"answers\[1\] is empty")])
+def test_answers_must_give_one_block_per_prompt(sharp_model, answers, words):
+    """Guards against zip silently checking fewer prompts than given, and an IndexError on an empty answer."""
+    with pytest.raises(ValueError, match=f"exact_kv_check: {words}"):
+        exact_kv_check(sharp_model, [[3, 4, 5], [6, 7, 8, 9]], answers, 4, eos_id=-1, pad_id=0, max_new_tokens=4)
+
+
+def test_a_model_with_invalid_logits_fails_the_check(sharp_model):
+    """Guards against the check hanging on a model with NaN logits (the oracle decode never ended) or passing it:
+    every decode stops at its first pass, and the report fails, naming the stopped prompts."""
+    broken = copy.deepcopy(sharp_model)
+    with torch.no_grad():
+        broken.output.weight[7] = math.nan                       # logit 7 is NaN at every position
+    report = exact_kv_check(broken, [[3, 4, 5], [6, 7, 8, 9]], None, 4, eos_id=-1, pad_id=0, max_new_tokens=8)
+    assert not report.passed and "FAIL" in report.summary("broken")
+    assert any("stopped early" in entry for entry in report.decode_mismatches), report.summary("broken")

@@ -85,6 +85,22 @@ def test_generate_on_task_prompts(tiny_checkpoint, capsys, method):
     assert ("tokens accepted per pass" in out) == (method == "sbd")
 
 
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_generate_marks_sequences_stopped_on_nan_logits(tmp_path, capsys, method):
+    """Guards against `sbd generate` printing the answers of a model with NaN logits as if they had ended
+    normally: each cut-short line is marked and a warning counts them."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny"))
+    with torch.no_grad():
+        next(p for name, p in model.named_parameters() if "embed" in name).fill_(float("nan"))
+    save_checkpoint(model, tmp_path / "nan.pt")
+    cli.main(["generate", "--checkpoint", str(tmp_path / "nan.pt"), "--prompt", "12+34", "--prompt", "abc",
+              "--method", method, "--max-new-tokens", "5", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert out.count("STOPPED EARLY (invalid logits)") == 2
+    assert "warning: 2 of 2 sequences stopped early on invalid (NaN / +inf) logits" in out
+
+
 def test_generate_on_a_prompt_text(tiny_checkpoint, capsys):
     """Guards against the free-text prompt path (encoding with the separator, no reference answer)."""
     cli.main(["generate", "--checkpoint", str(tiny_checkpoint), "--prompt", "12+34", "--prompt", "abc",

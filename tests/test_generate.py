@@ -6,8 +6,12 @@ are sharp and varied: entropies spread over [0, log V], several tokens get accep
 moderate gamma, and greedy answers are not one repeated token. The model decodes on the CPU (C++ kernels),
 or on CUDA (Triton kernels) with SBD_TEST_DEVICE=cuda, where the CUDA-graph decode is tested too.
 """
+import copy
 import dataclasses
 import doctest
+import functools
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -73,9 +77,23 @@ def first_token_after_start(answers: list[list[int]]) -> int:
 
 def assert_same_decode(actual: gen.DecodeResult, expected: gen.DecodeResult) -> None:
     assert actual.answers == expected.answers
+    assert actual.tokens == expected.tokens
     assert actual.nfe.tolist() == expected.nfe.tolist()
     assert actual.generated.tolist() == expected.generated.tolist()
     assert actual.accepted_hist.tolist() == expected.accepted_hist.tolist()
+    assert actual.stopped_early.tolist() == expected.stopped_early.tolist()
+
+
+def pass_limited_observer(limit: int):
+    """An oracle observer that fails the test once a prompt has taken more than `limit` passes, so that an
+    oracle decode that would never end fails instead of hanging."""
+    passes: dict[int, int] = {}
+
+    def observe(step: gen.OraclePass) -> None:
+        passes[step.prompt] = passes.get(step.prompt, 0) + 1
+        assert passes[step.prompt] <= limit, f"oracle_decode ran past {limit} passes on prompt {step.prompt}"
+
+    return observe
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -250,9 +268,12 @@ def test_compiled_ntp_step_and_prefills_match_eager(model, prompts):
 
 
 @pytest.mark.parametrize("field,value", [("method", "beam"), ("block_size", 0), ("gamma", -0.1),
-                                         ("temperature", -1.0), ("max_new_tokens", 0)])
+                                         ("gamma", math.nan), ("temperature", -1.0), ("temperature", math.nan),
+                                         ("temperature", math.inf), ("temperature", 1e39), ("rule", "EB"),
+                                         ("rule", "bogus"), ("max_new_tokens", 0)])
 def test_bad_config_names_the_field(field, value):
-    """Guards against silently decoding with a meaningless setting."""
+    """Guards against silently decoding with a meaningless setting, NaN and infinities included (a NaN gamma or
+    temperature fails only mid-decode, an unknown rule not at all under NTP)."""
     with pytest.raises(ValueError, match=field):
         DecodeConfig(**{field: value})
 
@@ -363,8 +384,236 @@ def test_sampling_filters_reach_the_sampler(model, prompts, oracle, method):
                        oracle_decode(model, prompts, filtered, eos_id=EOS, pad_id=PAD))
 
 
+def test_extreme_legal_settings_are_accepted():
+    """Guards against the NaN-proof checks rejecting legal extremes: gamma +inf (a whole block per pass) and the
+    largest float32 temperature."""
+    DecodeConfig(gamma=math.inf, temperature=3.4028234663852886e38)
+
+
 @pytest.mark.parametrize("field,value", [("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.0)])
 def test_bad_filter_settings_name_the_field(field, value):
     """Guards against a filter value the sampler would reject mid-decode (or silently misread)."""
     with pytest.raises(ValueError, match=field):
         DecodeConfig(**{field: value})
+
+
+# ----------------------------------------------------------------------------------------------------
+# Invalid logits and the pass limit
+# ----------------------------------------------------------------------------------------------------
+FED_BEFORE = BLOCK * (math.ceil(BUDGET / BLOCK) - 1)   # answer tokens before it are input of a later pass
+
+
+def poison_token(clean: gen.DecodeResult, prompts: list[list[int]]) -> int:
+    """A token of no prompt and of no answer's first block that some clean answer (no EOS) holds before index
+    FED_BEFORE: a later pass of that sequence reads it (NTP: the next one; SBD: its block's successor)."""
+    early = {t for p in prompts for t in p} | {t for tokens in clean.tokens for t in tokens[:BLOCK]}
+    for tokens in clean.tokens:
+        for token in tokens[BLOCK:FED_BEFORE]:
+            if token not in early:
+                return token
+    raise AssertionError("no token to poison")
+
+
+def poisoned(model: Transformer, token: int) -> Transformer:
+    """A copy of the model with a NaN embedding for `token`: every position at or after that token, in the
+    cache or in the block, gets NaN logits (invalid, docs/algorithm.md §3.6)."""
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        copied.tok_embeddings.weight[token] = math.nan
+    return copied
+
+
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_invalid_logits_stop_a_row_with_its_completed_tokens(model, prompts, method):
+    """Guards against NTP emitting the sampler's placeholder token for positions with NaN logits, against SBD
+    dropping every token of a row stopped by NaN logits (generated stayed 0), against an oracle decode that
+    never ends on them, and against the flag not reaching DecodeResult: cached and oracle decodes agree, the rows
+    that read the poisoned token keep exactly the clean tokens they had completed, and are flagged."""
+    cfg = DecodeConfig(method=method, block_size=BLOCK, gamma=0.5, max_new_tokens=BUDGET)
+    clean = generate(model, prompts, cfg, eos_id=-1, pad_id=PAD)
+    token = poison_token(clean, prompts)
+    bad_model = poisoned(model, token)
+    cached = generate(bad_model, prompts, cfg, eos_id=-1, pad_id=PAD)
+    oracle = oracle_decode(bad_model, prompts, cfg, eos_id=-1, pad_id=PAD, observer=pass_limited_observer(BUDGET))
+    assert_same_decode(cached, oracle)
+    fed = [token in tokens[:FED_BEFORE] for tokens in clean.tokens]
+    assert cached.stopped_early.tolist() == fed and cached.num_stopped_early == sum(fed)
+    for i, tokens in enumerate(cached.tokens):
+        if not fed[i]:
+            assert tokens == clean.tokens[i]
+            continue
+        assert tokens == clean.tokens[i][: len(tokens)]
+        assert len(tokens) >= (clean.tokens[i].index(token) + 1 if method == "ntp" else BLOCK)
+        assert int(cached.generated[i]) == len(tokens)
+    if method == "ntp":     # the pass that found NaN logits counts, and reveals nothing
+        assert cached.nfe.tolist() == [len(t) + f for t, f in zip(cached.tokens, fed)]
+        assert cached.accepted_hist.tolist() == [sum(fed), cached.total_generated]
+
+
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_logits_invalid_from_the_first_pass(model, method):
+    """Guards against a sequence whose every logit is NaN hanging the oracle decode (and so exact_kv_check /
+    hf.check) or emitting placeholder tokens: it stops after its first pass with no token, flagged."""
+    cfg = DecodeConfig(method=method, block_size=BLOCK, gamma=0.5, max_new_tokens=BUDGET)
+    bad_model, prompt = poisoned(model, 6), [[5, 6, 7]]
+    cached = generate(bad_model, prompt, cfg, eos_id=EOS, pad_id=PAD)
+    oracle = oracle_decode(bad_model, prompt, cfg, eos_id=EOS, pad_id=PAD, observer=pass_limited_observer(BUDGET))
+    assert_same_decode(cached, oracle)
+    assert cached.tokens == [[]] and cached.nfe.tolist() == [1] and cached.stopped_early.tolist() == [True]
+
+
+def test_stopped_rows_survive_batching(model, prompts):
+    """Guards against the stopped-early flags being lost or misaligned when batches are concatenated."""
+    cfg = DecodeConfig(method="sbd", block_size=BLOCK, gamma=0.5, max_new_tokens=BUDGET)
+    bad_model = poisoned(model, poison_token(generate(model, prompts, cfg, eos_id=-1, pad_id=PAD), prompts))
+    together = generate(bad_model, prompts, cfg, eos_id=-1, pad_id=PAD)
+    assert together.stopped_early.any() and not together.stopped_early.all()
+    assert_same_decode(together, generate(bad_model, prompts, cfg, eos_id=-1, pad_id=PAD, batch_size=1))
+
+
+def test_pass_limit_ends_both_decodes_alike(model, prompts):
+    """Guards against an oracle decode without a pass limit: with a scatter op that counts tokens but never
+    reveals one, the cached loop ends at its limit of W passes; the oracle must too (instead of looping
+    forever), and both flag every row with the tokens it had completed (none)."""
+    naive = gen.naive_ops()
+
+    def stalling_scatter(block, is_masked, *args, **kwargs):
+        return naive.mask_scatter_(block.clone(), is_masked.clone(), *args, **kwargs)
+
+    ops = dataclasses.replace(naive, mask_scatter_=stalling_scatter)
+    cfg = DecodeConfig(method="sbd", block_size=BLOCK, gamma=0.5, max_new_tokens=BUDGET)
+    limit = gen.sbd_max_passes(gen.DecodeConstants.of(model.mask_token_id, cfg, EOS, PAD))
+    cached = generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, ops=ops)
+    oracle = oracle_decode(model, prompts, cfg, eos_id=EOS, pad_id=PAD, ops=ops, observer=pass_limited_observer(limit))
+    assert_same_decode(cached, oracle)
+    assert cached.nfe.tolist() == [limit] * len(prompts)
+    assert cached.stopped_early.all() and cached.tokens == [[]] * len(prompts)
+
+
+def test_measurements_refuse_a_decode_with_stopped_rows(model, prompts):
+    """Guards against the demo's tables being built from a decode whose rows stopped on NaN logits (accuracy,
+    NFE and speed of cut-short rows): `require_complete` names the rows, the demo's timed decode raises."""
+    from sbd_kernels.demo import timed_decode
+
+    cfg = DecodeConfig(method="sbd", block_size=BLOCK, gamma=0.5, max_new_tokens=BUDGET)
+    bad_model = poisoned(model, poison_token(generate(model, prompts, cfg, eos_id=-1, pad_id=PAD), prompts))
+    result = generate(bad_model, prompts, cfg, eos_id=-1, pad_id=PAD)
+    rows = result.stopped_early.nonzero().flatten().tolist()
+    with pytest.raises(RuntimeError, match=rf"sbd run: {len(rows)} of {len(prompts)} sequences stopped early on "
+                                           rf"invalid \(NaN / \+inf\) logits \(rows {re.escape(str(rows))}\)"):
+        result.require_complete("sbd run")
+    generate(model, prompts, cfg, eos_id=-1, pad_id=PAD).require_complete("clean run")
+    with pytest.raises(RuntimeError, match=r"sbd decode \(gamma 0.5\): .* stopped early"):
+        timed_decode(bad_model, prompts, "sbd", 0.5, BUDGET, len(prompts), gen.fused_ops(), max_runs=1, eos_id=-1,
+                     pad_id=PAD)
+
+
+def test_result_without_flags_has_none_stopped():
+    """Guards against DecodeResult constructors written before the stopped-early flag breaking or leaving
+    it None."""
+    result = gen.DecodeResult([[5], [6, 7]], torch.tensor([1, 2]), torch.tensor([1, 2]), torch.tensor([0, 3]))
+    assert result.stopped_early.tolist() == [False, False] and result.num_stopped_early == 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Argument checks
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("decode", ["generate", "oracle_decode"])
+@pytest.mark.parametrize("bad_prompts,pad_id,words", [
+    ([[5, 48]], PAD, r"prompts\[0\] holds token id 48, outside the model's vocabulary \[0, 48\)"),
+    ([[5, 6], [7, -3]], PAD, r"prompts\[1\] holds token id -3, outside the model's vocabulary \[0, 48\)"),
+    ([[5, 6], [7]], -1, r"pad_id -1 is outside the model's vocabulary \[0, 48\)"),
+    ([[5, 6]], 48, r"pad_id 48 is outside the model's vocabulary \[0, 48\)"),
+])
+def test_token_ids_outside_the_vocabulary_are_rejected(model, decode, bad_prompts, pad_id, words):
+    """Guards against a bare IndexError (a device-side assert on CUDA) from the embedding lookup, or a pad_id
+    of -1 that fails only when prompts differ in length: the error names the argument, the id and the vocabulary."""
+    fn = generate if decode == "generate" else oracle_decode
+    with pytest.raises(ValueError, match=f"{decode}: {words}"):
+        fn(model, bad_prompts, DecodeConfig(block_size=BLOCK, max_new_tokens=4), eos_id=EOS, pad_id=pad_id)
+
+
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_no_prompts_give_an_empty_result(model, method):
+    """Guards against `generate(model, [])` failing inside range() and agreeing with oracle_decode's result."""
+    cfg = DecodeConfig(method=method, block_size=BLOCK, max_new_tokens=4)
+    result = generate(model, [], cfg, eos_id=EOS, pad_id=PAD)
+    assert_same_decode(result, oracle_decode(model, [], cfg, eos_id=EOS, pad_id=PAD))
+    assert result.answers == [] and result.total_nfe == 0
+    assert len(result.accepted_hist) == (BLOCK if method == "sbd" else 1) + 1
+
+
+@pytest.mark.parametrize("batch_size", [0, -1])
+def test_batch_size_must_be_positive(model, prompts, batch_size):
+    """Guards against batch_size -1 failing in torch.cat and 0 silently meaning one batch."""
+    with pytest.raises(ValueError, match=f"batch_size must be >= 1.*got {batch_size}"):
+        generate(model, prompts, DecodeConfig(max_new_tokens=4), eos_id=EOS, pad_id=PAD, batch_size=batch_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Graph-replay invariants
+# ----------------------------------------------------------------------------------------------------
+def started_sbd_decode(model, prompts, cfg):
+    """(cache, state, sp) of an SBD decode after its prefill, for calling a step by hand."""
+    sp = gen.DecodeConstants.of(model.mask_token_id, cfg, EOS, PAD)
+    prompt, lens = gen.pad_prompts(prompts, PAD, DEVICE)
+    state = gen.SbdState.empty(len(prompts), sp, torch.arange(len(prompts), device=DEVICE))
+    cache = model.new_cache(len(prompts), prompt.shape[1] + state.answer.shape[1])
+    with torch.inference_mode():
+        gen.sbd_prefill(model, cache, state, prompt, lens, gen.fused_ops(), sp)
+    return cache, state, sp
+
+
+@pytest.mark.parametrize("change,words", [("gamma", "DecodeConstants.gamma 0.0 -> 100.0"),
+                                          ("rule", "DecodeConstants.rule 'eb' -> 'threshold'"),
+                                          ("temperature", "DecodeConstants.temperature 0.0 -> 1.0"),
+                                          ("ops", "DecodeOps.attention")])
+def test_graph_checks_catch_other_decode_settings(model, prompts, change, words):
+    """Guards against a graphed step accepting other decode constants or kernels than at its capture: a CUDA
+    graph bakes them in and would replay the old ones (gamma 0 revealing one token per pass, say)."""
+    from sbd_kernels.graphs import graphed_steps
+
+    cfg = DecodeConfig(block_size=BLOCK, gamma=0.0, max_new_tokens=2 * BUDGET)
+    cache, state, sp = started_sbd_decode(model, prompts, cfg)
+    steps = graphed_steps(gen.EAGER_STEPS, "check")
+    other_sp = dataclasses.replace(sp, **{"gamma": {"gamma": 100.0}, "rule": {"rule": "threshold"},
+                                          "temperature": {"temperature": 1.0}, "ops": {}}[change])
+    other_ops = gen.naive_ops() if change == "ops" else gen.fused_ops()
+    with torch.inference_mode():
+        steps.sbd_block_step(model, cache, state, gen.fused_ops(), sp, 0)
+        steps.sbd_block_step(model, cache, state, gen.fused_ops(), sp, 0)     # equal, not identical: accepted
+        with pytest.raises(RuntimeError, match=f"sbd_block_step: called with other arguments than at capture "
+                                               f"\\(.*{words}"):
+            steps.sbd_block_step(model, cache, state, other_ops, other_sp, 0)
+
+
+def test_graph_checks_catch_moved_model_weights(model, prompts):
+    """Guards against a graphed step replaying after a model weight moved to new memory (the graph would read
+    the old memory)."""
+    from sbd_kernels.graphs import graphed_steps
+
+    moved = copy.deepcopy(model)
+    cfg = DecodeConfig(block_size=BLOCK, gamma=0.0, max_new_tokens=2 * BUDGET)
+    cache, state, sp = started_sbd_decode(moved, prompts, cfg)
+    steps = graphed_steps(gen.EAGER_STEPS, "check")
+    with torch.inference_mode():
+        steps.sbd_block_step(moved, cache, state, gen.fused_ops(), sp, 0)
+        moved.output.weight.data = moved.output.weight.data.clone()
+        with pytest.raises(RuntimeError, match="sbd_block_step: model tensors output.weight moved"):
+            steps.sbd_block_step(moved, cache, state, gen.fused_ops(), sp, 0)
+
+
+def test_graph_check_errors_name_a_partial_step(model, prompts):
+    """Guards against a step given as functools.partial (no __name__) turning the static-buffer error into an
+    AttributeError."""
+    from sbd_kernels.graphs import graphed_steps
+
+    def rebinding_step(model_, cache, state, ops, sp, causal_slots, extra=None):
+        gen.sbd_block_step(model_, cache, state, ops, sp, causal_slots)
+        state.block = state.block.clone()
+
+    steps = graphed_steps(dataclasses.replace(gen.EAGER_STEPS,
+                                              sbd_block_step=functools.partial(rebinding_step, extra=1)), "check")
+    cfg = DecodeConfig(method="sbd", block_size=BLOCK, gamma=0.0, max_new_tokens=BUDGET)
+    with pytest.raises(RuntimeError, match="rebinding_step: SbdState.block moved"):
+        generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, steps=steps)

@@ -321,6 +321,22 @@ def test_check_passes_a_default_initialised_bf16_model_up_to_near_ties():
     assert "near-ties" in report.summary("default init")
 
 
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_generate_output_flags_sequences_stopped_on_nan_logits(method):
+    """Guards against HF's output hiding that a sequence was cut short by NaN logits (it would read like an early
+    EOS): `stopped_early` is True for such rows, through hf.generate and custom_generate."""
+    model = tiny_model("llama").to(DEVICE)
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[7].fill_(float("nan"))        # row 0's prompt holds token 7
+    input_ids = torch.tensor([[5, 6, 7], [8, 9, 10]], device=DEVICE)
+    ours = hf.generate(model, input_ids, max_new_tokens=8, eos_token_id=[], method=method, gamma=0.5)
+    assert ours.stopped_early.tolist() == [True, False] and ours.generated[0] == 0
+    out = model.generate(input_ids, max_new_tokens=8, custom_generate=hf.sbd_generate, return_dict_in_generate=True,
+                         pad_token_id=0, method=method, gamma=0.5)
+    assert out.stopped_early.tolist() == [True, False]
+
+
 def test_sbd_generate_output_carries_statistics_and_respects_eos():
     """Guards against custom_generate returning HF's plain tensor without NFE, or decoding past an EOS."""
     model = tiny_model("llama").to(DEVICE)

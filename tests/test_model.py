@@ -74,6 +74,13 @@ def test_unknown_preset_and_bad_config_name_the_problem():
         ModelConfig(vocab_size=48, dim=32, n_layers=1, n_heads=4, n_kv_heads=3, ffn_dim=64, max_seq_len=16)
 
 
+def test_odd_head_dim_is_rejected_by_the_config():
+    """Guards against a config whose head dimension RoPE cannot rotate (pairs of features) failing only at the
+    first forward with a shape error, when built without the checkpoint loader."""
+    with pytest.raises(ValueError, match=r"head_dim 3 must be even \(dim 12 / n_heads 4"):
+        ModelConfig(vocab_size=48, dim=12, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=8, max_seq_len=16)
+
+
 def test_character_presets_fit_the_tokenizer():
     """Guards against the model's mask id and the tokenizer's reserved mask id disagreeing."""
     for name in ("tiny", "small"):

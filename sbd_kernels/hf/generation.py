@@ -49,11 +49,14 @@ class SbdGenerateOutput(GenerateDecoderOnlyOutput):
 
     nfe: `[B]` int64 forward passes each sequence took part in. generated: `[B]` int64 new tokens (EOS included).
     accepted_hist: `[K + 1]` int64, passes (per sequence) that revealed a tokens (NTP: K = 1).
+    stopped_early: `[B]` bool, sequences cut short before EOS or the length limit by NaN / +inf logits (their
+    sequences hold the tokens completed before; `sbd_kernels.generate.DecodeResult.stopped_early`).
     """
 
     nfe: Tensor | None = None
     generated: Tensor | None = None
     accepted_hist: Tensor | None = None
+    stopped_early: Tensor | None = None
 
 
 def prompts_from_batch(input_ids: Tensor, attention_mask: Tensor | None) -> list[list[int]]:
@@ -123,7 +126,8 @@ def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None
     result = decode(sbd_model, prompts, cfg, eos_id=eos_ids, pad_id=pad_token_id, batch_size=batch_size,
                     ops=ops or fused_ops(), cuda_graph=cuda_graph)
     return SbdGenerateOutput(sequences=_sequences(input_ids, result, pad_token_id), nfe=result.nfe,
-                             generated=result.generated, accepted_hist=result.accepted_hist)
+                             generated=result.generated, accepted_hist=result.accepted_hist,
+                             stopped_early=result.stopped_early)
 
 
 def _synced_gpus_reason(model: Any) -> str | None:
