@@ -11,6 +11,10 @@ preset (fp32, the bundled checkpoints' model) and of a 1B-class config (Llama-3.
 `sbd` ops in every layer, the cache filled to L tokens before every call; on `bench_device()`, the CPU or
 the GPU (then the ops' Triton kernels, and the forward also replayed from a CUDA graph).
 
+Each pass computes the logits the decoder reads, as `sbd_kernels.generate` does (`keep_last`,
+`roofline.logit_rows`): the NTP row, the k block rows of both block passes (the first pass's k causal rows only
+fill the cache).
+
 Each case (config, dtype, batch, cache length, k) has three providers "sbd t=1", "sbd t=k", "sbd t=2k";
 the baseline is "sbd t=1", so the report's speedup column reads time(1) / time(t), the inverse of the SBD
 slowdown time(t) / time(1) that the roofline model predicts (paper Sec. 4). The shape and this machine's
@@ -119,11 +123,12 @@ def ceilings() -> dict | None:
     return {**machine_ceilings(), "threads": THREADS}
 
 
-def matches_oracle(model: Transformer, cache: KVCache, kv_len: int, inputs, logits: torch.Tensor) -> bool:
+def matches_oracle(model: Transformer, cache: KVCache, kv_len: int, inputs, keep_last: int,
+                   logits: torch.Tensor) -> bool:
     """Logits of the same pass through the attention oracle, within the tolerance row of the model's dtype
     widened 10x for the sum over layers (the check `sbd demo` applies to cached block logits)."""
     cache.seqlens.fill_(kv_len)
-    expected = model.decode_pass(*inputs, cache, attention_op=naive_attention)
+    expected = model.decode_pass(*inputs, cache, attention_op=naive_attention, keep_last=keep_last)
     atol, rtol = tolerance(next(model.parameters()).dtype)
     err = (logits - expected).abs().max().item()
     return err <= 10 * atol + rtol * expected.abs().max().item()
@@ -140,12 +145,13 @@ def test_decode_pass(benchmark, shape):
     cfg = model.config
     cache = filled_cache(shape, model)
     inputs = pass_inputs(cfg, shape)
+    keep_last = roofline.logit_rows(shape.tokens, int(inputs[1][0]))
 
     def call():
         cache.seqlens.fill_(shape.kv_len)  # the pass appends its causal rows; every call starts from L tokens
-        return model.decode_pass(*inputs, cache)
+        return model.decode_pass(*inputs, cache, keep_last=keep_last)
 
-    correct = matches_oracle(model, cache, shape.kv_len, inputs, call())
+    correct = matches_oracle(model, cache, shape.kv_len, inputs, keep_last, call())
     flops, nbytes = roofline.forward_work(cfg, shape.batch, shape.tokens, shape.kv_len,
                                           roofline.PRECISIONS[shape.dtype], num_causal=int(inputs[1][0]))
     # The roofline of `sbd roofline --measured` must use the ceilings at the threads of the timings.

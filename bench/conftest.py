@@ -3,6 +3,7 @@ case's own kernel and its plain baseline run before the providers that compile p
 and a run stopped in the middle of a timing still writes the timings it finished: a run stopped at a time
 budget (`sbd gpu-check`) keeps complete comparisons."""
 import os
+from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     raise RuntimeError("bench: unset TRITON_INTERPRET; the interpreter would time Python, not kernels")
@@ -11,7 +12,9 @@ import pytest
 from pytest_benchmark.utils import safe_dumps
 
 import sbd_kernels  # noqa: F401
-from sbd_kernels.bench_report import PARTIAL_VARIABLE
+from bench.harness import bench_device
+from sbd_kernels.bench_report import HEADER_KEY, PARTIAL_VARIABLE
+from sbd_kernels.machine import ceilings_by_threads, machine_header
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -21,6 +24,20 @@ def pytest_benchmark_generate_json(config, benchmarks, include_data, machine_inf
     and the writer would fail on it (min() of no data) and lose every timing taken before it."""
     benchmarks[:] = [bench for bench in benchmarks if bench]
     yield
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    """Stores what the report is labelled with in the JSON, taken on this machine at the end of this run:
+    machine_info[HEADER_KEY] = `machine_header` (CPU, GPU, versions, commit, date, ceilings at torch's
+    default thread count) and "ceilings_by_threads", the CPU ceilings at every thread count a CPU timing ran
+    with (the extra_info "threads" the harness records), so that `sbd bench --from-json` labels the timings
+    with the machine that took them, and sets each against the ceilings of its own thread count. A run on
+    the GPU measures no CPU ceilings (its results are set against the GPU's datasheet): the hook then takes
+    well under a second, inside the grace period of a `sbd gpu-check` stage stopped at its budget."""
+    threads = [b["extra_info"]["threads"] for b in output_json["benchmarks"]
+               if b.get("extra_info", {}).get("device") == "cpu" and "threads" in b["extra_info"]]
+    header = machine_header(Path(__file__).resolve().parent, ceilings=bench_device() == "cpu")
+    output_json["machine_info"][HEADER_KEY] = {**header, "ceilings_by_threads": ceilings_by_threads(threads)}
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -123,43 +123,90 @@ def record(benchmark, *, family: str, shape: Shape, provider: str, baseline: str
     "eager", "compile", "sdpa", ...); baseline: the provider ratios are taken against; device: where it ran;
     bytes_moved / flops: the physical work of one call (formula in the bench file), for GB/s and GFLOP/s;
     correct: whether this provider's outputs matched the oracle on these exact inputs (None for providers
-    that are not checked).
+    that are not checked). Also stores torch's current thread count ("threads"): CPU results are set against
+    the ceilings measured at that count (bench/conftest.py stores them in the JSON).
     """
     benchmark.group = f"{family} | {shape.label}"
     benchmark.extra_info.update(
         family=family, case=shape.label, shape=shape_to_dict(shape), provider=provider, baseline=baseline,
-        device=device, bytes_moved=bytes_moved, flops=flops, correct=correct,
+        device=device, threads=torch.get_num_threads(), bytes_moved=bytes_moved, flops=flops, correct=correct,
     )
 
 
 def measure(benchmark, call: Callable[[], Any], *, family: str, shape: Shape, provider: str, baseline: str,
             device: str = "cpu", bytes_moved: int | None = None, flops: int | None = None,
             correct: bool | None = None, rounds: int | None = None, cuda_rounds: int = CUDA_ROUNDS,
-            calls_per_round: int = CUDA_CALLS_PER_ROUND, graph: bool = True, optional: tuple[str, ...] = ()) -> Any:
+            calls_per_round: int = CUDA_CALLS_PER_ROUND, graph: bool = True, optional: tuple[str, ...] = (),
+            refill: Callable[[], None] | None = None) -> Any:
     """`record` the case, then time `call()` with pytest-benchmark after WARMUP_ROUNDS warm-up rounds:
     `bench_rounds(rounds)` rounds of single calls on the CPU; on CUDA `bench_rounds(cuda_rounds)` rounds of
     `calls_per_round` calls ended by one synchronisation, pytest-benchmark dividing each round by its calls.
     On CUDA with `graph` (a call that never syncs with the host), also the call replayed from a CUDA graph:
     extra_info["graph_ms"], None when the capture is refused. Returns the last result. An exception of an
     `optional` provider is a skip, as in build_provider: torch.compile may compile again while timed (seen on an
-    H200: Inductor failed on a recompile for the top-p baseline)."""
+    H200: Inductor failed on a recompile for the top-p baseline).
+
+    refill: for an op that updates its inputs in place, `InputPool.refill` of the pool `call` takes its
+    inputs from (sized with `measured_calls`): run before the timing and before every CUDA-graph round, never
+    inside a timed region, so that every timed call finds fresh inputs and no restore is timed with it."""
     try:
         return _measure(benchmark, call, family=family, shape=shape, provider=provider, baseline=baseline,
                         device=device, bytes_moved=bytes_moved, flops=flops, correct=correct, rounds=rounds,
-                        cuda_rounds=cuda_rounds, calls_per_round=calls_per_round, graph=graph)
+                        cuda_rounds=cuda_rounds, calls_per_round=calls_per_round, graph=graph, refill=refill)
     except Exception as err:
         if provider not in optional:
             raise
         pytest.skip(f"{provider} provider failed on this machine while timed: {type(err).__name__}: {err}"[:300])
 
 
+def measured_calls(device: str, *, rounds: int | None = None, cuda_rounds: int = CUDA_ROUNDS,
+                   calls_per_round: int = CUDA_CALLS_PER_ROUND, graph: bool = True) -> int:
+    """How many times `measure` with the same arguments calls `call()` between two refills, at most: on the
+    CPU WARMUP_ROUNDS + bench_rounds(rounds) single calls; on CUDA those rounds of `calls_per_round` calls
+    and the one call pytest-benchmark adds for the result, or the CUDA graph's 1 warm-up call and
+    CUDA_CALLS_PER_ROUND captured calls when that is more."""
+    if device != "cuda":
+        return WARMUP_ROUNDS + bench_rounds(rounds)
+    eager = (WARMUP_ROUNDS + bench_rounds(cuda_rounds)) * calls_per_round + 1
+    return max(eager, 1 + CUDA_CALLS_PER_ROUND) if graph else eager
+
+
+class InputPool:
+    """`size` copies of the tensors an op updates in place, for timing it without restoring them inside the
+    timed call: `take()` hands out the next fresh copy (IndexError past the last one, rather than a timing on
+    inputs an earlier call updated), `refill()` restores every copy from the originals and starts over.
+
+    The copies are stacked, [size, *shape] per tensor, so that a refill is one copy_ per tensor; `take()`
+    returns views made in advance (contiguous slices), costing the timed call no tensor op."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], size: int):
+        self.originals = tuple(t.clone() for t in tensors)
+        self.stacks = tuple(t.unsqueeze(0).repeat(size, *(1,) * t.dim()) for t in tensors)  # [size, *t.shape]
+        self.copies = [tuple(stack[i] for stack in self.stacks) for i in range(size)]
+        self.next = 0
+
+    def take(self) -> tuple[torch.Tensor, ...]:
+        copy = self.copies[self.next]
+        self.next += 1
+        return copy
+
+    def refill(self) -> None:
+        for stack, original in zip(self.stacks, self.originals):
+            stack.copy_(original.expand_as(stack))
+        self.next = 0
+
+
 def _measure(benchmark, call: Callable[[], Any], *, family: str, shape: Shape, provider: str, baseline: str,
              device: str, bytes_moved: int | None, flops: int | None, correct: bool | None, rounds: int | None,
-             cuda_rounds: int, calls_per_round: int, graph: bool) -> Any:
+             cuda_rounds: int, calls_per_round: int, graph: bool, refill: Callable[[], None] | None) -> Any:
     record(benchmark, family=family, shape=shape, provider=provider, baseline=baseline, device=device,
            bytes_moved=bytes_moved, flops=flops, correct=correct)
+    if refill is not None:
+        refill()
     if device != "cuda":
         return benchmark.pedantic(call, rounds=bench_rounds(rounds), warmup_rounds=WARMUP_ROUNDS, iterations=1)
+    if refill is not None:
+        torch.cuda.synchronize()  # the refill's copies end before the first timed round starts
     calls = 0
 
     def timed():
@@ -172,23 +219,30 @@ def _measure(benchmark, call: Callable[[], Any], *, family: str, shape: Shape, p
 
     out = benchmark.pedantic(timed, rounds=bench_rounds(cuda_rounds), warmup_rounds=WARMUP_ROUNDS,
                              iterations=calls_per_round)
-    benchmark.extra_info["graph_ms"] = cuda_graph_ms(call) if graph else None
+    benchmark.extra_info["graph_ms"] = cuda_graph_ms(call, refill) if graph else None
     return out
 
 
-def cuda_graph_ms(call: Callable[[], Any]) -> float | None:
+def cuda_graph_ms(call: Callable[[], Any], refill: Callable[[], None] | None = None) -> float | None:
     """Milliseconds of one `call()` replayed from a CUDA graph (GPU time without Python, dispatch and launch
-    costs): the median over CUDA_GRAPH_ROUNDS rounds of CUDA_CALLS_PER_ROUND replays, timed with CUDA events.
-    None when the capture fails (a call that syncs with the host, or an op that cannot be captured)."""
+    costs): the median over CUDA_GRAPH_ROUNDS rounds of CUDA_CALLS_PER_ROUND calls, timed with CUDA events.
+    Without `refill` the graph holds one call, replayed CUDA_CALLS_PER_ROUND times per round; with it (an op
+    updating its inputs in place) the graph holds CUDA_CALLS_PER_ROUND calls, each on its own copy of the
+    inputs, replayed once per round after `refill()` restored them, outside the events. None when the capture
+    fails (a call that syncs with the host, or an op that cannot be captured)."""
+    if refill is not None:
+        refill()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
         call()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    calls_in_graph = 1 if refill is None else CUDA_CALLS_PER_ROUND
     try:
         with torch.cuda.graph(graph):
-            call()
+            for _ in range(calls_in_graph):
+                call()
     except RuntimeError:  # capture refused (a host sync, an op CUDA graphs cannot hold): no graph time
         torch.cuda.synchronize()
         return None
@@ -196,8 +250,10 @@ def cuda_graph_ms(call: Callable[[], Any]) -> float | None:
     graph.replay()
     times = []
     for _ in range(CUDA_GRAPH_ROUNDS):
+        if refill is not None:
+            refill()  # queued before `start`: the stream runs it before the timed replay
         start.record()
-        for _ in range(CUDA_CALLS_PER_ROUND):
+        for _ in range(CUDA_CALLS_PER_ROUND // calls_in_graph):
             graph.replay()
         end.record()
         end.synchronize()

@@ -18,10 +18,18 @@ its fraction of the measured copy bandwidth (ops that stream memory), achieved G
 the measured matmul peak (ops with flops), and the speedup against the case's baseline provider measured in
 the same run. On a GPU (the bench files run on CUDA wherever torch sees one) the tables also give each
 call's time replayed from a CUDA graph, and achieved TB/s and TFLOP/s are taken from that time and set
-against the GPU's datasheet (`datasheet_ceilings`; `sbd_kernels.roofline.HARDWARE`). A provider that failed its oracle check on the benchmark inputs gets no speedup: the cell
-says so instead. After the tables: the roofline model's prediction against the measured decode forwards
-(`sbd_kernels.roofline`), the GPU static report of every Triton kernel configuration (`sbd_kernels.aot`:
-registers, spills, shared memory, occupancy on sm_80 / sm_90), and the plots.
+against the GPU's datasheet (`datasheet_ceilings`; `sbd_kernels.roofline.HARDWARE`). A CPU result is set
+against the ceilings measured at the thread count it ran with (the decode and HF benchmarks run at 1 thread).
+A provider that failed its oracle check on the benchmark inputs gets no speedup, nor does any provider of a
+case whose baseline failed it: the cell says so instead. After the tables: the roofline model's prediction
+against the measured decode forwards (`sbd_kernels.roofline`), the GPU static report of every Triton kernel
+configuration (`sbd_kernels.aot`: registers, spills, shared memory, occupancy on sm_80 / sm_90), and the
+plots.
+
+The header (machine, GPU, versions, commit, date, ceilings) is the one the bench run stored in its JSON
+(machine_info[HEADER_KEY], written by bench/conftest.py), also with --from-json: a report rebuilt elsewhere
+keeps the machine that took the timings. A JSON written before runs stored it gives what pytest-benchmark
+recorded (CPU, cores, python, commit, date) and says "not stored" for the rest, with no ceilings.
 """
 from __future__ import annotations
 
@@ -33,17 +41,22 @@ import os
 import subprocess
 import sys
 from collections import defaultdict
+from datetime import datetime, timezone
 from pathlib import Path
 
 from sbd_kernels import argtypes
 from sbd_kernels.argtypes import add_option
 from sbd_kernels.bench_plots import write_plots
 from sbd_kernels.benchmark_grid import GRIDS, shape_from_dict
-from sbd_kernels.machine import PEAK_DTYPE_FOR, machine_header
+from sbd_kernels.machine import PEAK_DTYPE_FOR
 from sbd_kernels.roofline import HARDWARE
 
-COLUMNS = ["case", "provider", "median_ms", "p20_ms", "p80_ms", "graph_ms", "gbs", "pct_copy", "gflops",
-           "pct_peak", "speedup", "graph_speedup", "oracle"]
+COLUMNS = ["case", "provider", "threads", "median_ms", "p20_ms", "p80_ms", "graph_ms", "gbs", "pct_copy", "gflops",
+           "pct_peak", "speedup", "graph_speedup", "oracle", "withheld"]
+# machine_info[HEADER_KEY] of a bench run's pytest-benchmark JSON: `machine_header` of the machine that ran it,
+# with "ceilings_by_threads" (bench/conftest.py).
+HEADER_KEY = "sbd"
+NOT_STORED = "not stored"
 
 
 def datasheet_key(gpu_name: str) -> str | None:
@@ -76,14 +89,56 @@ def datasheet_ceilings(gpu_name: str) -> dict | None:
 
 
 def report_ceilings(header: dict, raw: dict) -> dict:
-    """The ceilings the results are set against: this CPU's measured ones, or when any result ran on CUDA the
-    datasheet of the machine's GPU (copy_gbs None and no matmul peaks for a GPU without a datasheet entry)."""
+    """The ceilings the results are set against: the CPU's measured ones, at torch's default thread count
+    ("threads") and at every thread count a CPU timing ran with ("by_threads", see `row_ceilings`), or when
+    any result ran on CUDA the datasheet of the run's GPU (copy_gbs None and no matmul peaks for a GPU
+    without a datasheet entry, or one the JSON does not name)."""
     on_gpu = any(b.get("extra_info", {}).get("device") == "cuda" for b in raw.get("benchmarks", []))
     if not on_gpu:
-        return {"copy_gbs": header["copy_gbs"], "matmul_gflops": header["matmul_gflops"], "source": "measured"}
-    name = (header.get("gpu") or {}).get("name", "")
+        return {"copy_gbs": header["copy_gbs"], "matmul_gflops": header["matmul_gflops"], "source": "measured",
+                "threads": header["torch_threads"], "by_threads": header.get("ceilings_by_threads", {})}
+    if header["gpu"] == NOT_STORED:
+        return {"copy_gbs": None, "matmul_gflops": {}, "source": "the GPU of the run is not stored in its JSON"}
+    name = (header["gpu"] or {}).get("name", "")
     return datasheet_ceilings(name) or {"copy_gbs": None, "matmul_gflops": {},
                                         "source": f"no datasheet entry for {name or 'this GPU'}"}
+
+
+def row_ceilings(info: dict, ceilings: dict) -> dict:
+    """The ceilings one timing (its extra_info `info`) is set against: those stored with it (the decode
+    bench's extra_info["decode"]["ceilings"]: the CPU's measured at its thread count, or the GPU's
+    datasheet); else on a GPU the report's `ceilings`; else the CPU's measured at the timing's thread count
+    (`info["threads"]`, ceilings["by_threads"]), {} where none were: no fraction rather than one against
+    another thread count's ceilings (the 1-thread decode forwards reached 97% of the 1-thread bf16 peak, 49%
+    of the 2-thread one). A timing without a thread count (runs before it was recorded) gets the report's."""
+    stored = (info.get("decode") or {}).get("ceilings")
+    if stored:
+        return stored
+    threads = info.get("threads")
+    if ceilings.get("source") != "measured" or threads is None or threads == ceilings.get("threads"):
+        return ceilings
+    return ceilings.get("by_threads", {}).get(str(threads), {})
+
+
+def stored_header(raw: dict) -> dict:
+    """The header the bench run stored in its JSON (machine_info[HEADER_KEY]); for a JSON without it, the
+    fields pytest-benchmark stores in every JSON (CPU model, cores, python, commit, date of the run) and
+    NOT_STORED for the rest (torch threads, CPU kernels, GPU, torch and triton versions), no ceilings."""
+    machine = raw.get("machine_info") or {}
+    if HEADER_KEY in machine:
+        return {**machine[HEADER_KEY], "stored": True}
+    cpu, commit = machine.get("cpu") or {}, raw.get("commit_info") or {}
+    commit_id = commit.get("id")
+    date = raw.get("datetime")
+    return {
+        "cpu": cpu.get("brand_raw", NOT_STORED), "cores": cpu.get("count", NOT_STORED),
+        "torch_threads": NOT_STORED, "cpu_isa": NOT_STORED, "gpu": NOT_STORED, "torch": NOT_STORED,
+        "triton": NOT_STORED, "python": machine.get("python_version", NOT_STORED),
+        "commit": f"{commit_id[:7]}{'+dirty' if commit.get('dirty') else ''}" if commit_id else NOT_STORED,
+        "date": (datetime.fromisoformat(date).astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M UTC") if date
+                 else NOT_STORED),
+        "copy_gbs": None, "matmul_gflops": {}, "stored": False,
+    }
 
 
 def find_bench_dir(given: Path | None) -> Path:
@@ -166,47 +221,67 @@ def rows_from_raw(raw: dict, ceilings: dict) -> dict[str, list[dict]]:
     """One row per (family, case, provider), grouped by family, with ratios against the case's baseline.
 
     Achieved GB/s and GFLOP/s come from the CUDA-graph time where the harness measured one (GPU time alone),
-    else from the median; the matmul peak is that of the record's dtype, or of PEAK_DTYPE_FOR's stand-in when
-    the ceilings have none (fp16 on a CPU); a missing ceiling leaves its fraction empty."""
+    else from the median, set against the timing's own ceilings (`row_ceilings`); the matmul peak is that of
+    the record's dtype, or of PEAK_DTYPE_FOR's stand-in when the ceilings have none (fp16 on a CPU); a
+    missing ceiling leaves its fraction empty. No ratio for a row that failed its oracle check, nor for any
+    row of a case whose baseline failed it: "withheld" says why."""
     by_case: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for bench in raw["benchmarks"]:
         info = bench.get("extra_info", {})
-        if "family" not in info:
-            continue
-        times = sorted(bench["stats"].get("data") or [bench["stats"]["median"]])
-        median = bench["stats"]["median"]
-        shape = shape_from_dict(info["family"], info["shape"])
-        graph_ms = info.get("graph_ms")
-        row = {
-            "family": info["family"], "case": shape.label, "shape": info["shape"], "provider": info["provider"],
-            "baseline": info["baseline"], "median_ms": median * 1e3,
-            "p20_ms": percentile(times, 0.2) * 1e3, "p80_ms": percentile(times, 0.8) * 1e3, "graph_ms": graph_ms,
-            "gbs": None, "pct_copy": None, "gflops": None, "pct_peak": None, "speedup": None,
-            "graph_speedup": None, "oracle": {True: "pass", False: "FAIL", None: "-"}[info.get("correct")],
-        }
-        seconds = graph_ms / 1e3 if graph_ms else median
-        if info.get("bytes_moved"):
-            row["gbs"] = info["bytes_moved"] / seconds / 1e9
-            if ceilings.get("copy_gbs"):
-                row["pct_copy"] = 100 * row["gbs"] / ceilings["copy_gbs"]
-        if info.get("flops"):
-            row["gflops"] = info["flops"] / seconds / 1e9
-            peaks = ceilings["matmul_gflops"]
-            peak = peaks.get(shape.dtype) or peaks.get(PEAK_DTYPE_FOR[shape.dtype])
-            if peak:
-                row["pct_peak"] = 100 * row["gflops"] / peak
-        by_case[(info["family"], shape.label)].append(row)
+        if "family" in info:
+            row = timing_row(bench, row_ceilings(info, ceilings))
+            by_case[(row["family"], row["case"])].append(row)
 
     families: dict[str, list[dict]] = defaultdict(list)
     for (family, _case), rows in by_case.items():
         base = next((r for r in rows if r["provider"] == r["baseline"]), None)
         for row in rows:
-            if base is not None and row["oracle"] != "FAIL":
-                row["speedup"] = base["median_ms"] / row["median_ms"]
-                if base["graph_ms"] and row["graph_ms"]:
-                    row["graph_speedup"] = base["graph_ms"] / row["graph_ms"]
+            set_ratios(row, base)
         families[family].extend(sorted(rows, key=lambda r: r["provider"] != "sbd"))
     return families
+
+
+def timing_row(bench: dict, ceilings: dict) -> dict:
+    """The report row of one pytest-benchmark entry, its achieved GB/s and GFLOP/s set against `ceilings`."""
+    info = bench["extra_info"]
+    times = sorted(bench["stats"].get("data") or [bench["stats"]["median"]])
+    median = bench["stats"]["median"]
+    shape = shape_from_dict(info["family"], info["shape"])
+    graph_ms = info.get("graph_ms")
+    row = {
+        "family": info["family"], "case": shape.label, "shape": info["shape"], "provider": info["provider"],
+        "baseline": info["baseline"], "threads": info.get("threads"), "median_ms": median * 1e3,
+        "p20_ms": percentile(times, 0.2) * 1e3, "p80_ms": percentile(times, 0.8) * 1e3, "graph_ms": graph_ms,
+        "gbs": None, "pct_copy": None, "gflops": None, "pct_peak": None, "speedup": None,
+        "graph_speedup": None, "oracle": {True: "pass", False: "FAIL", None: "-"}[info.get("correct")],
+        "withheld": None,
+    }
+    seconds = graph_ms / 1e3 if graph_ms else median
+    if info.get("bytes_moved"):
+        row["gbs"] = info["bytes_moved"] / seconds / 1e9
+        if ceilings.get("copy_gbs"):
+            row["pct_copy"] = 100 * row["gbs"] / ceilings["copy_gbs"]
+    if info.get("flops"):
+        row["gflops"] = info["flops"] / seconds / 1e9
+        peaks = ceilings.get("matmul_gflops") or {}
+        peak = peaks.get(shape.dtype) or peaks.get(PEAK_DTYPE_FOR[shape.dtype])
+        if peak:
+            row["pct_peak"] = 100 * row["gflops"] / peak
+    return row
+
+
+def set_ratios(row: dict, base: dict | None) -> None:
+    """speedup = base median / row median (and the same on CUDA-graph times), or "withheld" saying why
+    there is none: the row's own oracle check failed, or its baseline's did (a ratio against a baseline
+    that computed something else measures nothing)."""
+    if row["oracle"] == "FAIL":
+        row["withheld"] = "oracle check FAILED"
+    elif base is not None and base["oracle"] == "FAIL":
+        row["withheld"] = f"baseline {base['provider']} failed its oracle check"
+    elif base is not None:
+        row["speedup"] = base["median_ms"] / row["median_ms"]
+        if base["graph_ms"] and row["graph_ms"]:
+            row["graph_speedup"] = base["graph_ms"] / row["graph_ms"]
 
 
 def fmt(value, spec: str) -> str:
@@ -214,39 +289,69 @@ def fmt(value, spec: str) -> str:
 
 
 def markdown(header: dict, families: dict[str, list[dict]], ceilings: dict | None = None) -> str:
-    """The report: a header with the machine and its ceilings, then one table per family. With GPU
-    `ceilings` (`report_ceilings` of a CUDA run): the datasheet line, TB/s and TFLOP/s against it, and the
-    CUDA-graph time and speedup of each row."""
-    gpu = header["gpu"]
-    gpu_line = ("none (CPU kernels timed; Triton kernels are not timed without an NVIDIA GPU)" if gpu is None
-                else ", ".join(f"{k} {v}" for k, v in gpu.items()))
-    peaks = ", ".join(f"{k} {v:.0f}" for k, v in header["matmul_gflops"].items())
+    """The report: a header with the machine of the run and its ceilings, then one table per family. With
+    GPU `ceilings` (`report_ceilings` of a CUDA run): the datasheet line, TB/s and TFLOP/s against it, and
+    the CUDA-graph time and speedup of each row. Header fields the run's JSON did not store say so."""
     on_gpu = ceilings is not None and ceilings.get("source", "measured") != "measured"
     lines = [
         "# sbd_kernels benchmark report",
         "",
         (f"- machine: {header['cpu']}, {header['cores']} cores, torch threads {header['torch_threads']}, "
         f"CPU kernels {header['cpu_isa']}"),
-        f"- GPU: {gpu_line}",
-        (f"- measured ceilings: copy bandwidth {header['copy_gbs']:.1f} GB/s (read + write), "
-        f"torch.mm peak GFLOP/s: {peaks}"),
+        f"- GPU: {gpu_line(header['gpu'])}",
+        *cpu_ceilings_lines(header),
     ]
     if on_gpu:
         lines.append(f"- GPU ceilings: {gpu_ceilings_line(ceilings)}")
+    lines.append(f"- torch {header['torch']}, triton {header['triton']}, python {header['python']}, "
+                 f"commit {header['commit']}, {header['date']}")
+    if not header.get("stored", True):
+        lines.append(f"- \"{NOT_STORED}\": the JSON of this run predates runs storing their header (machine, GPU, "
+                     "versions, ceilings); CPU, cores, python, commit and date are pytest-benchmark's record of the "
+                     "run, and nothing is taken from the machine that rebuilt this report")
     lines += [
-        (f"- torch {header['torch']}, triton {header['triton']}, python {header['python']}, "
-        f"commit {header['commit']}, {header['date']}"),
         "",
         ("Times are medians with the p20-p80 spread; speedup = baseline median / provider median, same run. "
-        "A provider whose outputs failed the oracle check on these inputs gets no speedup."),
+        "A provider whose outputs failed the oracle check on these inputs gets no speedup, nor does any "
+        "provider of a case whose baseline failed it."),
     ]
-    if on_gpu:
+    if not on_gpu:
+        lines.append("Each row's % copy BW and % matmul peak are taken against the ceilings measured at the "
+                     "torch thread count it ran with (threads column).")
+    else:
         lines.append("On the GPU, median ms is one eager call (rounds of back-to-back calls, launch overhead "
                      "included); graph ms the same call replayed from a CUDA graph (GPU time alone, '-' where "
                      "the call cannot be captured), which TB/s and TFLOP/s are taken from.")
     for family, rows in families.items():
         lines += ["", f"## {family}", ""] + (_gpu_table(rows) if on_gpu else _cpu_table(rows))
     return "\n".join(lines) + "\n"
+
+
+def gpu_line(gpu: dict | str | None) -> str:
+    """The header's GPU: its NVML / torch fields, none, or not stored."""
+    if gpu is None:
+        return "none (CPU kernels timed; Triton kernels are not timed without an NVIDIA GPU)"
+    if gpu == NOT_STORED:
+        return f"{NOT_STORED} (no datasheet to set GPU results against)"
+    return ", ".join(f"{k} {v}" for k, v in gpu.items())
+
+
+def cpu_ceilings_lines(header: dict) -> list[str]:
+    """The CPU ceilings measured by the run: at torch's default thread count, and at every other thread
+    count a CPU result ran with (`header["ceilings_by_threads"]`)."""
+    if header["copy_gbs"] is None:
+        why = NOT_STORED if header.get("stored") is False else "not measured by a run on the GPU"
+        return [f"- measured ceilings: {why} (CPU results get no % of copy bandwidth or matmul peak)"]
+
+    def numbers(ceilings: dict) -> str:
+        peaks = ", ".join(f"{k} {v:.0f}" for k, v in ceilings["matmul_gflops"].items())
+        return f"copy bandwidth {ceilings['copy_gbs']:.1f} GB/s (read + write), torch.mm peak GFLOP/s: {peaks}"
+
+    threads = header["torch_threads"]
+    lines = [f"- measured ceilings: {numbers(header)} (torch threads {threads})"]
+    lines += [f"- measured ceilings at {count} torch thread{'s' if count != '1' else ''}: {numbers(ceilings)}"
+              for count, ceilings in header.get("ceilings_by_threads", {}).items() if count != str(threads)]
+    return lines
 
 
 def gpu_ceilings_line(ceilings: dict) -> str:
@@ -260,18 +365,19 @@ def gpu_ceilings_line(ceilings: dict) -> str:
 
 
 def _speed(r: dict, key: str = "speedup") -> str:
-    if r["oracle"] == "FAIL":
-        return "oracle check FAILED"
+    if r.get("withheld"):
+        return r["withheld"]
     return f"{fmt(r[key], '.2f')}x vs {r['baseline']}" if r[key] else "-"
 
 
 def _cpu_table(rows: list[dict]) -> list[str]:
-    lines = [("| case | provider | median ms | p20-p80 ms | GB/s | % copy BW | GFLOP/s | % matmul peak "
+    lines = [("| case | provider | threads | median ms | p20-p80 ms | GB/s | % copy BW | GFLOP/s | % matmul peak "
               "| speedup vs baseline | oracle |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['case']} | {r['provider']} | {r['median_ms']:.3f} | {r['p20_ms']:.3f}-{r['p80_ms']:.3f} "
+            f"| {r['case']} | {r['provider']} | {fmt(r.get('threads'), 'd')} | {r['median_ms']:.3f} "
+            f"| {r['p20_ms']:.3f}-{r['p80_ms']:.3f} "
             f"| {fmt(r['gbs'], '.1f')} | {fmt(r['pct_copy'], '.0f')} | {fmt(r['gflops'], '.1f')} "
             f"| {fmt(r['pct_peak'], '.0f')} | {_speed(r)} | {r['oracle']} |"
         )
@@ -366,14 +472,13 @@ def run(args: argparse.Namespace) -> int:
         if not raw_json.exists():
             return status or 1
     else:
-        bench_dir = args.bench_dir or Path.cwd()  # only names the commit in the header
         raw_json = args.from_json
         out = args.out or raw_json.parent
-    header = machine_header(bench_dir)
     try:
         raw = json.loads(raw_json.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{raw_json}: not JSON ({err})") from None
+    header = stored_header(raw)
     ceilings = report_ceilings(header, raw)
     families = rows_from_raw(raw, ceilings)
     extra = roofline_section(raw)

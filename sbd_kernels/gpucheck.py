@@ -598,21 +598,26 @@ def write_report(checkout: Checkout, header: dict, stages: list[Stage], results:
     return report, families, ceilings
 
 
+def is_ours(provider: str) -> bool:
+    """Whether a provider is this package's code: the ops ("sbd", "sbd plain", "sbd t=16") or a decode
+    through them ("ntp ops", "sbd ops")."""
+    return provider.startswith("sbd") or provider.endswith("ops")
+
+
 def kernel_lines(families: dict[str, list[dict]], ceilings: dict) -> list[str]:
-    """Per family, one line on how our rows (sbd..., ... ops) did against the baseline of their cases."""
+    """Per family, one line on how our rows (sbd..., ... ops) did against the baseline of their cases. A
+    family whose baseline is one of our own providers (decode: "sbd t=1") compares our code with itself:
+    its line gives time(t)/time(1), the cost of a wider pass, and no speedup."""
     lines = []
     for family, rows in families.items():
-        ours = [r for r in rows if r["provider"] != r["baseline"]
-                and (r["provider"].startswith("sbd") or r["provider"].endswith("ops"))]
+        ours = [r for r in rows if r["provider"] != r["baseline"] and is_ours(r["provider"])]
         if not ours:
             continue
         parts = [f"{family}: {len(ours)} rows"]
-        speedups = [r["speedup"] for r in ours if r["speedup"]]
-        if speedups:
-            parts.append(f"{_span(speedups)} vs {ours[0]['baseline']} per call")
-        graph = [r["graph_speedup"] for r in ours if r["graph_speedup"]]
-        if graph:
-            parts.append(f"{_span(graph)} on CUDA-graph time")
+        if is_ours(ours[0]["baseline"]):
+            parts += _width_ratios(ours)
+        else:
+            parts += _speedups(ours)
         text = ", ".join(parts)
         best = max((r for r in ours if r["gbs"]), key=lambda r: r["gbs"], default=None)
         if best is not None:
@@ -626,6 +631,31 @@ def kernel_lines(families: dict[str, list[dict]], ceilings: dict) -> list[str]:
         failed = sum(r["oracle"] == "FAIL" for r in ours)
         lines.append("  " + text + (f"; {failed} oracle check FAILURES" if failed else ""))
     return lines
+
+
+def _speedups(rows: list[dict]) -> list[str]:
+    """Speedups against the (foreign) baseline, per call and on CUDA-graph time."""
+    parts = []
+    speedups = [r["speedup"] for r in rows if r["speedup"]]
+    if speedups:
+        parts.append(f"{_span(speedups)} vs {rows[0]['baseline']} per call")
+    graph = [r["graph_speedup"] for r in rows if r["graph_speedup"]]
+    if graph:
+        parts.append(f"{_span(graph)} on CUDA-graph time")
+    return parts
+
+
+def _width_ratios(rows: list[dict]) -> list[str]:
+    """Time over our own baseline's = 1 / speedup (decode: time(t)/time(1)), per call and on CUDA-graph
+    time: not a kernel speedup."""
+    parts = []
+    ratios = [1 / r["speedup"] for r in rows if r["speedup"]]
+    if ratios:
+        parts.append(f"time over our own {rows[0]['baseline']} (not a speedup): {_span(ratios)} per call")
+    graph = [1 / r["graph_speedup"] for r in rows if r["graph_speedup"]]
+    if graph:
+        parts.append(f"{_span(graph)} on CUDA-graph time")
+    return parts
 
 
 def _span(values: list[float]) -> str:
@@ -647,7 +677,7 @@ def summary(header: dict, results: list[StageResult], families: dict[str, list[d
                      "not reached in the budget; by file in the report")
     kernels = kernel_lines(families, ceilings)
     if kernels:
-        lines += ["kernels (sbd rows against the baseline of each case; TB/s from CUDA-graph times):", *kernels]
+        lines += ["kernels (our rows against the baseline of each case; TB/s from CUDA-graph times):", *kernels]
     skipped = [f"{r.name} ({r.detail})" for r in results if r.status in ("skipped", "not run")]
     if skipped:
         lines.append("skipped: " + "; ".join(skipped))

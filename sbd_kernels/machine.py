@@ -13,6 +13,7 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
@@ -65,6 +66,22 @@ def machine_ceilings() -> dict:
     """{"copy_gbs": GB/s, "matmul_gflops": {"fp32": ..., "bf16": ...}} measured at torch's current thread
     count (a few seconds; cached per thread count for the process)."""
     return _ceilings_at(torch.get_num_threads())
+
+
+def ceilings_by_threads(counts: Iterable[int]) -> dict[str, dict]:
+    """{str(threads): `machine_ceilings()` measured with torch at that many threads} for each of `counts`
+    (JSON keys, hence strings); torch's thread count is restored after. A result is set against the ceilings
+    of the thread count it ran with: on the 2-core reference machine torch.mm bf16 reached 391 GFLOP/s at 2
+    threads and about 200 at 1."""
+    before = torch.get_num_threads()
+    try:
+        by_threads = {}
+        for threads in sorted(set(counts)):
+            torch.set_num_threads(threads)
+            by_threads[str(threads)] = machine_ceilings()
+        return by_threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def cpu_model() -> str:
@@ -122,10 +139,11 @@ def gpu_info() -> dict | None:
         pynvml.nvmlShutdown()
 
 
-def machine_header(checkout: Path, gpu: bool = True) -> dict:
+def machine_header(checkout: Path, gpu: bool = True, ceilings: bool = True) -> dict:
     """Everything a results table is labelled with: machine, software versions, the commit of `checkout`
     (the folder the benchmark files came from), ceilings. gpu=False leaves the GPU out (None) without
-    asking the driver."""
+    asking the driver; ceilings=False leaves the CPU ceilings unmeasured (copy_gbs None, no matmul peaks),
+    for results set against a GPU's datasheet."""
     try:
         import triton
         triton_version = triton.__version__
@@ -142,5 +160,5 @@ def machine_header(checkout: Path, gpu: bool = True) -> dict:
         "python": platform.python_version(),
         "commit": git_commit(checkout),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        **machine_ceilings(),
+        **(machine_ceilings() if ceilings else {"copy_gbs": None, "matmul_gflops": {}}),
     }

@@ -8,11 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_roofline import demo_results
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from sbd_kernels import bench_report, machine
 from sbd_kernels import benchmark_grid as grid
 from sbd_kernels.bench_plots import tokens_per_s, write_plots
-from sbd_kernels.bench_report import rows_from_raw
+from sbd_kernels.bench_report import markdown, rows_from_raw
 from sbd_kernels.roofline import NfeStat
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,6 +78,134 @@ def test_report_rows_take_the_peak_of_the_records_dtype():
     bf16_sbd = by_case[bf16.label, "sbd"]
     assert bf16_sbd["pct_peak"] == pytest.approx(25.0)
     assert bf16_sbd["speedup"] is None and bf16_sbd["oracle"] == "FAIL"
+
+
+def test_no_speedup_against_a_baseline_that_failed_its_oracle_check():
+    """Guards against a speedup taken against a baseline whose outputs were wrong on these inputs (a ratio
+    against a computation that did something else): no ratio for any row of that case, and the cell says why."""
+    shape = grid.ScatterShape(16, 16)
+    raw = {"benchmarks": [raw_entry("scatter", shape, "sbd", "eager", 0.001),
+                          raw_entry("scatter", shape, "eager", "eager", 0.004, correct=False)]}
+    rows = {r["provider"]: r for r in rows_from_raw(raw, CEILINGS)["scatter"]}
+    assert rows["sbd"]["speedup"] is None and rows["eager"]["speedup"] is None
+    assert rows["sbd"]["withheld"] == "baseline eager failed its oracle check"
+    assert rows["eager"]["withheld"] == "oracle check FAILED"
+    report = markdown(HEADER, {"scatter": list(rows.values())})
+    assert "| baseline eager failed its oracle check | pass |" in report
+
+
+# ----------------------------------------------------------------------------------------------------
+# The header and ceilings of the run (bench/conftest.py stores them; --from-json reads them back)
+# ----------------------------------------------------------------------------------------------------
+HEADER = {"cpu": "Run CPU", "cores": 2, "torch_threads": 2, "cpu_isa": "avx512", "gpu": None, "torch": "2.x",
+          "triton": "3.x", "python": "3.11", "commit": "run1234", "date": "2026-01-02 03:04 UTC",
+          "copy_gbs": 20.0, "matmul_gflops": {"fp32": 100.0, "bf16": 400.0},
+          "ceilings_by_threads": {"1": {"copy_gbs": 10.0, "matmul_gflops": {"fp32": 50.0, "bf16": 200.0}},
+                                  "2": {"copy_gbs": 20.0, "matmul_gflops": {"fp32": 100.0, "bf16": 400.0}}}}
+H100 = {"name": "NVIDIA H100 80GB HBM3", "driver": "550.54.15", "cuda": "12.4"}
+
+
+def test_cpu_rows_take_the_ceilings_of_their_own_thread_count():
+    """Guards against a result divided by ceilings measured at another thread count: the 1-thread decode
+    forwards (1b bf16 B=16 L=512 t=32) read 49% of the 2-thread bf16 peak while they ran at 97% of the
+    1-thread one, which the report's roofline section used. A row takes the ceilings stored with it (decode),
+    else those of its recorded thread count, else none rather than another count's."""
+    shape = grid.SamplingShape(1, 16, 32000, "bf16")
+    decode = grid.DecodeShape("1b", 16, 512, 32)
+    stored = {**HEADER["ceilings_by_threads"]["1"], "threads": 1}
+    raw = {"machine_info": {bench_report.HEADER_KEY: HEADER}, "benchmarks": [
+        raw_entry("decode", decode, decode.provider, "sbd t=1", 0.01, flops=int(1.9e9), device="cpu", threads=1,
+                  decode={"ceilings": stored}),
+        raw_entry("sampling", shape, "sbd", "eager", 0.01, bytes_moved=int(1e8), device="cpu", threads=1),
+        raw_entry("sampling", shape, "eager", "eager", 0.01, bytes_moved=int(1e8), device="cpu", threads=2),
+        raw_entry("sampling", shape, "compile", "eager", 0.01, bytes_moved=int(1e8), device="cpu", threads=4)]}
+    header = bench_report.stored_header(raw)
+    families = rows_from_raw(raw, bench_report.report_ceilings(header, raw))
+    assert families["decode"][0]["pct_peak"] == pytest.approx(95.0)        # 190 GFLOP/s of the 1-thread 200
+    pct_copy = {r["provider"]: r["pct_copy"] for r in families["sampling"]}
+    assert pct_copy == {"sbd": pytest.approx(100.0), "eager": pytest.approx(50.0), "compile": None}
+    report = markdown(header, families, bench_report.report_ceilings(header, raw))
+    assert "- measured ceilings at 1 torch thread: copy bandwidth 10.0 GB/s" in report
+    assert "| B=1 K=16 V=32000 bf16 | sbd | 1 |" in report
+
+
+def test_bench_run_stores_its_header_and_the_ceilings_of_its_thread_counts(monkeypatch):
+    """Guards against a bench JSON that does not say which machine took it, or what it reached at the thread
+    counts its CPU timings ran with: the run stores `machine_header` and the ceilings at each of those counts
+    (GPU timings need none), measured with torch at that count and the count restored after."""
+    import importlib
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    conftest = importlib.import_module("bench.conftest")
+    monkeypatch.setattr(conftest, "machine_header", lambda checkout, **kwargs: {"cpu": "Run CPU"})
+    monkeypatch.setattr(machine, "_ceilings_at", lambda threads: {"copy_gbs": 10.0 * threads})
+    before = torch.get_num_threads()
+    output = {"machine_info": {"node": "vm"}, "benchmarks": [
+        {"extra_info": {"device": "cpu", "threads": 1}}, {"extra_info": {"device": "cpu", "threads": 2}},
+        {"extra_info": {"device": "cpu", "threads": 1}}, {"extra_info": {"device": "cuda", "threads": 3}}, {}]}
+    conftest.pytest_benchmark_update_json(None, [], output)
+    assert output["machine_info"][bench_report.HEADER_KEY] == {
+        "cpu": "Run CPU", "ceilings_by_threads": {"1": {"copy_gbs": 10.0}, "2": {"copy_gbs": 20.0}}}
+    assert torch.get_num_threads() == before
+
+
+def write_raw(path: Path, raw: dict) -> Path:
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_from_json_labels_the_report_with_the_machine_that_ran_it(tmp_path, monkeypatch):
+    """Guards against `sbd bench --from-json` labelling old timings with the machine that rebuilds the report
+    (its CPU, "GPU: none", its commit and date, and no datasheet fractions for GPU rows): the header and
+    ceilings come from the JSON; a JSON that did not store them says "not stored", nothing from here."""
+    def measure_here(*args, **kwargs):
+        raise AssertionError("the report measured the machine rebuilding it")
+
+    monkeypatch.setattr(bench_report, "machine_header", measure_here, raising=False)
+    shape = grid.SamplingShape(1, 16, 128256, "bf16")
+    logits = 16 * 128256 * 2
+    benchmarks = [raw_entry("sampling", shape, "sbd", "eager", 4e-5, bytes_moved=logits, device="cuda", graph_ms=0.0025),
+                  raw_entry("sampling", shape, "eager", "eager", 4e-4, bytes_moved=logits, device="cuda", graph_ms=0.1)]
+    stored = write_raw(tmp_path / "stored.json", {"machine_info": {bench_report.HEADER_KEY: {**HEADER, "gpu": H100}},
+                                                  "benchmarks": benchmarks})
+    bench_report.main(["--from-json", str(stored), "--no-gpu-static", "--out", str(tmp_path / "a")])
+    report = (tmp_path / "a" / "report.md").read_text()
+    for expected in ("- machine: Run CPU, 2 cores", "name NVIDIA H100 80GB HBM3", "commit run1234, 2026-01-02 03:04 UTC",
+                     "| 0.0025 | 1.642 | 49 |"):
+        assert expected in report, expected
+    assert "not stored" not in report
+
+    old = {"machine_info": {"python_version": "3.12.3", "cpu": {"brand_raw": "Old CPU", "count": 16}},
+           "commit_info": {"id": "35a7bd8ab3d2", "dirty": True}, "datetime": "2026-11-27T04:15:23+00:00",
+           "benchmarks": benchmarks}
+    bench_report.main(["--from-json", str(write_raw(tmp_path / "old.json", old)), "--no-gpu-static",
+                       "--out", str(tmp_path / "b")])
+    report = (tmp_path / "b" / "report.md").read_text()
+    for expected in ("- machine: Old CPU, 16 cores, torch threads not stored", "- GPU: not stored",
+                     "- measured ceilings: not stored", "commit 35a7bd8+dirty, 2026-11-27 04:15 UTC",
+                     "| 0.0025 | 1.642 | - |", "nothing is taken from the machine that rebuilt this report"):
+        assert expected in report, expected
+
+
+def test_gpu_run_header_measures_no_cpu_ceilings(tmp_path, monkeypatch):
+    """Guards against a GPU bench run measuring the CPU's ceilings when it writes its JSON (seconds a stage of
+    `sbd gpu-check` stopped at its budget may not have before SIGKILL), and against its report then reading as
+    if they had been lost: the GPU rows keep their datasheet fractions, the CPU line says why it has none."""
+    def measure(*args, **kwargs):
+        raise AssertionError("a GPU run measured the CPU ceilings")
+
+    monkeypatch.setattr(machine, "machine_ceilings", measure)
+    header = machine.machine_header(tmp_path, gpu=False, ceilings=False)
+    assert header["copy_gbs"] is None and header["matmul_gflops"] == {}
+    shape = grid.SamplingShape(1, 16, 128256, "bf16")
+    logits = 16 * 128256 * 2
+    benchmarks = [raw_entry("sampling", shape, "sbd", "eager", 4e-5, bytes_moved=logits, device="cuda", graph_ms=0.0025),
+                  raw_entry("sampling", shape, "eager", "eager", 4e-4, bytes_moved=logits, device="cuda", graph_ms=0.1)]
+    run = {**HEADER, "gpu": H100, "copy_gbs": None, "matmul_gflops": {}}
+    raw = write_raw(tmp_path / "gpu.json", {"machine_info": {bench_report.HEADER_KEY: run}, "benchmarks": benchmarks})
+    bench_report.main(["--from-json", str(raw), "--no-gpu-static", "--out", str(tmp_path / "out")])
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "- measured ceilings: not measured by a run on the GPU" in report and "| 0.0025 | 1.642 | 49 |" in report
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -140,3 +271,97 @@ def test_decode_bench_cache_size():
     # 1B config, bf16: 16 layers x K and V x 16 rows x (16384 + 2k) slots x 8 heads x 64 dims x 2 bytes
     assert gib(16, 16384) == pytest.approx(16 * 2 * 16 * (16384 + 2 * k) * 8 * 64 * 2 / 2**30)
     assert gib(16, 16384) > 4 > gib(4, 4096)
+
+
+class FakeBenchmark:
+    """The pytest-benchmark fixture as the harness uses it on the CPU: pedantic runs the warm-up and timed
+    rounds of one call each, `timed` wraps every call (a hook for what a test checks inside it)."""
+
+    def __init__(self, timed=None):
+        self.extra_info, self.group, self.timed = {}, None, timed or (lambda target: target())
+
+    def pedantic(self, target, rounds, warmup_rounds, iterations):
+        assert iterations == 1
+        return [self.timed(target) for _ in range(warmup_rounds + rounds)][-1]
+
+
+class OpLog(TorchDispatchMode):
+    """The aten ops run inside it, but for those run while `paused`."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.paused = [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_scatter_bench_times_the_op_alone_on_fresh_inputs(monkeypatch):
+    """Guards against timing the input restore with the op: two copy_ calls per timed call (2.5 us beside
+    the op's 4.7 us at B = 16, K = 16 here) that bytes_moved does not count. Each timed call runs the
+    provider and no other tensor op, and finds fresh inputs (as masked as the originals) although every
+    call updates them."""
+    from bench import bench_scatter
+    from bench.harness import WARMUP_ROUNDS, bench_rounds
+
+    shape = grid.ScatterShape(16, 16)
+    fresh = bench_scatter.make_inputs(shape)[1]
+    seen = []
+
+    def provider(tokens, is_masked, sampled, entropy, gamma):
+        log.paused = True
+        seen.append(torch.equal(is_masked, fresh))
+        is_masked.zero_()                                       # what the op does to the masks it accepts
+        log.paused = False
+        log.ops.append("provider")
+
+    def timed(target):
+        log.ops.clear()
+        with log:
+            target()
+        assert log.ops == ["provider"]
+
+    log = OpLog()
+    monkeypatch.setattr(bench_scatter, "set_up", lambda p, s: (provider, bench_scatter.make_inputs(s), True))
+    benchmark = FakeBenchmark(timed)
+    bench_scatter.test_mask_scatter(benchmark, shape, "sbd")
+    assert seen == [True] * (WARMUP_ROUNDS + bench_rounds())
+    assert benchmark.extra_info["threads"] == torch.get_num_threads()
+
+
+def test_input_pool_hands_out_each_copy_once():
+    """Guards against a timing that runs out of fresh copies and silently reuses updated inputs: past its
+    size the pool raises; a refill restores every copy and starts over."""
+    from bench.harness import InputPool
+
+    original = torch.tensor([[True, False, True]])
+    pool = InputPool((original,), 2)
+    first, second = pool.take()[0], pool.take()[0]
+    assert first.data_ptr() != second.data_ptr() and first.is_contiguous()
+    first.zero_()
+    with pytest.raises(IndexError):
+        pool.take()
+    pool.refill()
+    assert torch.equal(pool.take()[0], original) and original.tolist() == [[True, False, True]]
+
+
+def test_decode_bench_computes_the_logits_the_decoder_reads(monkeypatch):
+    """Guards against timing LM-head work the decoder skips: `generate` keeps the logits of the k block rows
+    of a first block pass (keep_last), so the bench's t = 2k pass returns [B, k, V] and its flops are the
+    roofline's with the LM head on those rows."""
+    from bench import bench_decode
+    from sbd_kernels import roofline
+
+    monkeypatch.setattr(bench_decode, "ceilings", lambda: None)
+    monkeypatch.setenv("SBD_BENCH_ROUNDS", "1")
+    k = grid.DECODE_BLOCK
+    shape = grid.DecodeShape("small", 2, 512, 2 * k)
+    logits = []
+    benchmark = FakeBenchmark(lambda target: logits.append(target()))
+    bench_decode.test_decode_pass(benchmark, shape)
+    cfg = bench_decode.model_config("small")
+    assert logits[-1].shape == (2, k, cfg.vocab_size)
+    flops, _ = roofline.forward_work(cfg, 2, 2 * k, 512, roofline.PRECISIONS["fp32"], num_causal=k)
+    assert benchmark.extra_info["flops"] == int(flops) and benchmark.extra_info["correct"] is True

@@ -618,6 +618,23 @@ def test_a_run_reports_stages_skips_failures_and_kernels(tmp_path, capsys, monke
     assert {s["name"]: s["status"] for s in stages}["bench-hf"] == "skipped"
 
 
+def test_summary_does_not_present_decode_widths_as_speedups():
+    """Guards against the summary listing decode's "sbd t=16" / "sbd t=32" rows, whose baseline is our own
+    "sbd t=1", as kernel speedups ("0.50x vs sbd t=1"): such a family's line gives time(t)/time(1) and says
+    it is not a speedup; families with a foreign baseline keep their speedups."""
+    decode = [bench_entry(grid.DecodeShape("small", 1, 512, t), f"sbd t={t}", median_s, graph_ms)
+              for t, median_s, graph_ms in ((1, 4e-3, 0.35), (16, 5e-3, 0.70), (32, 8e-3, 1.05))]
+    for entry in decode:
+        entry["extra_info"].update(family="decode", baseline="sbd t=1", correct=True)
+    shape = grid.SamplingShape(1, 16, 128256, "bf16")
+    raw = {"benchmarks": [*decode, bench_entry(shape, "sbd", 40e-6, 0.0025), bench_entry(shape, "eager", 400e-6, 0.1)]}
+    ceilings = bench_report.datasheet_ceilings("NVIDIA H100 80GB HBM3")
+    lines = gpucheck.kernel_lines(bench_report.rows_from_raw(raw, ceilings), ceilings)
+    assert "  decode: 2 rows, time over our own sbd t=1 (not a speedup): 1.25-2.00x per call, 2.00-3.00x on CUDA-graph time" in lines
+    assert "  sampling: 1 rows, 10.00x vs eager per call, 40.00x on CUDA-graph time" in lines
+    assert not any("vs sbd t=1" in line for line in lines)
+
+
 # ----------------------------------------------------------------------------------------------------
 # GPU results against the datasheet
 # ----------------------------------------------------------------------------------------------------
@@ -639,7 +656,7 @@ def test_cpu_results_keep_their_measured_ceilings():
     header = fake_header(None)
     cpu_raw = {"benchmarks": [{"extra_info": {"device": "cpu"}}]}
     assert bench_report.report_ceilings(header, cpu_raw) == {"copy_gbs": 100.0, "matmul_gflops": header["matmul_gflops"],
-                                                              "source": "measured"}
+                                                              "source": "measured", "threads": 16, "by_threads": {}}
     gpu = bench_report.report_ceilings(dict(header, gpu={"name": "NVIDIA H100 PCIe"}),
                                        {"benchmarks": [{"extra_info": {"device": "cuda"}}]})
     assert gpu["copy_gbs"] is None and gpu["source"] == "no datasheet entry for NVIDIA H100 PCIe"

@@ -90,6 +90,22 @@ def test_llama_gemm_shapes_give_its_parameter_count():
     assert flops == 2 * LLAMA_MATMUL_PARAMS + attention_flops
 
 
+@pytest.mark.parametrize("tokens,num_causal,rows", [
+    (1, 1, 1),        # NTP step: the one row predicts the next token
+    (16, 0, 16),      # later block pass: every block row
+    (32, 16, 16),     # first block pass: the 16 block rows; the 16 causal rows only fill the cache
+])
+def test_lm_head_on_the_rows_whose_logits_are_read(tokens, num_causal, rows):
+    """Guards against counting the LM head on every row of a first block pass (2k rows) while the decoder
+    computes logits for its k block rows only (`keep_last` in sbd_kernels.generate): 10.3% of the 2k pass's
+    FLOPs at Llama-3.2-1B shapes were logits nobody reads. The other linears keep every row."""
+    cfg = tiny_config()
+    costs = {op.name: op for op in rl.forward_costs(cfg, 3, tokens, 8, FP32, num_causal=num_causal)}
+    assert rl.logit_rows(tokens, num_causal) == rows
+    assert costs["lm_head"].flops == 2 * 3 * rows * cfg.dim * cfg.vocab_size
+    assert costs["wq"].flops == 2 * 3 * tokens * cfg.dim * cfg.dim
+
+
 # ----------------------------------------------------------------------------------------------------
 # The paper's Table 3 (arXiv 2509.04185, Sec. 4, appendix Fig. 11)
 # ----------------------------------------------------------------------------------------------------
@@ -105,7 +121,7 @@ PUBLISHED_TABLE3 = {
     (16, 2): (1.004, 1.003), (16, 4): (1.012, 1.009), (16, 8): (1.027, 1.022), (16, 16): (1.058, 1.047),
     (16, 32): (1.899, 1.720), (16, 64): (3.799, 3.422),
 }
-SHORT_KV_LENS = (16, 256, 1024, 4096, 16384, 65536)
+SHORT_KV_LENS = tuple(2**e for e in range(4, 17))      # the sweep's powers of 2 from 16 to 65,536
 LONG_KV_LEN = 4194304
 
 
@@ -128,18 +144,20 @@ def test_paper_configuration_reproduces_table3_within_2_percent():
         assert paper[b, k, LONG_KV_LEN] == pytest.approx(long, rel=0.02), (b, k, LONG_KV_LEN)
 
 
-def test_paper_configuration_matches_every_cell_to_the_published_rounding():
-    """Guards against a near miss hidden by the 2% margin, and against a typo in the table `--paper` prints
-    as published: all 192 cells (8 KV lengths) agree with it to its 3 decimals, and it agrees with the
-    summary above."""
+def test_published_column_is_the_papers_table():
+    """Guards against a "published" column that is not what the paper prints: values fitted to the paper
+    configuration's output (nine cells once differed from the paper by 0.001-0.007) and cells at KV lengths the
+    paper gives no value for (1,048,576). Every (batch, k) holds the paper's one value at every KV length from
+    16 to 65,536 and its value at 4,194,304, exactly; the paper configuration stays within 0.2% of each, and
+    agrees to the published 3 decimals at KV 16, where the paper's range starts."""
     published = rl.published_table3()
+    expected = {(b, k, kv): short for (b, k), (short, _) in PUBLISHED_TABLE3.items() for kv in SHORT_KV_LENS}
+    expected |= {(b, k, LONG_KV_LEN): long for (b, k), (_, long) in PUBLISHED_TABLE3.items()}
+    assert published == expected
     paper = table("paper")
-    assert set(published) == set(paper) and len(published) == 192
-    for cell, value in published.items():
-        assert abs(paper[cell] - value) <= 0.0005 + 1e-9, cell
-    for (b, k), (short, long) in PUBLISHED_TABLE3.items():
-        assert published[b, k, 16] == short
-        assert abs(published[b, k, LONG_KV_LEN] - long) <= 0.001
+    assert set(paper) == set(published)
+    assert max(abs(paper[c] / published[c] - 1) for c in published) < 0.002
+    assert all(abs(paper[b, k, 16] - published[b, k, 16]) <= 0.0005 + 1e-9 for b, k in PUBLISHED_TABLE3)
 
 
 @pytest.mark.parametrize("batch,nfe_speedup,k,kv_len,expected", [
@@ -289,8 +307,25 @@ def test_paper_json_schema(tmp_path, capsys):
 
     out = capsys.readouterr().out
     assert all(f"- {quirk}: " in out for quirk in rl.PAPER_QUIRKS)
-    assert "| 16 | 32 | 1.899..1.896 | 1.899..1.896 | " in out
-    assert "largest difference 0.0005 (0.05%)" in out
+    assert "| 16 | 32 | 1.899 | 1.899..1.896 | " in out
+    assert "LM head: the paper counts none." in out
+
+
+def test_paper_claim_is_computed_against_the_published_values(capsys):
+    """Guards against a printed "largest difference" taken against a table fitted to the model (it once
+    read 0.0005, "within the 3-decimal rounding", while the paper's own values differ by up to 0.0075): the
+    line states the largest difference to the published values, where, and how many cells agree."""
+    paper = table("paper")
+    published = {(b, k, kv): short for (b, k), (short, _) in PUBLISHED_TABLE3.items() for kv in SHORT_KV_LENS}
+    published |= {(b, k, LONG_KV_LEN): long for (b, k), (_, long) in PUBLISHED_TABLE3.items()}
+    worst = max(published, key=lambda c: abs(paper[c] - published[c]))
+    difference = abs(paper[worst] - published[worst])
+    agree = sum(abs(paper[c] - published[c]) <= 0.0005 + 1e-9 for c in published)
+    assert worst == (16, 64, 65536) and round(difference, 4) == 0.0075 and agree == 321
+    rl.main(parse(["--paper"]))
+    out = capsys.readouterr().out
+    assert (f"largest difference {difference:.4f} ({100 * difference / published[worst]:.2f}%) at batch 16, k = 64, "
+            f"KV 65,536; {agree} of 336 cells agree to the published 3 decimals.") in out
 
 
 @pytest.mark.parametrize("t1,tk,t2k,k,passes,expected", [
@@ -390,3 +425,31 @@ def test_measured_comparison_from_benchmark_json():
     fixed = 0.010 - times.t1                                    # what the roofline misses of time(1)
     assert row["pred_fixed_slowdown_2k"] == pytest.approx((times.t2k + fixed) / 0.010)
     assert "| full |" in rl.compare_markdown([row])
+
+
+def test_measured_comparison_on_a_gpu_uses_cuda_graph_times():
+    """Guards against setting the roofline against eager GPU medians, which are launch-bound (the small
+    model's forward took 3.98 ms eagerly and 0.35 ms replayed from a CUDA graph on an H200), when the run
+    measured CUDA-graph times, and against a label that calls GPU data "this CPU". A case missing a graph
+    time at one width keeps its medians, and the table says which rows are which."""
+    ceilings = {"copy_gbs": 4800.0, "matmul_gflops": {"fp32": 66900.0, "bf16": 989400.0}, "source": "datasheet"}
+    cfg = tiny_config().__dict__
+
+    def entry(case, tokens, median, graph_ms):
+        shape = {"config": cfg, "dtype": "fp32", "batch": 2, "kv_len": 8, "k": 4, "tokens": tokens,
+                 "ceilings": ceilings}
+        info = {"family": "decode", "case": case, "device": "cuda", "graph_ms": graph_ms, "decode": shape}
+        return {"extra_info": info, "stats": {"median": median}}
+
+    raw = {"benchmarks": [entry("graphed", 1, 4e-3, 0.30), entry("graphed", 4, 4e-3, 0.45),
+                          entry("graphed", 8, 4e-3, 0.60), entry("eager", 1, 4e-3, 0.30),
+                          entry("eager", 4, 5e-3, None), entry("eager", 8, 6e-3, 0.60)]}
+    graphed, eager = rl.compare_rows(rl.measured_cases(raw))
+    assert graphed["timing"] == "graph" and graphed["t1_ms"] == pytest.approx(0.30)
+    assert graphed["slowdown_k"] == pytest.approx(1.5) and graphed["slowdown_2k"] == pytest.approx(2.0)
+    assert eager["timing"] == "median" and eager["slowdown_2k"] == pytest.approx(1.5)
+    text = rl.compare_markdown([graphed])
+    assert "replayed from CUDA graphs" in text and "CPU" not in text
+    mixed = rl.compare_markdown([graphed, eager])
+    assert "(1) on the GPU of the run: the forwards replayed from CUDA graphs" in mixed and "| graphed (1) |" in mixed
+    assert "(2) on the GPU of the run: medians of eager forwards" in mixed and "| eager (2) |" in mixed
