@@ -1,20 +1,25 @@
-"""Models of the code-completion task: a small Llama-shaped Hugging Face model over bytes, trained with the SBD
+r"""Models of the code-completion task: a small Llama-shaped Hugging Face model over bytes, trained with the SBD
 objective through `sbd_kernels.hf` (the paper's protocol at this scale), and the speed/quality curve.
 
     python -m sbd_kernels.code_models corpus                       # file counts and sha256 of the corpus and splits
     python -m sbd_kernels.code_models train --objective ntp --max-minutes 100 --out code_ntp_base
-    python -m sbd_kernels.code_models train --objective sbd --init-from code_ntp_base --steps N --out code_sbd
-    python -m sbd_kernels.code_models train --objective ntp --init-from code_ntp_base --steps N --out code_ntp
+    python -m sbd_kernels.code_models train --objective sbd --init-from code_ntp_base --steps N --data-seed 1 \
+        --out code_sbd
+    python -m sbd_kernels.code_models train --objective ntp --init-from code_ntp_base --steps N --data-seed 1 \
+        --out code_ntp
     python -m sbd_kernels.code_models curve --sbd code_sbd --ntp code_ntp --json curve.json --plot curve.png
 
-The second and third runs continue the first for the same number of steps on the same data: the SBD model, and the
-NTP-only baseline trained on for as long (the fair baseline). Each run writes an HF model folder (`save_pretrained`:
-config.json with the `sbd_*` fields, model.safetensors) and `training.json` (command, time, machine, loss curves).
+The second and third runs continue the first for the same number of steps on the same data (a window stream other than
+the first run's, `--data-seed 1`): the SBD model, and the NTP-only baseline trained on for as long (the fair baseline).
+Each run writes an HF model folder (`save_pretrained`: config.json with the `sbd_*` fields, model.safetensors),
+`training.json` (command, time, machine, loss curves) and `train_state.pt` (weights, optimizer state and step, for
+`--resume`).
 
 The loss is `sbd_kernels.train.sbd_loss` / `ntp_loss` through the `SbdCausalLM` adapter: one objective for the
 reference model and HF models. Windows of TRAIN_WINDOW ids (BOS + bytes from a line start, as the prompts start),
-every position but the first a target. Forward and backward run under bf16 autocast (weights and optimizer fp32):
-on this CPU it halved the NTP step (6.3 -> 3.3 s for 16 x 384 bytes) and cut the SBD step by 40% (16 -> 10 s).
+every position but the first a target (`window_targets`). Forward and backward run under bf16 autocast (weights and
+optimizer fp32): on this CPU it halved the NTP step (6.3 -> 3.3 s for 16 x 384 bytes) and cut the SBD step by 40%
+(16 -> 10 s).
 """
 from __future__ import annotations
 
@@ -150,6 +155,15 @@ def block_size_at(step: int, cfg: CodeTrainConfig) -> int:
     return int(torch.randint(cfg.block_min, cfg.block_max + 1, (1,), generator=rng))
 
 
+def window_targets(windows: torch.Tensor) -> torch.Tensor:
+    """The target mask `[B, T]` bool of windows `[B, T]`: every position but the first. Position 0 holds BOS, the
+    given start of every window and prompt, which no decode predicts; as a masked-prediction target it would only
+    teach the model the constant at position 0 (the NTP term never counts position 0 anyway)."""
+    targets = torch.ones_like(windows, dtype=torch.bool)
+    targets[:, 0] = False
+    return targets
+
+
 @torch.no_grad()
 def held_out_losses(sbd_model, windows: torch.Tensor, bf16: bool, block_size: int = 16) -> dict[str, float]:
     """NTP loss (nats per byte) and MATP loss / token accuracy at masked positions (eta ~ U(0,1) from seed 0,
@@ -157,7 +171,7 @@ def held_out_losses(sbd_model, windows: torch.Tensor, bf16: bool, block_size: in
     was_training = sbd_model.training
     sbd_model.eval()
     device = windows.device
-    targets = torch.ones_like(windows, dtype=torch.bool)
+    targets = window_targets(windows)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         ntp, _ = ntp_loss(sbd_model, windows, targets)
         noisy, _ = add_noise(windows, ByteTokenizer.MASK, torch.Generator(device=device).manual_seed(0))
@@ -189,13 +203,31 @@ def _optimizer(model: torch.nn.Module, cfg: CodeTrainConfig) -> torch.optim.Adam
 
 
 def _save(model, opt, cfg: CodeTrainConfig, record: dict, out: str, with_state: bool) -> None:
-    """Model folder (save_pretrained, fp32 safetensors) + training.json; optimizer state for --resume."""
+    """Model folder (save_pretrained, fp32 safetensors) + training.json; with_state: train_state.pt for --resume,
+    written atomically after the folder and holding the weights too, so that a run stopped between the two files
+    resumes from the weights, optimizer state and step of one save, never the folder's newer weights with an older
+    optimizer state and step."""
     model.save_pretrained(out)
     Path(out, "training.json").write_text(json.dumps(record, indent=1) + "\n")
     if with_state:
-        torch.save({"optimizer": opt.state_dict(), "step": record["steps"], "seconds": record["seconds"],
-                    "curve": record["curve"], "eval": record["eval"]}, Path(out, "train_state.pt.tmp"))
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": record["steps"],
+                    "seconds": record["seconds"], "curve": record["curve"], "eval": record["eval"]},
+                   Path(out, "train_state.pt.tmp"))
         Path(out, "train_state.pt.tmp").replace(Path(out, "train_state.pt"))
+
+
+RESUME_KEYS = ("model", "optimizer", "step", "seconds", "curve", "eval")
+
+
+def _resumed_model(out: str, state: dict):
+    """The model of the training state `state` of the folder `out`: the architecture of its config.json, the weights
+    of the state (the folder's own weights may be those of a later save whose state was never written)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.load_state_dict(state["model"])
+    return model
 
 
 def train_code_model(cfg: CodeTrainConfig) -> dict:
@@ -214,20 +246,17 @@ def train_code_model(cfg: CodeTrainConfig) -> dict:
     eval_windows = TrainWindows(TRAIN_WINDOW, 0, split="held_out").batch(EVAL_WINDOWS, 0).to(device)
 
     # model
-    resume_from = Path(cfg.out, "train_state.pt") if cfg.resume else None
-    if resume_from is not None and resume_from.exists():
-        cfg_init, cfg.init_from = cfg.init_from, cfg.out
-        model = _new_model(cfg)
-        cfg.init_from = cfg_init
+    resume_from = Path(cfg.out, "train_state.pt")
+    state = None
+    if cfg.resume and resume_from.exists():
+        state = read_training_state(str(resume_from), RESUME_KEYS, "a code model")
+        model = _resumed_model(cfg.out, state)
     else:
-        resume_from = None
         model = _new_model(cfg)
     sbd_model = hf.enable_sbd(model.to(device).train(), mask_token_id=ByteTokenizer.MASK, block_size=16)
     opt = _optimizer(model, cfg)
     start_step, seconds_before, curve, evals = 0, 0.0, [], []
-    if resume_from is not None:
-        state = read_training_state(str(resume_from), ("optimizer", "step", "seconds", "curve", "eval"),
-                                    "a code model")
+    if state is not None:
         opt.load_state_dict(state["optimizer"])
         start_step, seconds_before, curve, evals = state["step"], state["seconds"], state["curve"], state["eval"]
         print(f"resumed {cfg.out} at step {start_step}", file=sys.stderr, flush=True)
@@ -255,7 +284,7 @@ def train_code_model(cfg: CodeTrainConfig) -> dict:
                 _save(model, opt, cfg, record, f"{cfg.out}_step{step}", with_state=False)
 
         tokens = windows.batch(cfg.batch_size, step).to(device)
-        targets = torch.ones_like(tokens, dtype=torch.bool)
+        targets = window_targets(tokens)
         noise.manual_seed(zlib.crc32(f"noise/{cfg.seed}/{step}".encode()))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             if cfg.objective == "sbd":

@@ -14,7 +14,8 @@ With `--objective ntp` the loss is the NTP term alone over the clean sequence (t
 Run: `sbd train --objective ntp --steps 1500 --out ntp.pt`, then
 `sbd train --objective sbd --init-from ntp.pt --lr 5e-4 --out sbd.pt` (or `python -m sbd_kernels.train ...`).
 Data parallel: `torchrun --nproc-per-node 2 -m sbd_kernels.train ...` (gloo on CPU, nccl on CUDA);
-each rank draws its own batch, gradients are averaged (so the loss is a mean of per-rank means).
+each rank draws its own batch, gradients are averaged (so the loss is a mean of per-rank means); with
+--max-minutes, rank 0's clock decides for every rank when to stop and how far the cosine has run.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class TrainConfig:
     """Every training option; each field is also a command-line flag (`batch_size`: `--batch-size`), and
     takes the values its flag takes (`FLAG_TYPES`): ValueError naming the field otherwise."""
 
-    preset: str = "small"
+    preset: str = "small"               # with init_from: replaced by the preset of that checkpoint's model
     tasks: str = "add,rot13"            # comma-separated task names (sbd_kernels.tasks.TASKS)
     objective: str = "sbd"              # "sbd" (NTP + MATP) or "ntp" (baseline)
     steps: int = 2000
@@ -102,7 +103,8 @@ class TrainConfig:
     log_every: int = 10
     out: str = "model.pt"
     init_from: str = ""                 # start from these weights (e.g. SBD after NTP), fresh optimizer
-    resume: bool = False                # continue from <out>.state (weights, optimizer, step)
+    resume: bool = False                # continue from <out>.state (weights, optimizer, step, time used); the
+                                        # fields outside RESUME_MAY_CHANGE must be the run's own
     seed: int = 0
     threads: int = 1
     device: str = "cpu"
@@ -264,6 +266,16 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def training_device(requested: str, world: int, local_rank: int) -> torch.device:
+    """The device this process trains on: `requested` (cfg.device), but under torchrun (world > 1) a CUDA request
+    becomes cuda:<local_rank> whatever index it named, one GPU per rank. A CUDA request without an index is
+    cuda:0 (`torch.cuda.set_device` needs one)."""
+    device = torch.device(requested)
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", local_rank if world > 1 else device.index or 0)
+
+
 def init_distributed(device: torch.device) -> tuple[int, int]:
     """(rank, world size); joins the torchrun process group when WORLD_SIZE > 1."""
     world = launched_world_size()
@@ -271,6 +283,15 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
         return 0, 1
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), world
+
+
+def collective_device(backend: str, device: torch.device) -> torch.device:
+    """Where the tensors of a collective on a process group of `backend` (torch.distributed's name: "gloo",
+    "nccl") must live: the CPU when the backend takes CPU tensors (gloo), else the training device `device`
+    (nccl takes CUDA tensors only and refuses CPU ones)."""
+    if "cpu" in dist.Backend.backend_capability.get(backend, ()):
+        return torch.device("cpu")
+    return device
 
 
 class Progress:
@@ -307,13 +328,26 @@ def _log(rank: int, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _build_model(cfg: TrainConfig, device: torch.device) -> Transformer:
+def _build_model(cfg: TrainConfig, device: torch.device) -> tuple[Transformer, TrainConfig]:
+    """(model in training mode on device, cfg): the preset's model with fresh weights, or the checkpoint
+    cfg.init_from, whose shape decides the preset that cfg (and so the checkpoint's train_config) records."""
     if cfg.init_from:
         model, _ = load_checkpoint(cfg.init_from)
+        cfg = dataclasses.replace(cfg, preset=_preset_of(model.config, cfg.init_from))
     else:
         torch.manual_seed(cfg.seed)
         model = Transformer(ModelConfig.preset(cfg.preset))
-    return model.to(device).train()
+    return model.to(device).train(), cfg
+
+
+def _preset_of(config: ModelConfig, path: str) -> str:
+    """The name of the preset whose config is `config` (that of the checkpoint `path`); ValueError naming the
+    file when it is none of them (a train_config must name the preset it trained)."""
+    for name in PRESETS:
+        if ModelConfig.preset(name) == config:
+            return name
+    raise ValueError(f"--init-from {path}: its model config is none of the presets ({', '.join(PRESETS)}): "
+                     f"{dataclasses.asdict(config)}")
 
 
 def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -330,26 +364,53 @@ def _save(model: Transformer, opt: torch.optim.Optimizer, cfg: TrainConfig, step
             "eval": history, "torch": str(torch.__version__)}
     save_checkpoint(model, cfg.out, **meta)
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                "seconds": seconds, "eval": history}, f"{cfg.out}.state.tmp")
+                "seconds": seconds, "eval": history, "config": dataclasses.asdict(cfg)}, f"{cfg.out}.state.tmp")
     os.replace(f"{cfg.out}.state.tmp", f"{cfg.out}.state")
 
 
-def _time_is_up(t0: float, max_minutes: float, world: int) -> bool:
-    """Whether max_minutes have passed; rank 0 decides for every rank, so all stop at the same step."""
-    up = torch.tensor([time.time() - t0 >= 60 * max_minutes], dtype=torch.int32)
+def time_share(t0: float, seconds_before: float, max_minutes: float, world: int, device: torch.device) -> float:
+    """The share of max_minutes the run has used: seconds_before (trained before a resume) plus the time since
+    t0, on rank 0's clock for every rank (a broadcast on `device`, see `collective_device`), so that all ranks
+    stop at the same step (share >= 1) and set the same learning rate from it (`lr_at`)."""
+    share = torch.tensor([(seconds_before + time.time() - t0) / (60 * max_minutes)], dtype=torch.float64,
+                         device=device)
     if world > 1:
-        dist.broadcast(up, src=0)
-    return bool(up)
+        dist.broadcast(share, src=0)
+    return float(share)
 
 
-RESUME_KEYS = ("model", "optimizer", "step", "seconds", "eval")
+RESUME_KEYS = ("model", "optimizer", "step", "seconds", "eval", "config")
+
+# The TrainConfig fields a resumed run may change: its budgets (steps, max_minutes; the cosine then runs over the
+# new budget), evaluation, logging and files, and where and how the same computation runs (threads, device,
+# attention). Every other field decides what is trained (model, data, objective, optimiser and schedule): a
+# resume that changed one would continue another run than the one the checkpoint's train_config describes.
+RESUME_MAY_CHANGE = frozenset({"steps", "max_minutes", "eval_every", "eval_examples", "checkpoint_every",
+                               "log_every", "out", "resume", "threads", "device", "attention"})
 
 
-def _resume_state(path: str, model: Transformer, opt: torch.optim.Optimizer) -> tuple[int, float, list]:
+def check_resume_config(path: str, saved: dict[str, Any], step: int, cfg: TrainConfig) -> None:
+    """ValueError when cfg cannot continue the run whose training state `path` holds `saved` (its TrainConfig as a
+    dict) at `step`: a field outside RESUME_MAY_CHANGE with another value than the run's, or fewer steps than
+    the run has done. The message names the field, the run's value and the new one."""
+    for name, value in dataclasses.asdict(cfg).items():
+        if name not in RESUME_MAY_CHANGE and saved.get(name) != value:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{path}: {flag} {value!r} contradicts the run being resumed, which was started with "
+                             f"{flag} {saved.get(name)!r}; resume with its value, or start again with --overwrite")
+    if step > cfg.steps:
+        raise ValueError(f"{path}: --steps {cfg.steps} is below the {step} steps the run being resumed has done; "
+                         f"pass --steps {step} or more")
+
+
+def _resume_state(path: str, model: Transformer, opt: torch.optim.Optimizer, cfg: TrainConfig
+                  ) -> tuple[int, float, list]:
     """Loads the training state `path` (written beside a checkpoint by `train`) into model and opt; returns
     (step, seconds trained, eval history). Raises CheckpointError naming the file when it is damaged, is not
-    a training state (RESUME_KEYS), or holds the weights or optimizer of another model."""
+    a training state (RESUME_KEYS), or holds the weights or optimizer of another model; ValueError when cfg
+    contradicts the run (`check_resume_config`)."""
     state = read_training_state(path, RESUME_KEYS, "sbd train")
+    check_resume_config(path, state["config"], state["step"], cfg)
     try:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -374,23 +435,23 @@ def train(cfg: TrainConfig) -> Transformer:
     if not 1 <= cfg.block_min <= cfg.block_max:
         raise ValueError(f"train: need 1 <= block_min <= block_max, got {cfg.block_min}, {cfg.block_max}")
     torch.set_num_threads(cfg.threads)
-    device = torch.device(cfg.device)
+    device = training_device(cfg.device, launched_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
     rank, world = init_distributed(device)
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    sync_device = collective_device(dist.get_backend(), device) if world > 1 else torch.device("cpu")
 
     # data
     tasks = cfg.task_list()
     n = sequence_length(tasks)
 
     # model
-    model = _build_model(cfg, device)
+    model, cfg = _build_model(cfg, device)
     mask_id = model.config.mask_token_id
     opt = _optimizer(model, cfg)
     start, seconds_before, history = 0, 0.0, []
     if cfg.resume and os.path.exists(f"{cfg.out}.state"):
-        start, seconds_before, history = _resume_state(f"{cfg.out}.state", model, opt)
+        start, seconds_before, history = _resume_state(f"{cfg.out}.state", model, opt, cfg)
         _log(rank, f"resumed from {cfg.out}.state at step {start}")
     ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     _log(rank, f"model {cfg.preset if not cfg.init_from else cfg.init_from}: {model.num_parameters():,} "
@@ -402,10 +463,12 @@ def train(cfg: TrainConfig) -> Transformer:
     flex_masks: dict[int, Any] = {}
     use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda")
     t0 = time.time()
-    step = start
+    step, used = start, 0.0
     for step in range(start, cfg.steps):
-        if cfg.max_minutes > 0 and _time_is_up(t0, cfg.max_minutes, world):
-            break
+        if cfg.max_minutes > 0:
+            used = time_share(t0, seconds_before, cfg.max_minutes, world, sync_device)
+            if used >= 1.0:
+                break
         if rank == 0 and step > start and step % cfg.eval_every == 0:
             history.append({"step": step, **evaluate(model, tasks, cfg.eval_examples, cfg.seed)})
             _log(rank, "eval " + _format_eval(history[-1]))
@@ -420,13 +483,14 @@ def train(cfg: TrainConfig) -> Transformer:
             gen = torch.Generator(device=device).manual_seed(data_seed)
             attn_mask = None
             if use_flex:
-                attn_mask = flex_masks.setdefault(k, flex_block_mask(n, k, device))
+                if k not in flex_masks:
+                    flex_masks[k] = flex_block_mask(n, k, device)
+                attn_mask = flex_masks[k]
             loss, stats = sbd_loss(ddp, tokens, target_mask, k, mask_id, gen, attn_mask)
         else:
             loss, stats = ntp_loss(ddp, tokens, target_mask)
 
-        elapsed = time.time() - t0
-        lr = lr_at(step, cfg, elapsed / (60 * cfg.max_minutes) if cfg.max_minutes > 0 else 0.0)
+        lr = lr_at(step, cfg, used)
         for group in opt.param_groups:
             group["lr"] = lr
         opt.zero_grad(set_to_none=True)
@@ -471,7 +535,8 @@ FLAG_TYPES: dict[str, dict[str, Any]] = {
     "out": {"type": argtypes.output_file},
     "init_from": {"type": argtypes.existing_file_or_none},
     "resume": {"action": argparse.BooleanOptionalAction,
-               "help": "continue from <out>.state (weights, optimizer, step) if it exists"},
+               "help": "continue from <out>.state (weights, optimizer, step, time used) if it exists; only "
+                       "the budgets, evaluation, logging, file and device flags may differ from the run's"},
     "seed": {"type": argtypes.seed},
     "threads": {"type": argtypes.positive_int},
     "device": {"type": argtypes.device},

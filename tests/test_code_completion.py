@@ -296,6 +296,65 @@ def test_training_continues_and_resumes(tmp_path, tiny_shape):
 
 
 @needs_corpus
+def test_resume_after_a_stop_between_the_model_and_its_state(tmp_path, tiny_shape, monkeypatch):
+    """Guards against a run stopped while it saved (model folder written, train_state.pt not) resuming silently
+    wrong: the folder's newer weights with the older optimizer state and step, so that steps ran twice. It must
+    end with the weights and step count of a run that was never stopped."""
+    settings = {"objective": "sbd", "steps": 3, "save_every": 1}
+    _train(tmp_path / "whole", **settings)
+    save = torch.save
+
+    def stopped_at_step_2(obj, path, *args, **kwargs):
+        if str(path).endswith("train_state.pt.tmp") and obj["step"] == 2:
+            raise KeyboardInterrupt
+        save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", stopped_at_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path / "stopped", **settings)
+    monkeypatch.setattr(torch, "save", save)
+    record = _train(tmp_path / "stopped", resume=True, **settings)
+    assert record["steps"] == 3
+    whole, stopped = cm.load_code_model(tmp_path / "whole")[0], cm.load_code_model(tmp_path / "stopped")[0]
+    for (name, a), b in zip(whole.state_dict().items(), stopped.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_window_targets_skip_the_first_position():
+    """Guards against a masked-prediction target at position 0 (BOS, the given start of every window, which no
+    decode predicts); every later position is a target of both terms."""
+    windows = torch.tensor([[cc.ByteTokenizer.BOS, 10, 11, 12], [cc.ByteTokenizer.BOS, 20, 21, 22]])
+    targets = cm.window_targets(windows)
+    assert targets.dtype == torch.bool and not targets[:, 0].any() and targets[:, 1:].all()
+    all_masked = torch.full_like(windows, cc.ByteTokenizer.MASK)
+    labels = cm.sbd_labels(windows, targets, all_masked, cc.ByteTokenizer.MASK)
+    assert torch.equal(labels[:, :3], windows[:, 1:]) and torch.equal(labels[:, 5:], windows[:, 1:])
+    assert (labels[:, 4] == cm.IGNORE).all()
+
+
+@needs_corpus
+def test_training_and_evaluation_use_the_window_targets(tmp_path, tiny_shape, monkeypatch):
+    """Guards against the training loss or the held-out MATP metrics counting position 0 (targets all True)."""
+    masks = []
+    sbd_loss, sbd_labels = cm.sbd_loss, cm.sbd_labels
+
+    def recorded_loss(model, tokens, target_mask, *args):
+        masks.append(target_mask)
+        return sbd_loss(model, tokens, target_mask, *args)
+
+    def recorded_labels(tokens, target_mask, *args):
+        masks.append(target_mask)
+        return sbd_labels(tokens, target_mask, *args)
+
+    monkeypatch.setattr(cm, "sbd_loss", recorded_loss)
+    monkeypatch.setattr(cm, "sbd_labels", recorded_labels)
+    _train(tmp_path / "m", objective="sbd", steps=1)
+    assert len(masks) == 3                          # the evaluations at steps 0 and 1, the training step
+    for mask in masks:
+        assert not mask[:, 0].any() and mask[:, 1:].all()
+
+
+@needs_corpus
 def test_curve_command_writes_json_and_plot(tmp_path, tiny_shape):
     """Guards against a curve command whose JSON misses points (every setting for each model and line count),
     speedups taken against the wrong NTP row, or no plot."""

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import sbd_kernels.train as train_module
-from sbd_kernels.model import ModelConfig, Transformer, load_checkpoint
+from sbd_kernels.model import ModelConfig, Transformer, load_checkpoint, save_checkpoint
 from sbd_kernels.tasks import TOKENIZER
 from sbd_kernels.train import (
     IGNORE,
@@ -18,6 +18,7 @@ from sbd_kernels.train import (
     add_arguments,
     add_noise,
     block_size_for_step,
+    collective_device,
     flex_block_mask,
     lr_at,
     ntp_labels,
@@ -26,6 +27,7 @@ from sbd_kernels.train import (
     sbd_labels,
     sbd_loss,
     train,
+    training_device,
 )
 
 MASK = TOKENIZER.MASK
@@ -201,6 +203,136 @@ def test_ntp_objective_continues_into_sbd(tmp_path):
     assert meta["train_config"]["init_from"] == ntp
     for a, b in zip(ntp_model.state_dict().values(), sbd_model.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_init_from_records_the_preset_of_its_checkpoint(tmp_path):
+    """Guards against --init-from recording --preset (here its default, small) in the train_config while the
+    model trained is the checkpoint's (tiny), and against a checkpoint of no preset passing unnamed."""
+    init = str(tmp_path / "init.pt")
+    save_checkpoint(Transformer(ModelConfig.preset("tiny")), init)
+    out = str(tmp_path / "m.pt")
+    train(TrainConfig(init_from=init, steps=1, batch_size=2, eval_examples=1, out=out))
+    assert load_checkpoint(out)[1]["train_config"]["preset"] == "tiny"
+    save_checkpoint(Transformer(ModelConfig(**{**ModelConfig.preset("tiny").__dict__, "n_layers": 1})), init)
+    with pytest.raises(ValueError, match=f"--init-from {init}: its model config is none of the presets"):
+        train(TrainConfig(init_from=init, steps=1, batch_size=2, eval_examples=1, out=out))
+
+
+def test_resume_refuses_a_config_that_contradicts_the_run(tmp_path):
+    """Guards against a resume that silently continues another run than the saved one: --steps below the steps
+    done (a wrong step count was recorded), or another --seed, --tasks or --objective (the checkpoint's
+    train_config then lied). The error names the flag, the new and the run's value; a budget, evaluation or
+    logging flag may change."""
+    out = str(tmp_path / "m.pt")
+    base = {"preset": "tiny", "steps": 2, "batch_size": 2, "eval_examples": 1, "log_every": 100, "out": out}
+    train(TrainConfig(**base))
+    with pytest.raises(ValueError, match="--steps 1 is below the 2 steps the run being resumed has done"):
+        train(TrainConfig(**{**base, "steps": 1, "resume": True}))
+    for flag, new, saved in [("seed", 7, 0), ("tasks", "rot13", "add,rot13"), ("objective", "ntp", "sbd")]:
+        with pytest.raises(ValueError, match=f"--{flag} {new!r} contradicts the run being resumed, which was "
+                                             f"started with --{flag} {saved!r}"):
+            train(TrainConfig(**{**base, flag: new, "resume": True}))
+    train(TrainConfig(**{**base, "steps": 3, "eval_every": 5, "log_every": 7, "threads": 2, "resume": True}))
+    _, meta = load_checkpoint(out)
+    assert meta["steps_done"] == 3 and meta["train_config"]["seed"] == 0
+
+
+def _recording_lr_at(monkeypatch) -> list[float]:
+    """Replaces train's lr_at by one that records the time share of every call."""
+    shares = []
+
+    def recording(step, cfg, time_fraction=0.0):
+        shares.append(time_fraction)
+        return lr_at(step, cfg, time_fraction)
+
+    monkeypatch.setattr(train_module, "lr_at", recording)
+    return shares
+
+
+def _set_seconds_trained(path: str, seconds: float) -> None:
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "seconds": seconds}, path)
+
+
+def test_resume_counts_the_time_already_trained(tmp_path, monkeypatch):
+    """Guards against a resumed --max-minutes run that restarts its time budget and its cosine: with half of
+    10 minutes trained before, the schedule goes on from a share of 0.5; with all of them, no step is added."""
+    out = str(tmp_path / "m.pt")
+    base = {"preset": "tiny", "steps": 2, "max_minutes": 10.0, "batch_size": 2, "eval_examples": 1,
+            "log_every": 100, "out": out}
+    train(TrainConfig(**base))
+    _set_seconds_trained(f"{out}.state", 300.0)
+    shares = _recording_lr_at(monkeypatch)
+    train(TrainConfig(**{**base, "steps": 4, "resume": True}))
+    assert len(shares) == 2 and all(0.5 <= s < 0.6 for s in shares), shares
+    _set_seconds_trained(f"{out}.state", 600.0)
+    train(TrainConfig(**{**base, "steps": 6, "resume": True}))
+    assert load_checkpoint(out)[1]["steps_done"] == 4 and len(shares) == 2
+
+
+def test_every_rank_takes_rank_zeros_time_share(tmp_path, monkeypatch):
+    """Guards against data-parallel ranks that set their learning rate from their own clocks under --max-minutes
+    (only the stop was rank 0's, so the replicas drifted apart), and against a broadcast tensor that is not
+    where the process group's backend takes it (`collective_device`). Rank 1 of 2, whose broadcasts receive
+    rank 0's share 0.25, must train with that share."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    monkeypatch.setattr(train_module, "init_distributed", lambda device: (1, 2))
+    chosen = []
+
+    def choosing(backend, device):
+        chosen.append((backend, device))
+        return collective_device(backend, device)
+
+    broadcast_devices = []
+
+    def from_rank_zero(tensor, src):
+        broadcast_devices.append(tensor.device)
+        tensor.fill_(0.25 if tensor.is_floating_point() else 0)
+
+    monkeypatch.setattr(train_module, "collective_device", choosing)
+    monkeypatch.setattr(torch.distributed, "broadcast", from_rank_zero)
+    shares = _recording_lr_at(monkeypatch)
+    try:
+        train(TrainConfig(preset="tiny", steps=3, max_minutes=60.0, batch_size=2, eval_examples=1, log_every=100,
+                          out=str(tmp_path / "m.pt")))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert shares == [0.25] * 3
+    assert chosen == [("gloo", torch.device("cpu"))] and broadcast_devices == [torch.device("cpu")] * 3
+
+
+@pytest.mark.parametrize("backend, device, expected", [("gloo", "cpu", "cpu"), ("gloo", "cuda:1", "cpu"),
+                                                       ("nccl", "cuda:1", "cuda:1")])
+def test_collective_tensors_live_where_the_backend_takes_them(backend, device, expected):
+    """Guards against the time-budget broadcast of a multi-GPU run using a CPU tensor, which nccl refuses
+    ("No backend type associated with device type cpu"), and against moving gloo's to the GPU."""
+    assert collective_device(backend, torch.device(device)) == torch.device(expected)
+
+
+@pytest.mark.parametrize("requested, world, local_rank, expected", [
+    ("cuda:1", 1, 0, "cuda:1"), ("cuda", 1, 0, "cuda:0"), ("cuda:0", 2, 1, "cuda:1"), ("cuda", 2, 1, "cuda:1"),
+    ("cpu", 2, 1, "cpu"), ("cpu", 1, 0, "cpu")])
+def test_training_device_is_the_requested_one_outside_torchrun(requested, world, local_rank, expected):
+    """Guards against --device cuda:N being replaced by cuda:$LOCAL_RANK (default 0) in a single process; under
+    torchrun each rank takes the GPU of its local rank."""
+    assert training_device(requested, world, local_rank) == torch.device(expected)
+
+
+def test_flex_block_masks_are_built_once_per_block_size(tmp_path, monkeypatch):
+    """Guards against the FlexAttention block mask being built again at every step (dict.setdefault evaluates
+    its default each time): once per block size k, here 2 or 3 over 6 steps."""
+    built = []
+
+    def counting(n, block_size, device):
+        """Records k and returns no mask: sbd_train_inputs then builds the dense one, the same attention."""
+        built.append(block_size)
+
+    monkeypatch.setattr(train_module, "flex_block_mask", counting)
+    cfg = TrainConfig(preset="tiny", steps=6, block_min=2, block_max=3, attention="flex", batch_size=2,
+                      eval_examples=1, log_every=100, out=str(tmp_path / "m.pt"))
+    train(cfg)
+    assert sorted(built) == sorted({block_size_for_step(step, cfg) for step in range(6)})
 
 
 def test_bad_options_name_the_problem():
