@@ -1,6 +1,8 @@
 # Fresh machine: `make demo` (the main job) or `make test` creates .venv, installs the pinned
-# dependencies, builds the extension and runs. torch is installed first and pinned (2.13.0, CPU wheel):
-# an unpinned torch, also inside an isolated build environment, would pull a CUDA build of several GB.
+# dependencies, builds the extension and runs. torch is installed first and pinned (2.13.0): it is the CPU
+# wheel only where the package index serves it; from PyPI's wheels it pulls CUDA packages on Linux. There,
+# install the CPU wheel first (`.venv/bin/pip install torch==2.13.0 --index-url
+# https://download.pytorch.org/whl/cpu`, or set PIP_INDEX_URL / PIP_EXTRA_INDEX_URL), then `make test`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

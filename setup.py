@@ -34,9 +34,12 @@ def import_installed_torch():
             import torch  # noqa: F401
         except ImportError:
             sys.exit(
-                "sbd_kernels builds against an installed torch, and none was found.\n"
-                "Install one first, e.g. `pip install torch==2.13.0` (CPU), then\n"
-                "`pip install --no-build-isolation -e .`"
+                "sbd_kernels builds against an installed torch, and this build cannot import one.\n"
+                "Build isolation (a plain `pip install .`, `python -m build`) hides a torch installed with\n"
+                "--user or in the base of a --system-site-packages venv: build without it,\n"
+                "`pip install --no-build-isolation .` (or `python -m build --no-isolation`).\n"
+                "With no torch installed, install one first, e.g. the CPU wheel:\n"
+                "`pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu`"
             )
 
 

@@ -36,7 +36,7 @@ from bench.harness import (
 from sbd_kernels.benchmark_grid import HF_MODELS, HfDecodeShape
 from sbd_kernels.testing import tolerance
 
-transformers = pytest.importorskip("transformers", reason="the HF benchmark needs transformers (sbd_kernels[hf])")
+transformers = pytest.importorskip("transformers", reason="the HF benchmark needs transformers (pip install \".[hf]\" in the checkout)")
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from sbd_kernels import hf

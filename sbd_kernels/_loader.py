@@ -4,9 +4,11 @@ from __future__ import annotations
 import importlib
 
 REBUILD_HINT = (
-    "Rebuild it against the installed torch from the repository root:\n"
-    "    pip install --no-build-isolation -e .\n"
-    "(the extension must be compiled against the same torch version that imports it)."
+    "Rebuild it against the installed torch (the extension must be compiled against the torch version that "
+    "imports it):\n"
+    "    from a checkout, in its root:  pip install --no-build-isolation -e .\n"
+    "    installed from the sdist:      pip install --no-build-isolation --force-reinstall --no-deps "
+    "<the sdist file, or the checkout folder>"
 )
 
 

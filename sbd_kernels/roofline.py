@@ -809,15 +809,21 @@ def compare_markdown(rows: list[dict[str, Any]]) -> str:
 # ----------------------------------------------------------------------------------------------------
 # Command line (`sbd roofline`)
 # ----------------------------------------------------------------------------------------------------
+# --project's fixed setting: both 8B presets at the paper's block size, the demo's too (demo.BLOCK_SIZE).
+PROJECT_MODELS = ("llama3.1-8b", "qwen3-8b")
+PROJECT_K = 16
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", default="llama3.1-8b", choices=list(PRESETS),
+    # --model and --k default to None so that --project can refuse them when given (main fills the defaults).
+    parser.add_argument("--model", default=None, choices=list(PRESETS),
                         help="ModelConfig preset (default llama3.1-8b)")
     parser.add_argument("--hardware", default="h100", choices=[*HARDWARE, "cpu"],
                         help="datasheet GPU, or this CPU from measured ceilings")
     parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
     parser.add_argument("--batch", default="1,4,8,16", type=argtypes.positive_int_list,
                         help="comma-separated batch sizes")
-    parser.add_argument("--k", default=16, type=argtypes.positive_int, help="block size")
+    parser.add_argument("--k", default=None, type=argtypes.positive_int, help="block size (default 16)")
     add_option(parser, "--kv-len", default=4096, type=argtypes.non_negative_int,
                help="tokens already in the KV cache")
     parser.add_argument("--passes", type=_passes, default=None,
@@ -827,7 +833,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="the paper's Table 3, time(k)/time(1): published, its roofline as published "
                       "(quirks named), ours, and what each difference changes, at the paper's batch, block and KV sizes")
     mode.add_argument("--project", action="store_true",
-                      help="GPU projection table (Llama-3.1-8B, Qwen3-8B on --hardware, batch 1/4/8/16)")
+                      help="GPU projection table (Llama-3.1-8B, Qwen3-8B at k = 16 on a datasheet --hardware, "
+                      "batch 1/4/8/16)")
     mode.add_argument("--measured", type=argtypes.existing_file,
                       help="pytest-benchmark JSON with bench_decode results: prediction vs measurement")
     add_option(parser, "--demo-json", type=argtypes.existing_file,
@@ -868,12 +875,23 @@ def _model_table(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": args.model, "hardware": hw.name, "precision": args.precision, "rows": rows}
 
 
+def _check_project_flags(args: argparse.Namespace) -> None:
+    """UsageError for what --project cannot do: a CPU (no datasheet), another model, k or passes per block."""
+    if args.hardware not in HARDWARE:
+        raise UsageError(f"--project projects for a datasheet GPU (--hardware {', '.join(HARDWARE)}), "
+                         f"not --hardware {args.hardware}")
+    for flag, value in (("--model", args.model), ("--k", args.k), ("--passes", args.passes)):
+        if value is not None:
+            raise UsageError(f"--project does not take {flag}: it projects {' and '.join(PROJECT_MODELS)} at "
+                             f"k = {PROJECT_K}, passes per block from each NFE statistic (drop {flag})")
+
+
 def _project(args: argparse.Namespace) -> dict[str, Any]:
-    models = ("llama3.1-8b", "qwen3-8b")
+    models = PROJECT_MODELS
     measured = []
     if args.demo_json:
         try:
-            measured = nfe_stats_from_demo(_read_json(args.demo_json), args.k)
+            measured = nfe_stats_from_demo(_read_json(args.demo_json), PROJECT_K)
         except (KeyError, TypeError, AttributeError, StopIteration, ZeroDivisionError) as err:
             raise ValueError(f"{args.demo_json}: not the output of `sbd demo --json` ({type(err).__name__}: "
                              f"{err})") from None
@@ -897,6 +915,10 @@ def _compare(path: str) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Runs one mode and returns what it printed as data (also written to --json)."""
+    if args.project:
+        _check_project_flags(args)
+    args.model = args.model or PROJECT_MODELS[0]
+    args.k = args.k or PROJECT_K
     if args.passes is not None and args.passes > args.k:
         raise UsageError(f"--passes ({args.passes}) must be <= --k ({args.k}): a pass reveals at least one token")
     if args.demo_json and not args.project:

@@ -560,6 +560,9 @@ def main(args: argparse.Namespace) -> None:
     """`sbd train`: the flags checked together (UsageError), then the training."""
     if args.block_min > args.block_max:
         raise UsageError(f"--block-min ({args.block_min}) must be <= --block-max ({args.block_max})")
+    if args.attention == "flex" and torch.device(args.device).type != "cuda":
+        raise UsageError(f"--attention flex runs on --device cuda only, not --device {args.device}: use "
+                         "--attention sdpa (or auto)")
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     check_out(cfg, args.overwrite)
     argtypes.require_device(cfg.device)

@@ -365,3 +365,14 @@ def test_decode_bench_computes_the_logits_the_decoder_reads(monkeypatch):
     assert logits[-1].shape == (2, k, cfg.vocab_size)
     flops, _ = roofline.forward_work(cfg, 2, 2 * k, 512, roofline.PRECISIONS["fp32"], num_causal=k)
     assert benchmark.extra_info["flops"] == int(flops) and benchmark.extra_info["correct"] is True
+
+
+def test_gpu_static_section_without_triton_is_one_line(monkeypatch):
+    """Guards against `sbd bench` without triton writing a ModuleNotFoundError traceback into the report and
+    exiting 1 though the report was written: the section says triton is not installed, status 0."""
+    find_spec = bench_report.importlib.util.find_spec
+    monkeypatch.setattr(bench_report.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "triton" else find_spec(name, *args))
+    monkeypatch.setattr(bench_report.subprocess, "run", lambda *a, **k: pytest.fail("ran the compile check"))
+    section, status = bench_report.gpu_static_section()
+    assert status == 0 and "triton is not installed" in section and "Traceback" not in section

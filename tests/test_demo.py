@@ -139,3 +139,49 @@ def test_missing_checkpoints_are_trained(tmp_path, monkeypatch):
     assert ntp_path.exists() and sbd_path.exists()
     assert set(models) == {"sbd", "ntp_only"}
     assert load_checkpoint(sbd_path)[1]["train_config"]["init_from"] == str(ntp_path)
+
+
+WRONG_TRANSFORMERS = "the code task reads the sources of transformers==5.23.0, found 5.24.0"
+
+
+def test_code_task_without_pinned_transformers_is_skipped_by_default(tmp_path, monkeypatch, capsys):
+    """Guards against the default `sbd demo` failing after a minute of work (no JSON written) where transformers
+    is missing or another version: the code task is skipped with one line, add and rot13 still run."""
+    from sbd_kernels import code_completion
+
+    monkeypatch.setattr(code_completion, "corpus_unavailable", lambda: WRONG_TRANSFORMERS)
+    json_path = tmp_path / "demo.json"
+    results = demo.main(demo_args("--quick", "--num-prompts", "1", "--kv-prompts", "1", "--gammas", "0.1",
+                                  "--json", str(json_path)))
+    assert [r["task"] for r in results] == ["add", "rot13"] and json_path.exists()
+    skipped = [line for line in capsys.readouterr().err.splitlines() if "skipping" in line]
+    assert len(skipped) == 1 and "code task" in skipped[0] and "5.24.0" in skipped[0]
+
+
+def test_code_task_named_without_pinned_transformers_fails_before_work(monkeypatch):
+    """Guards against `--tasks code` running the other tasks (or building models) before failing on the missing
+    pinned transformers: the error comes first, naming --tasks and the version."""
+    from sbd_kernels import code_completion
+
+    monkeypatch.setattr(code_completion, "corpus_unavailable", lambda: WRONG_TRANSFORMERS)
+    monkeypatch.setattr(demo, "random_models", lambda preset: pytest.fail("models built before the check"))
+    with pytest.raises(RuntimeError, match="--tasks code: .*5.24.0"):
+        demo.main(demo_args("--quick", "--tasks", "add,code"))
+
+
+def test_help_states_the_code_task_prompt_counts():
+    """Guards against --help promising 4 prompts with --quick and 100 by default where the code task uses 2 and
+    CODE_PROMPTS."""
+    text = demo.add_arguments(argparse.ArgumentParser()).format_help()
+    assert f"code: {demo.CODE_PROMPTS}" in " ".join(text.split()) and "code: 2" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("preset", ["llama3.1-8b", "qwen3-8b"])
+def test_demo_refuses_presets_it_cannot_run(preset, capsys):
+    """Guards against `sbd demo --preset llama3.1-8b` building two random ~8B fp32 models (~64 GB) for the
+    tasks' 41-token vocabulary: a usage error naming the presets the demo takes."""
+    with pytest.raises(SystemExit) as exit_info:
+        demo_args("--preset", preset)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --preset: invalid choice" in err and "'tiny', 'small'" in err

@@ -45,6 +45,19 @@ def test_missing_extension_names_the_cause_and_the_fix():
     assert proc.returncode != 0
     assert "could not load the compiled library sbd_kernels._C" in proc.stderr
     assert "pip install --no-build-isolation -e ." in proc.stderr
+    assert "pip install --no-build-isolation --force-reinstall --no-deps" in proc.stderr  # an install, no checkout
+
+
+def test_build_without_visible_torch_says_build_isolation_hides_it():
+    """Guards against "none was found. Install one first" where torch is installed but hidden by build isolation
+    (a --user torch, a --system-site-packages venv, `python -m build`): the message names the isolation and the
+    commands that build without it."""
+    root = Path(__file__).resolve().parents[1]
+    code = "import sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--name']; exec(open('setup.py').read())"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=False)
+    assert proc.returncode == 1
+    for words in ("Build isolation", "hides", "pip install --no-build-isolation .", "python -m build --no-isolation"):
+        assert words in proc.stderr, proc.stderr
 
 
 def test_cpu_isa_switch_rejects_unknown_names():
@@ -83,3 +96,16 @@ def test_plain_pip_install_keeps_the_installed_torch(tmp_path):
     to_install = sorted(item["metadata"]["name"] for item in json.loads(report.read_text())["install"])
     assert to_install == ["sbd_kernels"], to_install
     assert "BuildBackendWarning" not in proc.stderr, proc.stderr
+
+
+def test_install_instructions_name_what_exists():
+    """Guards against install lines that cannot work: `sbd_kernels[hf]` names a package that is not on PyPI,
+    `torch==2.13.0` alone is said to avoid CUDA (true only where the index serves the +cpu wheel), and a
+    --no-build-isolation build needs the build requirements (license = "MIT" needs setuptools >= 77)."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    texts = [readme, (root / "Makefile").read_text(), (root / "sbd_kernels" / "bench_report.py").read_text()]
+    assert not [t for t in texts if "sbd_kernels[" in t]
+    assert "so that no CUDA build of torch is pulled" not in readme
+    assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in readme
+    assert 'pip install "setuptools>=77" wheel' in readme

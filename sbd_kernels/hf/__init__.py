@@ -1,4 +1,4 @@
-"""SBD for Hugging Face transformers causal LMs (`pip install sbd_kernels[hf]`): fine-tune, then decode with the
+"""SBD for Hugging Face transformers causal LMs (`pip install ".[hf]"` in the checkout): fine-tune, then decode with the
 `torch.ops.sbd` kernels.
 
     from sbd_kernels import hf
