@@ -1,5 +1,6 @@
 """Tests of the AOT compile specs and the GPU static report's bookkeeping (`sbd_kernels.ops._aot`,
-`sbd_kernels.aot`), without compiling any kernel (`make aot`, in CI, compiles them).
+`sbd_kernels.aot`), without compiling any kernel (`make aot`, in CI, compiles them), and of the device the
+CUDA registration launches on (`sbd_kernels.ops._cuda`), with stand-ins for CUDA devices.
 
 The specs are derived from the launchers' own launch-building code run on META tensors; the sweeps below
 run that code on many more shapes and layouts than `aot_specs()` enumerates and check that each launch's
@@ -7,9 +8,11 @@ configuration is one `aot_specs()` lists under the same name.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import re
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +31,7 @@ from sbd_kernels.aot import (
     theoretical_occupancy,
     unhinted,
 )
-from sbd_kernels.ops import _aot
+from sbd_kernels.ops import _aot, _cuda
 from sbd_kernels.ops._aot import (
     DEFAULT_SM_COUNT,
     KernelLaunch,
@@ -506,3 +509,64 @@ def test_unspecialised_jit_refuses_an_annotated_runtime_argument():
 
     with pytest.raises(ValueError, match="argument n is annotated"):
         _aot.unspecialised_jit(kernel)
+
+
+def _reports_cuda(index: int) -> torch.Tensor:
+    """A CPU tensor whose `device` says cuda:<index>: what the CUDA registration reads of its arguments."""
+    class OnCuda(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", index)
+
+    return torch.zeros(1).as_subclass(OnCuda)
+
+
+@pytest.fixture
+def cuda_devices(monkeypatch):
+    """torch.cuda.current_device and torch.cuda.device on stand-ins: cuda:0 current, and `device(i)` makes i
+    current inside its block. Returns the state: {"current": index}."""
+    state = {"current": 0}
+
+    @contextlib.contextmanager
+    def device(index):
+        previous, state["current"] = state["current"], index
+        try:
+            yield
+        finally:
+            state["current"] = previous
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: state["current"])
+    monkeypatch.setattr(torch.cuda, "device", device)
+    return state
+
+
+def test_device_to_enter_follows_the_first_cuda_tensor(cuda_devices):
+    """Guards against picking the launch device from the wrong argument: the first CUDA tensor decides (CPU
+    tensors and numbers are skipped), and no device is entered when it is the current one."""
+    cpu = torch.zeros(1)
+    assert _cuda.device_to_enter((cpu, 3, _reports_cuda(1), _reports_cuda(0))) == 1
+    assert _cuda.device_to_enter((_reports_cuda(0), _reports_cuda(1))) is None
+    assert _cuda.device_to_enter((cpu, 2.0, None)) is None
+    cuda_devices["current"] = 1
+    assert _cuda.device_to_enter((_reports_cuda(1),)) is None
+    assert _cuda.device_to_enter((_reports_cuda(0),)) == 0
+
+
+def test_cuda_kernel_launches_on_the_device_of_its_tensors(cuda_devices, monkeypatch):
+    """Guards against the CUDA kernel of an op launching on the current device: Triton launches on torch's
+    current device and stream, so tensors on cuda:1 with cuda:0 current ran on cuda:0 (a model spread over
+    GPUs, `sbd generate --device cuda:1`). The launcher (a stand-in here) must run with cuda:1 current, the
+    previous device current again afterwards, and with no switch when the tensors are on the current device."""
+    seen = []
+
+    def launcher(*args):
+        seen.append(cuda_devices["current"])
+        return args
+
+    monkeypatch.setitem(sys.modules, "sbd_kernels.ops.standin.triton", SimpleNamespace(standin_op=launcher))
+    kernel = _cuda.cuda_kernel_of("standin_op", "standin")
+    on_1 = _reports_cuda(1)
+    assert kernel(on_1, 5) == (on_1, 5)
+    assert kernel(_reports_cuda(0)) and kernel(torch.zeros(1))
+    assert seen == [1, 0, 0]
+    assert cuda_devices["current"] == 0

@@ -9,6 +9,7 @@ Every temporary the launcher allocates (out, lse, the partial split states) is N
 element the kernels fail to write, or a partial state read although its split never ran, fails the test.
 """
 import contextlib
+import os
 
 import pytest
 import torch
@@ -161,6 +162,73 @@ def test_softmax_scale(scale):
     assert_matches_oracle(case(**BASE, softmax_scale=scale), triton_op)
 
 
+@pytest.mark.parametrize("scale", [1e38, 2.5e38, 3.4028235e38])
+def test_softmax_scale_up_to_the_largest_float32(scale):
+    """Guards against the scale folded with log2(e) into one factor, which overflows fp32 from 2.36e38 (out
+    off by 4 at 2.5e38) although the op accepts every scale that is finite as a float32: 3.4028235e38 rounds
+    to FLT_MAX. q and k times 0.01 keep the scores s q . k finite (about 1e35); the softmax is then one-hot."""
+    c = case(**BASE, softmax_scale=scale)
+    for t in (c.q, c.k, c.k_cache):
+        t.mul_(0.01)
+    assert_matches_oracle(c, triton_op)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_no_query_head_still_appends_to_the_cache(paged):
+    """Guards against skipping the cache append when out is empty: with Hq = 0 the launcher returned before
+    any launch, leaving slots [L, L + c) NaN, while the oracle and the C++ kernel append k and v there."""
+    assert_matches_oracle(case(**{**BASE, "Hq": 0, "paged": paged}), triton_op)
+
+
+# A stride typed i32 (below 2^31) whose product with an index of 2 or more passes 2^31 elements.
+WIDE_STRIDE = 2**30
+# Elements of each file mapping below the tensor it holds: an offset wrapped in int32 arithmetic (index * stride
+# - 2^32 >= -2^31) still lands inside the mapping, so the kernels read wrong values rather than unmapped memory.
+WRAP_GUARD = 2**31
+# (dimension, stride) of the tensors given a wide stride, by layout; the other tensors stay packed. Head-major
+# q, k, v and contiguous caches (heads 2 and up wrap), rows of q, k, v and slots of 8-slot pages (rows 2-3 and
+# page offsets 4-7 wrap), a strided head dim of q, k, v (entries 8-15 of D = 16 wrap).
+WIDE_LAYOUTS = {
+    "heads": {"q": (2, WIDE_STRIDE), "k": (2, WIDE_STRIDE), "v": (2, WIDE_STRIDE),
+              "k_cache": (2, WIDE_STRIDE), "v_cache": (2, WIDE_STRIDE)},
+    "rows-paged": {"q": (1, WIDE_STRIDE), "k": (1, WIDE_STRIDE), "v": (1, WIDE_STRIDE),
+                   "k_cache": (1, WIDE_STRIDE // 2), "v_cache": (1, WIDE_STRIDE // 2)},
+    "head-dim": {"q": (3, WIDE_STRIDE // 4), "k": (3, WIDE_STRIDE // 4), "v": (3, WIDE_STRIDE // 4)},
+}
+
+
+def _wide_copy(t: torch.Tensor, dim: int, stride: int, path) -> torch.Tensor:
+    """A copy of CPU tensor `t` whose dimension `dim` has `stride` elements, the others packed below it (their
+    extent must stay under `stride`), WRAP_GUARD elements into a sparse file mapping: the mapping spans
+    gigabytes, but only the pages its elements touch take memory. The file is unlinked at once (the mapping
+    stays until the tensor goes)."""
+    strides, packed = [0] * t.dim(), 1
+    for d in reversed([d for d in range(t.dim()) if d != dim]):
+        strides[d], packed = packed, packed * t.shape[d]
+    strides[dim] = stride
+    size = WRAP_GUARD + 1 + sum((n - 1) * s for n, s in zip(t.shape, strides))
+    with open(path, "wb") as f:
+        f.truncate(size * t.element_size())
+    storage = torch.from_file(str(path), shared=True, size=size, dtype=t.dtype)
+    os.unlink(path)
+    return storage.as_strided(t.shape, strides, WRAP_GUARD).copy_(t)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the tensors are views of sparse host file mappings (about 2^32 elements)")
+@pytest.mark.parametrize("layout", WIDE_LAYOUTS)
+def test_offsets_past_int32(layout, tmp_path):
+    """Guards against int32 offset arithmetic: an index times a stride below 2^31 (typed i32) wrapped to
+    before the tensor once it passed 2^31 elements, e.g. KV head 31 of a head-major cache [B, 32, 600000,
+    128], and the kernels read and wrote other memory. Here q, k, v and the caches have strides of
+    2^28-2^30 elements, so heads, rows, page offsets or head-dim entries from 2 (8 for the head dim) on
+    start past 2^31 (GQA: Hq = 6, Hkv = 3)."""
+    c = make_case(B=2, C=2, K=2, L=5, Hq=6, Hkv=3, D=16, dtype=torch.float32, paged=layout == "rows-paged",
+                  page_size=8)
+    for name, (dim, stride) in WIDE_LAYOUTS[layout].items():
+        setattr(c, name, _wide_copy(getattr(c, name), dim, stride, tmp_path / name))
+    assert_matches_oracle(c, triton_op)
+
+
 def test_padding_rows_and_poisoned_inputs():
     """Guards against padding rows getting values and against reads of rows that must not be read: the
     padding rows of q, k and v are NaN, so any read of them reaches a result (0 * NaN = NaN). Padding
@@ -271,6 +339,17 @@ def test_bad_page_id():
     c.block_table[0, 1] = c.k_cache.shape[0]
     with pytest.raises(RuntimeError, match="block_table holds a page id outside"):
         LAUNCH(*c.args())
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_runs_on_the_device_of_its_tensors_not_the_current_one():
+    """Guards against the CUDA registration launching on the current device: with the tensors on cuda:1 and
+    cuda:0 current (a model spread over two GPUs), Triton launched on cuda:0 and its stream. The op must give
+    the oracle's results and leave cuda:0 current."""
+    c = make_case(**BASE).to("cuda:1")
+    with torch.cuda.device(0):
+        assert_matches_oracle(c, torch.ops.sbd.block_attention_with_kvcache)
+        assert torch.cuda.current_device() == 0
 
 
 @pytest.mark.cuda_only

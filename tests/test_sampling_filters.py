@@ -745,6 +745,17 @@ def test_error_messages_are_word_for_word_the_same():
 VALUE_CASES = {"temperature_negative", "temperature_nan", "top_k_negative", "top_p_zero", "top_p_above_one",
                "top_p_nan", "min_p_one", "min_p_negative", "min_p_nan"}
 FAKE_KERNEL_CASES = [case for case in BAD_CASES + BAD_FILTER_CASES if case[0] not in VALUE_CASES]
+BAD_VALUE_CASES = [case for case in BAD_CASES + BAD_FILTER_CASES if case[0] in VALUE_CASES]
+
+
+@pytest.mark.parametrize("case", BAD_VALUE_CASES, ids=[c[0] for c in BAD_VALUE_CASES])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_bad_values_are_rejected_with_no_position(backend, case):
+    """Guards against a backend skipping the per-row value checks when there is no row to sample (K = 0,
+    B = 2): the Triton launcher returned before its checks, while the oracle and the C++ kernel raise."""
+    _, kwargs, message = case
+    with pytest.raises(RuntimeError, match=message):
+        op_on_given_tensors(backend)(**dict(kwargs, logits=torch.randn(2, 0, 10)))
 
 
 @pytest.mark.parametrize("mode", ["meta", "fake"])

@@ -15,12 +15,18 @@ rows AND the G heads of one KV group (row m = i * G + g), so each K/V tile is lo
 group. Split 0 attends to the S new rows and, in M tile 0, appends the causal rows' K/V to cache slots
 [L, L + c) (the only cache writes). Split n >= 1 attends to the cache slots [(n-1) * SPLIT_LEN, n * SPLIT_LEN)
 below L; splits starting at or past L exit at once (the number of splits comes from the cache capacity,
-a shape, so the host never reads L). Each split writes a partial online-softmax state in base 2:
-m = max_j t_j, l = sum_j 2^(t_j - m), acc = sum_j 2^(t_j - m) v_j with t = s log2(e) q . k.
+a shape, so the host never reads L). Each split writes a partial online-softmax state: m = max_j t_j,
+l = sum_j e^(t_j - m), acc = sum_j e^(t_j - m) v_j with t = s q . k, the exponentials taken as
+2^((t_j - m) log2(e)). The scores stay in natural units, log2(e) applied only after the max is subtracted: a
+scale folded into s log2(e) overflows fp32 from s = 2.36e38, which the op accepts (up to 3.4e38).
 
 Stage 2, `_attention_combine_kernel`, grid (B * Hkv, combine tiles): merges the 1 + ceil(L / SPLIT_LEN)
-live splits with log-sum-exp, writes out = acc / l (dtype of q) and lse = (m + log2 l) ln 2, or 0 / -inf
-for rows without keys.
+live splits with log-sum-exp, writes out = acc / l (dtype of q) and lse = m + ln l, or 0 / -inf for rows
+without keys.
+
+Offsets into the tensors are int64: an index times a stride typed i32 (any stride below 2^31) passes 2^31
+elements in large tensors, e.g. KV head 31 of a head-major cache [B, 32, 600000, 128] (a Hugging Face
+StaticCache layer, transposed) starts 31 * 600000 * 128 = 2.4e9 elements in, which int32 wraps to -1.9e9.
 
 Safety: cache loads are masked to slots < L (other = 0) and scores of masked keys are set to -inf before
 the exponential, so a NaN-filled cache tail never reaches a result; L and c are clamped to the capacity
@@ -81,13 +87,17 @@ class _Tiles(NamedTuple):
 # 16 x 16 tiles (fp16 at D = 64: 4 warps spill 20 bytes on sm_90, 2 warps use 205 registers and none).
 # fp32 at D = 256 spills with 3xTF32 and uses plain fp32 dots instead; unaligned it also needs one pipeline
 # stage and 16 warps (8 warps spilled 20-112 bytes, 16 use 92-120 registers).
-# At D <= 64, compiled with 16-byte vector accesses (the ALIGNED hints), ptxas caps many of these tiles at
-# 128 registers and spills 8-20 bytes in some of the 18 shapes of a class (BLOCK_D 16-64 x BLOCK_M x
-# paged) whatever the tile: no spill in any of them with 8 warps and 3 stages for fp16/bf16 (4 x 2 spilled
-# in 3, 8 x 2 in 1, 4 x 3 in 2), 8 warps and 1 stage for aligned fp32 (8 x 2 spilled in 6, 4 x 1 in 1) and
-# 2 warps and 1 stage for unaligned fp32 (4 x 2 spilled in 1, 8 x 2 in 2).
+# At D <= 64 ptxas aims at the register count of the next occupancy step (64, 96 or 128: Triton declares the
+# block size, .reqntid) and spills 8-20 bytes to reach it in some of the 18 shapes of a class (BLOCK_D 16-64
+# x BLOCK_M x paged), which small changes of the code move from shape to shape. With int64 offsets and the
+# softmax in natural units (one more multiply per score), 64-key fp16/bf16 tiles spilled 8 bytes in 1-6 of
+# the 72 compiles of the class (sm_80 and sm_90) with any of 4 or 8 warps and 2 or 3 stages, 32-key tiles
+# with 8 warps and 3 stages in 4, and with 4 warps and 3 stages in none (62-155 registers); aligned fp32
+# spills in none with 8 warps and 1 stage (8 x 2 spilled in 6, 4 x 1 in 1, before int64), unaligned fp32 in
+# none with 4 warps and 1 stage (2 x 1 spilled 8 bytes in 1 of 12, 2 x 2 in 1, 1 x 1 in 4). The speed of
+# these small-head-dim tiles on a GPU is not measured.
 _TILES = {
-    (True, True, "small"): _Tiles(64, 64, 8, 3),
+    (True, True, "small"): _Tiles(64, 32, 4, 3),
     (True, True, "mid"): _Tiles(64, 64, 8, 2),
     (True, True, "large"): _Tiles(64, 16, 8, 2),
     (False, True, "small"): _Tiles(16, 32, 8, 1),
@@ -96,7 +106,7 @@ _TILES = {
     (True, False, "small"): _Tiles(16, 16, 2, 2),
     (True, False, "mid"): _Tiles(16, 16, 4, 2),
     (True, False, "large"): _Tiles(16, 16, 8, 2),
-    (False, False, "small"): _Tiles(16, 16, 2, 1),
+    (False, False, "small"): _Tiles(16, 16, 4, 1),
     (False, False, "mid"): _Tiles(16, 16, 8, 2),
     (False, False, "large"): _Tiles(16, 16, 16, 1),
 }
@@ -120,20 +130,23 @@ COMBINE_BLOCK_M = 16
 # Warps of the combine by ALIGNED: unaligned at D = 64, 4 warps spill 4 bytes on sm_90, 8 warps none.
 COMBINE_WARPS = {True: 4, False: 8}
 _LN2 = tl.constexpr(math.log(2.0))
-_LOG2E = 1.0 / math.log(2.0)
+_LOG2E = tl.constexpr(1.0 / math.log(2.0))
 
 
 @triton.jit
 def _tile_ptrs(base, row_offsets, d_idx, stride_d, ALIGNED: tl.constexpr):
-    """Pointers [rows, BLOCK_D] = base + row_offsets[:, None] + d_idx[None, :] * stride_d.
+    """Pointers [rows, BLOCK_D] = base + row_offsets[:, None] + d_idx[None, :] * stride_d (row_offsets int64).
 
-    ALIGNED (checked by the launcher: 16-byte aligned data, strides of 16 bytes, stride_d == 1) tells the
-    compiler that every row starts on a 16-byte boundary, so rows load and store as 16-byte vectors; without
-    it each element keeps its own 64-bit address (hence the smaller unaligned tiles of _TILES).
+    ALIGNED (checked by the launcher: 16-byte aligned data, strides of 16 bytes, stride_d == 1, so d is the
+    offset) tells the compiler that every row starts on a 16-byte boundary, so rows load and store as 16-byte
+    vectors; without it each element keeps its own 64-bit address (hence the smaller unaligned tiles of
+    _TILES), and d * stride_d is taken in int64 (a strided head dim passes 2^31 from stride_d = 2^23).
     """
-    ptrs = base + row_offsets[:, None] + d_idx[None, :] * stride_d
     if ALIGNED:
+        ptrs = base + row_offsets[:, None] + d_idx[None, :]
         ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 16]), [1, d_idx.shape[0]])
+    else:
+        ptrs = base + row_offsets[:, None] + (d_idx.to(tl.int64) * stride_d)[None, :]
     return ptrs
 
 
@@ -150,16 +163,20 @@ def _head_dim_mask(d_idx, D, io_ptr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_update(q, k, v, valid, m_i, l_i, acc, qk_scale,
+def _online_softmax_update(q, k, v, valid, m_i, l_i, acc, softmax_scale,
                            HALF_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """One key tile of base-2 online softmax. q [BM, BD], k/v [BN, BD], valid [BM, BN] -> (m, l, acc)."""
-    t = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+    """One key tile of online softmax. q [BM, BD], k/v [BN, BD], valid [BM, BN] -> (m, l, acc).
+
+    Scores t = s q . k and m stay in natural units; e^(t - m) is taken as 2^((t - m) log2(e)), the factor
+    applied to the difference: s log2(e) overflows fp32 from s = 2.36e38, while t - m <= 0 (where it
+    overflows to -inf, e^(t - m) = 0 is what it stands for)."""
+    t = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * softmax_scale
     t = tl.where(valid, t, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(t, 1))
-    # A row with no key so far keeps m = -inf; subtract 0 instead so that 2^(-inf - base) = 0, not NaN.
+    # A row with no key so far keeps m = -inf; subtract 0 instead so that e^(-inf - base) = 0, not NaN.
     m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(t - m_base[:, None])
-    alpha = tl.exp2(m_i - m_base)
+    p = tl.exp2((t - m_base[:, None]) * _LOG2E)
+    alpha = tl.exp2((m_i - m_base) * _LOG2E)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HALF_DOT:
         p = p.to(v.dtype)
@@ -170,14 +187,14 @@ def _online_softmax_update(q, k, v, valid, m_i, l_i, acc, qk_scale,
 @triton.jit
 def _cache_rows(slots, live, b, block_table_ptr, stride_btb, stride_btp, page_size, num_pages,
                 PAGED: tl.constexpr):
-    """(page, offset in page, in range) of cache slots [BN]. Contiguous caches are one page per sequence."""
+    """(page, offset in page, in range) of cache slots [BN], page and offset int64 (offset * stride passes 2^31
+    elements beyond about 2M slots of 8 heads x 128). Contiguous caches are one page per sequence."""
     if PAGED:
         entry = b.to(tl.int64) * stride_btb + (slots // page_size).to(tl.int64) * stride_btp
         page = tl.load(block_table_ptr + entry, mask=live, other=0)
         ok = live & (page >= 0) & (page < num_pages)
-        return page.to(tl.int64), slots % page_size, ok
+        return page.to(tl.int64), (slots % page_size).to(tl.int64), ok
     else:
-        # int64: slot * stride passes 2^31 elements beyond about 2M slots of 8 heads x 128.
         return tl.zeros_like(slots).to(tl.int64) + b, slots.to(tl.int64), live
 
 
@@ -192,16 +209,20 @@ def _attention_split_kernel(
     stride_vcp, stride_vcs, stride_vch,
     stride_len, stride_nc, stride_btb, stride_btp,
     S, C, Hkv, G, D, M, capacity, page_size, num_pages, split_len, num_splits,
-    qk_scale,
+    softmax_scale,
     PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HALF_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    """Partial softmax state of one (sequence, KV head, M tile, split); split 0 = new rows + cache append."""
+    """Partial softmax state of one (sequence, KV head, M tile, split); split 0 = new rows + cache append.
+    M = 0 (no query head) runs split 0 of one M tile: the cache append alone."""
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
     b = pid_bh // Hkv
     h = pid_bh % Hkv
+    # Compiled, a float argument is fp32 (the launcher rounds it); interpreted, it stays a Python float that
+    # each op types by value, fp64 when subnormal or above FLT_MAX (3.4028235e38, which rounds to FLT_MAX).
+    scale = tl.cast(softmax_scale, tl.float32)
     # Index tensors may be any views (a column of a [B, n] state tensor, an expanded scalar): use their strides.
     length = tl.minimum(tl.maximum(tl.load(cache_seqlens_ptr + b.to(tl.int64) * stride_len), 0), capacity)
     causal = tl.minimum(tl.maximum(tl.load(num_causal_ptr + b.to(tl.int64) * stride_nc), 0), C)
@@ -212,14 +233,19 @@ def _attention_split_kernel(
     # M tile: row m = query row i * G + head g of the group; its class decides which keys it sees.
     m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row = m_idx // G
-    q_head = h * G + m_idx % G
+    q_head = h.to(tl.int64) * G + m_idx % G
     row_causal = row < causal
     row_block = (row >= C) & (row < S)
     row_live = (row_causal | row_block) & (m_idx < M)
     d_idx = tl.arange(0, BLOCK_D)
     d_ok = _head_dim_mask(d_idx, D, q_ptr, ALIGNED)
-    q_ptrs = _tile_ptrs(q_ptr + b.to(tl.int64) * stride_qb, row * stride_qs + q_head * stride_qh, d_idx,
-                        stride_qd, ALIGNED)
+    # The KV head's part of each K/V address, once per program.
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    k_cache_base = k_cache_ptr + h.to(tl.int64) * stride_kch
+    v_cache_base = v_cache_ptr + h.to(tl.int64) * stride_vch
+    q_ptrs = _tile_ptrs(q_ptr + b.to(tl.int64) * stride_qb, row.to(tl.int64) * stride_qs + q_head * stride_qh,
+                        d_idx, stride_qd, ALIGNED)
     q = tl.load(q_ptrs, mask=row_live[:, None] & d_ok[None, :], other=0.0)
     if not HALF_DOT:
         q = q.to(tl.float32)
@@ -235,19 +261,19 @@ def _attention_split_kernel(
             key_causal = j < causal
             key_live = key_causal | ((j >= C) & (j < S))
             kv_mask = key_live[:, None] & d_ok[None, :]
-            k_tile = tl.load(_tile_ptrs(k_ptr + b.to(tl.int64) * stride_kb, j * stride_ks + h * stride_kh,
-                                        d_idx, stride_kd, ALIGNED), mask=kv_mask, other=0.0)
-            v_tile = tl.load(_tile_ptrs(v_ptr + b.to(tl.int64) * stride_vb, j * stride_vs + h * stride_vh,
-                                        d_idx, stride_vd, ALIGNED), mask=kv_mask, other=0.0)
+            k_tile = tl.load(_tile_ptrs(k_base, j.to(tl.int64) * stride_ks, d_idx, stride_kd, ALIGNED),
+                             mask=kv_mask, other=0.0)
+            v_tile = tl.load(_tile_ptrs(v_base, j.to(tl.int64) * stride_vs, d_idx, stride_vd, ALIGNED),
+                             mask=kv_mask, other=0.0)
             if pid_m == 0:
                 # Cache append of the causal rows: slots [L, L + c), bit-exact copies of the loaded rows.
                 page, offset, ok = _cache_rows(length + j, key_causal & (length + j < capacity), b,
                                                block_table_ptr, stride_btb, stride_btp, page_size, num_pages,
                                                PAGED)
                 store_mask = ok[:, None] & d_ok[None, :]
-                tl.store(_tile_ptrs(k_cache_ptr, page * stride_kcp + offset * stride_kcs + h * stride_kch,
+                tl.store(_tile_ptrs(k_cache_base, page * stride_kcp + offset * stride_kcs,
                                     d_idx, 1, ALIGNED), k_tile, mask=store_mask)
-                tl.store(_tile_ptrs(v_cache_ptr, page * stride_vcp + offset * stride_vcs + h * stride_vch,
+                tl.store(_tile_ptrs(v_cache_base, page * stride_vcp + offset * stride_vcs,
                                     d_idx, 1, ALIGNED), v_tile, mask=store_mask)
             if not HALF_DOT:
                 k_tile = k_tile.to(tl.float32)
@@ -255,7 +281,7 @@ def _attention_split_kernel(
             sees_causal = row_causal[:, None] & key_causal[None, :] & (j[None, :] <= row[:, None])
             sees_block = row_block[:, None] & key_live[None, :]
             valid = sees_causal | sees_block
-            m_i, l_i, acc = _online_softmax_update(q, k_tile, v_tile, valid, m_i, l_i, acc, qk_scale,
+            m_i, l_i, acc = _online_softmax_update(q, k_tile, v_tile, valid, m_i, l_i, acc, scale,
                                                    HALF_DOT, INPUT_PRECISION)
     else:
         end = tl.minimum(start + split_len, length)
@@ -264,15 +290,15 @@ def _attention_split_kernel(
             page, offset, ok = _cache_rows(slots, slots < end, b, block_table_ptr, stride_btb, stride_btp,
                                            page_size, num_pages, PAGED)
             kv_mask = ok[:, None] & d_ok[None, :]
-            k_tile = tl.load(_tile_ptrs(k_cache_ptr, page * stride_kcp + offset * stride_kcs + h * stride_kch,
+            k_tile = tl.load(_tile_ptrs(k_cache_base, page * stride_kcp + offset * stride_kcs,
                                         d_idx, 1, ALIGNED), mask=kv_mask, other=0.0)
-            v_tile = tl.load(_tile_ptrs(v_cache_ptr, page * stride_vcp + offset * stride_vcs + h * stride_vch,
+            v_tile = tl.load(_tile_ptrs(v_cache_base, page * stride_vcp + offset * stride_vcs,
                                         d_idx, 1, ALIGNED), mask=kv_mask, other=0.0)
             if not HALF_DOT:
                 k_tile = k_tile.to(tl.float32)
                 v_tile = v_tile.to(tl.float32)
             valid = row_live[:, None] & ok[None, :]
-            m_i, l_i, acc = _online_softmax_update(q, k_tile, v_tile, valid, m_i, l_i, acc, qk_scale,
+            m_i, l_i, acc = _online_softmax_update(q, k_tile, v_tile, valid, m_i, l_i, acc, scale,
                                                    HALF_DOT, INPUT_PRECISION)
 
     # Partial state [B * Hkv, 1 + splits, M] (+ [D]) in fp32; rows past M are not stored.
@@ -294,7 +320,7 @@ def _attention_combine_kernel(
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = pid_bh // Hkv
-    h = pid_bh % Hkv
+    h = (pid_bh % Hkv).to(tl.int64)
     length = tl.minimum(tl.maximum(tl.load(cache_seqlens_ptr + b.to(tl.int64) * stride_len), 0), capacity)
     live_splits = 1 + tl.cdiv(length, split_len)
 
@@ -312,17 +338,16 @@ def _attention_combine_kernel(
         acc_s = tl.load(_tile_ptrs(part_acc_ptr, state * D, d_idx, 1, ALIGNED), mask=tile_ok, other=0.0)
         m_new = tl.maximum(m_run, m_s)
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        scale_run = tl.exp2(m_run - m_base)
-        scale_s = tl.exp2(m_s - m_base)
+        scale_run = tl.exp2((m_run - m_base) * _LOG2E)
+        scale_s = tl.exp2((m_s - m_base) * _LOG2E)
         l_run = l_run * scale_run + l_s * scale_s
         acc = acc * scale_run[:, None] + acc_s * scale_s[:, None]
         m_run = m_new
 
     has_keys = l_run > 0.0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_run, 1.0)[:, None], 0.0)
-    lse = tl.where(has_keys, (m_run + tl.log2(tl.where(has_keys, l_run, 1.0))) * _LN2,
-                   float("-inf"))
-    row = m_idx // G
+    lse = tl.where(has_keys, m_run + tl.log2(tl.where(has_keys, l_run, 1.0)) * _LN2, float("-inf"))
+    row = (m_idx // G).to(tl.int64)
     q_head = h * G + m_idx % G
     tl.store(_tile_ptrs(out_ptr + b.to(tl.int64) * stride_ob, row * stride_os + q_head * stride_oh, d_idx, 1,
                         ALIGNED), out.to(out_ptr.dtype.element_ty), mask=tile_ok)
@@ -367,8 +392,11 @@ def _pick_config(head_dim: int, rows: int, dtype: torch.dtype, paged: bool, alig
 
 def _plan_splits(dims: AttentionDims, config: _Config, target_programs: int) -> _SplitPlan:
     """Cache splits from the capacity (an upper bound of every L_b): about `target_programs` programs
-    (PROGRAMS_PER_SM per SM), but no split shorter than MIN_SPLIT_LEN slots."""
+    (PROGRAMS_PER_SM per SM), but no split shorter than MIN_SPLIT_LEN slots. No query row (Hq = 0): split 0
+    of one M tile, which appends the causal rows' K/V to the cache and attends nothing."""
     rows = dims.seq * (dims.q_heads // dims.kv_heads)
+    if rows == 0:
+        return _SplitPlan(1, config.block_n, 1)
     m_tiles = cdiv(rows, config.block_m)
     by_occupancy = cdiv(target_programs, dims.batch * dims.kv_heads * m_tiles)
     by_length = cdiv(dims.capacity, MIN_SPLIT_LEN)
@@ -385,13 +413,15 @@ def _attention_launches(
     block_table: torch.Tensor | None = None, softmax_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[KernelLaunch]]:
     """Everything the launcher does but run the kernels: the checks, out and lse, and the split and combine
-    launches (none when out is empty). On META tensors, the configuration a CUDA call would compile."""
+    launches: none when there is nothing to compute nor append (B = 0, or out empty and C = 0), the split
+    kernel alone when out is empty but causal rows may be appended (Hq = 0). On META tensors, the
+    configuration a CUDA call would compile."""
     dims = check_block_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size,
                                       block_table, softmax_scale)
     assert_block_attention_values(cache_seqlens, num_causal, dims, block_table)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((dims.batch, dims.q_heads, dims.seq), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
+    if dims.batch == 0 or (out.numel() == 0 and dims.num_causal_slots == 0):
         return out, lse, []
     scale = dims.head_dim ** -0.5 if softmax_scale is None else softmax_scale
     group = dims.q_heads // dims.kv_heads
@@ -424,9 +454,10 @@ def _attention_launches(
         "stride_vcp": stride_vcp, "stride_vcs": stride_vcs, "stride_vch": stride_vch,
         "stride_len": cache_seqlens.stride(0), "stride_nc": num_causal.stride(0),
         "stride_btb": stride_btb, "stride_btp": stride_btp,
-        "S": dims.seq, "C": dims.num_causal_slots, "Hkv": dims.kv_heads, "G": group, "D": dims.head_dim,
+        # G = 1 when Hq = 0: the kernel divides row indices by G; M = 0 masks every row.
+        "S": dims.seq, "C": dims.num_causal_slots, "Hkv": dims.kv_heads, "G": max(group, 1), "D": dims.head_dim,
         "M": rows, "capacity": dims.capacity, "page_size": dims.page_size, "num_pages": dims.num_pages,
-        "split_len": plan.split_len, "num_splits": plan.num_splits, "qk_scale": scale * _LOG2E,
+        "split_len": plan.split_len, "num_splits": plan.num_splits, "softmax_scale": scale,
     }, {
         "PAGED": config.paged, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": config.block_d,
         "HALF_DOT": config.half_dot, "INPUT_PRECISION": config.input_precision, "ALIGNED": config.aligned,
@@ -440,7 +471,7 @@ def _attention_launches(
         "split_len": plan.split_len, "num_splits": plan.num_splits,
     }, {"BLOCK_M": COMBINE_BLOCK_M, "BLOCK_D": config.block_d, "ALIGNED": config.aligned},
         COMBINE_WARPS[config.aligned])
-    return out, lse, [split, combine]
+    return out, lse, [split, combine] if rows else [split]
 
 
 def block_attention_with_kvcache(

@@ -541,9 +541,13 @@ def _sampling_threshold_kernel(
     cut = m.to(tl.float64) + tl.cast(temperature, tl.float64) * tl.log(tl.where(need_m, min_p, 1.0).to(tl.float64))
     cut32 = cut.to(tl.float32)
     cut32 = tl.where(cut32.to(tl.float64) < cut, _sampling_key_value(_sampling_key(cut32) + 1), cut32)
-    # The threshold so far goes to threshold[row] after each step and is read back at the next (each thread
-    # reads its own store): held in registers through the searches, tau_m (its fp64 cut, the fp32 rounding
-    # sunk to the end) and then tau_k were spilled (bf16 with triton 3.8; every dtype with triton 3.6).
+    # The threshold so far goes to threshold[row] after each step and is read back at the next: held in
+    # registers through the searches, tau_m (its fp64 cut, the fp32 rounding sunk to the end) and then tau_k
+    # were spilled (bf16 with triton 3.8; every dtype with triton 3.6). A scalar store is issued by thread 0
+    # alone (Triton predicates it on tid.x == 0), so only thread 0's value is used: it reads back its own
+    # write. Every thread loads it, after the search's reductions (14-18 bar.sync between each store and the
+    # next load; fp32, sm_90, triton 3.8), so the other threads read the same value, though their maxima are
+    # never stored.
     tl.store(threshold_ptr + row, tl.where(need_m, cut32, -float("inf")))
     # top-k: the k-th largest logit (count weights); off, or fewer than k entries above -inf: -inf. The
     # search starts at the largest logit for top-k 1: a range of one key, no pass. Over the candidates when
@@ -780,9 +784,12 @@ FLOAT32_MIN_NORMAL = 2.0**-126
 
 def _fp32_scalar_argument(value: float, batch: int, device: torch.device) -> tuple[torch.Tensor | None, float]:
     """(tensor, scalar) kernel arguments for a host scalar, rounded to fp32 as the oracle and the C++ kernel
-    round it. Triton types a Python float as fp64 when it is not 0, inf or a normal fp32 value (e.g. a
-    subnormal 1e-40, or 1e39), which the fp32 math of the kernels rejects and no compiled configuration
-    covers; such a value goes to the kernel as a [B] tensor instead (rare: no speed concern)."""
+    round it. Compiled, Triton (3.4, 3.6 and 3.8) types every Python float argument fp32, whatever its
+    value. Under TRITON_INTERPRET (3.6 and 3.8 alike) the argument stays a Python float and each op types it
+    by value: fp64 when it is not 0, inf, NaN or a normal fp32 value, e.g. a subnormal 1e-40, so the
+    interpreted kernels would run in fp64 what the GPU runs in fp32. Such a value goes to the kernel as a [B]
+    fp32 tensor instead, the same on both paths (rare: no speed concern; the rounded values here are never
+    above FLT_MAX)."""
     value32 = torch.tensor(value, dtype=torch.float32).item()
     if value32 != 0.0 and abs(value32) < FLOAT32_MIN_NORMAL:
         return torch.full((batch,), value32, dtype=torch.float32, device=device), 0.0
@@ -835,11 +842,13 @@ def _sampling_launches(logits: torch.Tensor, seed: torch.Tensor, offset: torch.T
     logprob = torch.empty(batch, positions, dtype=torch.float32, device=device)
     valid = torch.empty(batch, positions, dtype=torch.bool, device=device)
     outputs = (tokens, entropy, logprob, valid)
+    # Before the early return: a call with no row (K = 0) still rejects bad per-row values, as the oracle and
+    # the C++ kernel do.
+    for ok, message in per_row_value_checks(temperature, top_k, top_p, min_p):
+        torch._assert_async(ok, message)
     rows = batch * positions
     if rows == 0:
         return outputs, []
-    for ok, message in per_row_value_checks(temperature, top_k, top_p, min_p):
-        torch._assert_async(ok, message)
     if temperature is None:
         temperature, temperature_val = _fp32_scalar_argument(temperature_val, batch, device)
     if logits.stride(2) != 1:
