@@ -51,7 +51,9 @@ SOURCE_LIST = "csrc/sources.txt"
 # -fopenmp: torch's CPU build runs `at::parallel_for` on OpenMP, and its implementation is inline in the
 # ATen headers; compiled without the flag the pragma is dropped and every kernel runs on one thread. The
 # extension then resolves libgomp.so.1 to the copy torch has already loaded (one OpenMP runtime).
-COMMON_FLAGS = ["-O3", "-g0", "-std=c++17", "-fvisibility=hidden", "-fopenmp"]
+# No -std: BuildExtension adds the standard the installed torch's headers require (C++20; torch 2.11's ATen
+# headers refuse C++17).
+COMMON_FLAGS = ["-O3", "-g0", "-fvisibility=hidden", "-fopenmp"]
 LINK_FLAGS = ["-fopenmp"]
 
 
