@@ -362,8 +362,9 @@ HUGE_CONFIGS = {
 
 def test_load_checkpoint_checks_a_huge_config_before_allocating(tmp_path):
     """Guards against a 1.5 KB file whose config says dim 16384, 64 layers (or a billion layers) making the
-    loader allocate and initialise that model before it looks at the weights: under a 3 GiB address-space
-    limit (a regression must not exhaust the machine) each load fails at once with CheckpointError."""
+    loader allocate and initialise that model before it looks at the weights: under an address-space limit
+    3 GiB above what the imports mapped (a regression must not exhaust the machine; a CUDA build of torch maps
+    more than 3 GiB on import) each load fails at once with CheckpointError."""
     pytest.importorskip("resource")  # the child process sets the limit
     paths = []
     for name, (config, _) in HUGE_CONFIGS.items():
@@ -373,8 +374,10 @@ def test_load_checkpoint_checks_a_huge_config_before_allocating(tmp_path):
         paths.append(str(tmp_path / f"{name}.pt"))
         torch.save(payload, paths[-1])
         assert Path(paths[-1]).stat().st_size < 2000
-    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+    code = ("import re, resource\n"
             "from sbd_kernels.model import load_checkpoint\n"
+            "mapped = int(re.search(r'VmSize:\\s+(\\d+) kB', open('/proc/self/status').read())[1]) << 10\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (mapped + (3 << 30), mapped + (3 << 30)))\n"
             f"for path in {paths!r}:\n"
             "    try:\n"
             "        load_checkpoint(path)\n"
