@@ -341,6 +341,7 @@ def test_bad_page_id():
         LAUNCH(*c.args())
 
 
+@pytest.mark.cuda_only
 @pytest.mark.skipif(not ON_GPU or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_runs_on_the_device_of_its_tensors_not_the_current_one():
     """Guards against the CUDA registration launching on the current device: with the tensors on cuda:1 and

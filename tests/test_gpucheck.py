@@ -151,6 +151,7 @@ def test_the_cuda_only_tests_carry_their_marker():
     assert marked == {
         "tests/test_attention_triton.py::test_opcheck_cuda",
         "tests/test_attention_triton.py::test_decode_step_compiles_fullgraph_cuda",
+        "tests/test_attention_triton.py::test_runs_on_the_device_of_its_tensors_not_the_current_one",
         "tests/test_compile.py::test_cuda_graph_replay_of_filtered_sampling_equals_eager",
         "tests/test_generate.py::test_cuda_graph_decode_gives_the_eager_tokens",
         "tests/test_hf.py::test_cuda_graph_decode_through_hf_gives_the_eager_tokens",
