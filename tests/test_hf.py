@@ -83,6 +83,22 @@ def word_tokenizer(extra: list[str]) -> PreTrainedTokenizerFast:
 # ----------------------------------------------------------------------------------------------------
 # enable_sbd
 # ----------------------------------------------------------------------------------------------------
+def test_import_refuses_transformers_and_accelerate_older_than_tested():
+    """Guards against an old transformers failing deep inside the HF path (5.0: "Can't instantiate abstract
+    class SbdCacheLayer"; accelerate 1.2 under transformers 5.13's Trainer: an unexpected keyword): the import
+    names each package that is too old and the upgrade command; the installed ones pass."""
+    from sbd_kernels.hf._versions import check_versions
+
+    check_versions()
+    check_versions({"transformers": "5.13.0", "accelerate": None})
+    with pytest.raises(ImportError, match=r"transformers 5\.12\.1 \(needs >= 5\.13\); upgrade: pip install"):
+        check_versions({"transformers": "5.12.1", "accelerate": "1.15.0"})
+    with pytest.raises(ImportError, match=r"transformers 5\.0\.0 \(needs >= 5\.13\), accelerate 1\.2\.0"):
+        check_versions({"transformers": "5.0.0", "accelerate": "1.2.0"})
+    with pytest.raises(ImportError, match="needs transformers"):
+        check_versions({"transformers": None, "accelerate": None})
+
+
 def test_enable_records_settings_that_survive_save_and_load(tmp_path):
     """Guards against the mask id / block size being lost on save_pretrained (a reloaded model would decode with
     another mask token) and against HF's own generate emitting the mask token."""

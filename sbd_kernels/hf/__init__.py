@@ -14,6 +14,10 @@ Layout: `model.py` (enable_sbd, the SbdCausalLM adapter of the `SbdModel` protoc
 attention implementation and its mask function), `cache.py` (SbdCache), `training.py` (masks, collator, loss),
 `generation.py` (generate, custom_generate entry), `check.py` (exact-KV check).
 """
+from sbd_kernels.hf._versions import check_versions
+
+check_versions()
+
 from sbd_kernels.hf.cache import SbdCache, SbdCacheError
 from sbd_kernels.hf.check import check
 from sbd_kernels.hf.generation import SbdGenerateOutput, generate, sbd_generate

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from transformers.distributed.fsdp import is_fsdp_managed_module
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     SuppressTokensLogitsProcessor,
@@ -37,6 +36,11 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+try:
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+except ImportError:  # where transformers 5.0 has it
+    from transformers.integrations.fsdp import is_fsdp_managed_module
 
 from sbd_kernels.generate import DecodeConfig, DecodeOps, DecodeResult, fused_ops
 from sbd_kernels.generate import generate as decode
