@@ -84,7 +84,7 @@ class _Tiles(NamedTuple):
 # up to max_block_m. Measured at D = 128: fp16 64 x 64 tiles spill 28-372 bytes with 4 warps and use
 # 214-230 registers with 8; fp32 (3xTF32 dots hold hi/lo halves of each operand) spills from 32 x 32, and
 # 16 x 32 with 8 warps uses 177-216 registers. Unaligned rows keep one 64-bit address per element, hence
-# 16 x 16 tiles (fp16 at D = 64: 4 warps spill 20 bytes on sm_90, 2 warps use 205 registers and none).
+# 16 x 16 tiles.
 # fp32 at D = 256 spills with 3xTF32 and uses plain fp32 dots instead; unaligned it also needs one pipeline
 # stage and 16 warps (8 warps spilled 20-112 bytes, 16 use 92-120 registers).
 # At D <= 64 ptxas aims at the register count of the next occupancy step (64, 96 or 128: Triton declares the
@@ -96,6 +96,12 @@ class _Tiles(NamedTuple):
 # spills in none with 8 warps and 1 stage (8 x 2 spilled in 6, 4 x 1 in 1, before int64), unaligned fp32 in
 # none with 4 warps and 1 stage (2 x 1 spilled 8 bytes in 1 of 12, 2 x 2 in 1, 1 x 1 in 4). The speed of
 # these small-head-dim tiles on a GPU is not measured.
+# Unaligned fp16/bf16 tiles are also chosen to compile without spills with triton 3.6, where a paged cache's
+# 64-bit element addresses run out of registers (255) with fewer threads: at D <= 64, 2 warps spilled 140-224
+# bytes and 8 warps with 1 stage none (4 warps with 2 or 3 stages spilled 8 bytes with triton 3.8, to reach
+# an occupancy step); at D = 128, 4 warps spilled 180-192 bytes and 8 warps none with 3.6 but 32 with 3.8,
+# 16 warps none with either (120-128 registers). At D = 256 no tile avoids spills with 3.6 (8 warps: paged,
+# 220-456 bytes; 16 warps also contiguous), nor does unaligned fp32 (16 warps, 72-140 bytes).
 _TILES = {
     (True, True, "small"): _Tiles(64, 32, 4, 3),
     (True, True, "mid"): _Tiles(64, 64, 8, 2),
@@ -103,8 +109,8 @@ _TILES = {
     (False, True, "small"): _Tiles(16, 32, 8, 1),
     (False, True, "mid"): _Tiles(16, 32, 8, 2),
     (False, True, "large"): _Tiles(16, 16, 8, 2),
-    (True, False, "small"): _Tiles(16, 16, 2, 2),
-    (True, False, "mid"): _Tiles(16, 16, 4, 2),
+    (True, False, "small"): _Tiles(16, 16, 8, 1),
+    (True, False, "mid"): _Tiles(16, 16, 16, 2),
     (True, False, "large"): _Tiles(16, 16, 8, 2),
     (False, False, "small"): _Tiles(16, 16, 4, 1),
     (False, False, "mid"): _Tiles(16, 16, 8, 2),
