@@ -13,7 +13,7 @@ BUILD_INPUTS := $(shell find csrc -name '*.cpp' -o -name '*.h') csrc/sources.txt
 CCACHE := $(shell command -v ccache 2>/dev/null)
 BUILD_ENV := $(if $(CCACHE),CC="ccache gcc" CXX="ccache g++",)
 
-.PHONY: demo test bench aot lint build clean gpu-check
+.PHONY: demo test bench aot lint build clean gpu-check test-lower-bounds
 
 demo: $(BUILT)
 	$(BIN)/python -m sbd_kernels.cli demo
@@ -61,6 +61,18 @@ $(DEPS): $(BIN)/python requirements-dev.txt
 $(BUILT): $(DEPS) $(BUILD_INPUTS)
 	flock build.lock env $(BUILD_ENV) $(BIN)/pip install -q --no-build-isolation --no-deps -e .
 	touch $@
+
+# The suite on the declared lower bounds (requirements-lower.txt; about 4 GB of downloads, not part of CI), in a
+# copy of the checkout's tracked files under $(LOWER)/src: the extension is built in place, so it cannot share a
+# folder with the .venv build.
+LOWER := .venv-lower
+test-lower-bounds:
+	test -x $(LOWER)/bin/python || $(PYTHON) -m venv $(LOWER)
+	$(LOWER)/bin/pip install -q -r requirements-lower.txt
+	rm -rf $(LOWER)/src && mkdir -p $(LOWER)/src
+	git ls-files -z | tar --null -T - -cf - | tar -xf - -C $(LOWER)/src
+	git -C $(LOWER)/src init -q && git -C $(LOWER)/src add -A
+	cd $(LOWER)/src && ../bin/pip install -q --no-build-isolation --no-deps -e . && ../bin/python tools/run_tests.py
 
 clean:
 	rm -rf build sbd_kernels/_C*.so $(BUILT)
