@@ -97,15 +97,17 @@ def parse_ptxas_log(log: str) -> tuple[int, int] | None:
 
 
 def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
-    """(registers, spill store + load bytes) from `ptxas -v`, run with the flags Triton uses."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    """(registers, spill store + load bytes) from `ptxas -v`, run with the flags Triton uses. The ptxas of
+    sm_80 / sm_90 is `knobs.nvidia.ptxas` (Triton's get_ptxas takes the arch from triton 3.6 on, nothing before)."""
+    from triton import knobs
+    from triton.backends.nvidia.compiler import sm_arch_from_capability
 
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
         proc = subprocess.run(
-            [get_ptxas(arch).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(arch)}",
+            [knobs.nvidia.ptxas.path, "-v", "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(arch)}",
              src, "-o", os.path.join(tmp, "k.cubin")],
             capture_output=True, text=True, check=True,
         )

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
+import os
 import re
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -125,6 +127,34 @@ def test_triton_type_is_the_jit_specialisation():
         "i32", "constexpr", "i32", "i64", "i64"]
     assert _aot.triton_type(1, specialise=False) == "i32"
     assert _aot.triton_type(0.5) == "fp32"
+
+
+PTXAS_RERUN = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sbd_kernels import aot
+spec = min(aot.collect_specs(("scatter",)), key=lambda s: s.name)
+result = aot.compile_spec(spec, 90)
+assert result.ok, result.error
+compiled = triton.compile(ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+print(result.regs, result.spill_bytes, *aot.ptxas_usage(compiled.asm["ptx"], 90))
+"""
+
+
+def test_ptxas_rerun_reads_the_usage_of_the_compile():
+    """Guards against the ptxas rerun of a cached compile (`aot.ptxas_usage`, whose register and spill counts
+    are what `python -m sbd_kernels.aot` reports on a cache hit) breaking with Triton's internals (triton 3.5's
+    get_ptxas takes no arch): on one configuration, compiled for sm_90 (not interpreted, hence a process of
+    its own), it reads the registers and spills of the compile itself."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", PTXAS_RERUN], capture_output=True, text=True, env=env,
+                          check=False, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    regs, spills, rerun_regs, rerun_spills = map(int, proc.stdout.split())
+    assert (rerun_regs, rerun_spills) == (regs, spills) and regs > 0
 
 
 def test_host_integer_helpers_match_triton():

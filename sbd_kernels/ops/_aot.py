@@ -170,10 +170,14 @@ def kernel_parameters(kernel) -> tuple[tuple[str, bool, bool], ...]:
 def triton_type(value: Any, specialise: bool = True) -> str:
     """The signature type Triton's JIT gives a runtime argument value: "*<dtype>" for a tensor, "i32" /
     "i64" / "u64" for an int by its range, "u1" for a bool, "fp32" for a float, and "constexpr" for an int
-    equal to 1 (unless not `specialise`d) or None. Triton's own rule (`triton.runtime.jit.mangle_type`)."""
+    equal to 1 (unless not `specialise`d) or None. Triton's own rule (`triton.runtime.jit.mangle_type`), asked
+    without value specialisation, which changes no type but that of the int 1 (triton 3.5's mangle_type
+    raises TypeError when asked to specialise a tensor or an int)."""
     from triton.runtime.jit import mangle_type
 
-    return mangle_type(value, specialise)
+    if specialise and type(value) is int and value == 1:
+        return "constexpr"
+    return mangle_type(value, False)
 
 
 def spec_of_launch(name: str, kl: KernelLaunch) -> KernelSpec:
