@@ -112,18 +112,14 @@ class Row:
 # ----------------------------------------------------------------------------------------------------
 # Models
 # ----------------------------------------------------------------------------------------------------
-def code_task_unavailable() -> str | None:
-    """Why the code task cannot run here (transformers missing, or not the pinned version), or None."""
-    from sbd_kernels import code_completion
-
-    return code_completion.corpus_unavailable()
-
-
 def selected_tasks(tasks: str | None) -> list[str]:
     """The tasks to run: those of --tasks, else every task but `code` when it cannot run here (one line on
     stderr says why). RuntimeError, before any work, when --tasks names `code` and it cannot run."""
+    from sbd_kernels import code_completion
+
     names = tasks.split(",") if tasks else list(TASKS)
-    reason = code_task_unavailable() if CODE_TASK in names else None
+    # Why the code task cannot run here (transformers missing, or not the pinned version), or None.
+    reason = code_completion.corpus_unavailable() if CODE_TASK in names else None
     if reason is None:
         return names
     if tasks:

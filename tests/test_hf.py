@@ -95,8 +95,9 @@ def test_import_refuses_transformers_and_accelerate_older_than_tested():
         check_versions({"transformers": "5.12.1", "accelerate": "1.15.0"})
     with pytest.raises(ImportError, match=r"transformers 5\.0\.0 \(needs >= 5\.13\), accelerate 1\.2\.0"):
         check_versions({"transformers": "5.0.0", "accelerate": "1.2.0"})
-    with pytest.raises(ImportError, match="needs transformers"):
+    with pytest.raises(ImportError, match='needs transformers: pip install "transformers>=5.13" "accelerate>=1.3"'):
         check_versions({"transformers": None, "accelerate": None})
+
 
 
 def test_enable_records_settings_that_survive_save_and_load(tmp_path):

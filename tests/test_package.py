@@ -109,3 +109,15 @@ def test_install_instructions_name_what_exists():
     assert "so that no CUDA build of torch is pulled" not in readme
     assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in readme
     assert 'pip install "setuptools>=77" wheel' in readme
+
+
+def test_hf_import_minimums_are_the_hf_extra_of_pyproject():
+    """Guards against the two copies of the HF minimums drifting apart: what `sbd_kernels.hf` refuses at import
+    and what pyproject.toml's `hf` extra asks pip for."""
+    pytest.importorskip("transformers")
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from sbd_kernels.hf._versions import MINIMUM
+
+    root = Path(__file__).resolve().parents[1]
+    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["hf"]
+    assert extra == [f"{name}>={version}" for name, version in MINIMUM.items()]

@@ -17,13 +17,13 @@ def check_versions(installed: dict[str, str | None] | None = None) -> None:
     says so when it needs it."""
     if installed is None:
         installed = {name: _installed_version(name) for name in MINIMUM}
+    install = "pip install " + " ".join(f'"{name}>={version}"' for name, version in MINIMUM.items())
     if installed.get("transformers") is None:
-        raise ImportError('sbd_kernels.hf needs transformers: pip install "transformers>=5.13" "accelerate>=1.3"')
+        raise ImportError(f"sbd_kernels.hf needs transformers: {install}")
     old = [f"{name} {version} (needs >= {MINIMUM[name]})" for name, version in installed.items()
            if version is not None and Version(version) < Version(MINIMUM[name])]
     if old:
-        raise ImportError(f"sbd_kernels.hf: {', '.join(old)}; upgrade: pip install "
-                          + " ".join(f'"{name}>={MINIMUM[name]}"' for name in MINIMUM))
+        raise ImportError(f"sbd_kernels.hf: {', '.join(old)}; upgrade: {install}")
 
 
 def _installed_version(name: str) -> str | None:

@@ -39,7 +39,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 try:
     from transformers.distributed.fsdp import is_fsdp_managed_module
-except ImportError:  # where transformers 5.0 has it
+except ImportError:  # transformers 5.13 keeps it in integrations (distributed.fsdp came in 5.14)
     from transformers.integrations.fsdp import is_fsdp_managed_module
 
 from sbd_kernels.generate import DecodeConfig, DecodeOps, DecodeResult, fused_ops
