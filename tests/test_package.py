@@ -35,15 +35,16 @@ def test_schema_is_the_contract(op):
     assert str(getattr(torch.ops.sbd, op).default._schema) == EXPECTED_SCHEMAS[op]
 
 
-def test_missing_extension_names_the_cause_and_the_fix():
-    """Guards against a silent or cryptic failure when the compiled library cannot load."""
-    code = (
-        "import sys; sys.modules['sbd_kernels._C'] = None\n"
-        "import sbd_kernels\n"
-    )
+@pytest.mark.parametrize("entry", ["import sbd_kernels", "from sbd_kernels.cli import main; main(['--help'])"])
+def test_missing_extension_names_the_cause_and_the_fix(entry):
+    """Guards against a silent or cryptic failure when the compiled library cannot load, from the package or
+    the `sbd` command: one traceback (no chained import error above the fix), ending in the cause and the fix."""
+    code = f"import sys; sys.modules['sbd_kernels._C'] = None\n{entry}\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode != 0
-    assert "could not load the compiled library sbd_kernels._C" in proc.stderr
+    assert proc.stderr.count("Traceback") == 1, proc.stderr
+    assert "sbd_kernels.SbdLibraryLoadError: sbd_kernels: could not load the compiled library sbd_kernels._C" \
+        in proc.stderr
     assert "pip install --no-build-isolation -e ." in proc.stderr
     assert "pip install --no-build-isolation --force-reinstall --no-deps" in proc.stderr  # an install, no checkout
 
