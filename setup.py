@@ -44,16 +44,19 @@ def import_installed_torch():
 
 
 import_installed_torch()
-from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension, include_paths  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 SOURCE_LIST = "csrc/sources.txt"
 # -fopenmp: torch's CPU build runs `at::parallel_for` on OpenMP, and its implementation is inline in the
 # ATen headers; compiled without the flag the pragma is dropped and every kernel runs on one thread. The
 # extension then resolves libgomp.so.1 to the copy torch has already loaded (one OpenMP runtime).
-# No -std: BuildExtension adds the standard the installed torch's headers require (C++20; torch 2.11's ATen
-# headers refuse C++17).
-COMMON_FLAGS = ["-O3", "-g0", "-fvisibility=hidden", "-fopenmp"]
+# No -std: BuildExtension adds the standard the installed torch asks for (C++17 up to torch 2.11, C++20 from
+# 2.13; the ATen headers of torch 2.14 refuse C++17).
+# -isystem: torch's headers as system headers (GCC then drops the -I that BuildExtension gives the same
+# directories): their `#pragma unroll` lines gave 140 -Wunknown-pragmas warnings per build, which hid our own.
+TORCH_SYSTEM_INCLUDES = [flag for path in include_paths() for flag in ("-isystem", path)]
+COMMON_FLAGS = ["-O3", "-g0", "-fvisibility=hidden", "-fopenmp", *TORCH_SYSTEM_INCLUDES]
 LINK_FLAGS = ["-fopenmp"]
 
 

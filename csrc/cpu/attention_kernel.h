@@ -21,6 +21,8 @@
 // slots [L, L + c); no item reads those slots (keys j >= L come from k / v), so items need no ordering.
 #pragma once
 
+#include "cpu/x86_intrinsics.h"  // first: see there
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -39,9 +41,6 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-#include <immintrin.h>
-#endif
 
 #include "cpu/attention.h"
 

@@ -19,6 +19,8 @@
 // n entries), so the logs run on a handful of entries per row.
 #pragma once
 
+#include "cpu/x86_intrinsics.h"  // first: see there
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -35,10 +37,6 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
 
 #include "cpu/sampling.h"
 
