@@ -1,6 +1,7 @@
 """The two builds, setup.py (the Python extension) and CMakeLists.txt (the op library for libtorch users):
 one source list for both, the same sources with the same instruction-set flags, and the CMake library
-loadable without the Python package and callable from C++ through the dispatcher."""
+loadable without the Python package and callable from C++ through the dispatcher; the extension's build free of
+warnings, and the sanitized build of tools/sanitize.py set up to run."""
 import json
 import os
 import re
@@ -209,3 +210,34 @@ def test_cpp_program_calls_an_op_through_the_dispatcher(cmake_build):
                           check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "mask_scatter_ from C++: OK" in proc.stdout
+
+
+def sanitize_tool(monkeypatch):
+    """tools/sanitize.py imported as a module (it imports tools/run_tests.py as its neighbour)."""
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import sanitize
+
+    return sanitize
+
+
+def test_sanitizer_run_preloads_asan_first_and_reads_the_copy(monkeypatch, tmp_path):
+    """Guards against a sanitized run that cannot start or tests the wrong library: ASan's runtime must come
+    first in the preload list of the uninstrumented Python ("ASan runtime does not come first"), libstdc++ must
+    be there (ASan's __cxa_throw lookup at start-up), and the copy's package, with its sanitized library, must
+    come before the checkout's."""
+    sanitize = sanitize_tool(monkeypatch)
+    env = sanitize.sanitizer_environment("c++", tmp_path)
+    preload = env["LD_PRELOAD"].split()
+    assert [Path(p).name.split(".so")[0] for p in preload] == ["libasan", "libubsan", "libstdc++"]
+    assert all(Path(p).is_file() for p in preload), preload
+    assert env["PYTHONPATH"] == str(tmp_path) and "detect_leaks=0" in env["ASAN_OPTIONS"]
+    assert set(sanitize.QUICK_TESTS) < set(sanitize.KERNEL_TESTS)
+    assert all((REPO / path).is_file() for path in sanitize.KERNEL_TESTS)
+
+
+def test_sanitizer_run_names_a_missing_runtime(monkeypatch):
+    """Guards against a cryptic failure where the compiler has no sanitizer runtime: the loader skips a bare
+    name in LD_PRELOAD with a warning, and the sanitized library then stops every test on ASan's message."""
+    sanitize = sanitize_tool(monkeypatch)
+    with pytest.raises(SystemExit, match="true has no libasan.so: install GCC's sanitizer runtimes"):
+        sanitize.runtime_library("true", "libasan.so")

@@ -27,25 +27,28 @@ def default_shards() -> int:
     return max(1, min(MAX_SHARDS, len(os.sched_getaffinity(0))))
 
 
-def shard_command(pytest_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", *pytest_args]
+def shard_command(pytest_args: list[str], paths: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider", *pytest_args]
 
 
-def run(shards: int, pytest_args: list[str]) -> int:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = shard_command(pytest_args)
+def run(shards: int, pytest_args: list[str], paths: list[str] | None = None, cwd: Path = REPO,
+        extra_env: dict[str, str] | None = None) -> int:
+    """Runs pytest on `paths` (default: tests) in `shards` processes from `cwd`, with TRITON_INTERPRET=1 and
+    extra_env added to this process's environment; returns the first non-zero exit status, else 0."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", **(extra_env or {})}
+    command = shard_command(pytest_args, ["tests"] if paths is None else paths)
     if shards == 1:
-        return subprocess.call(command, cwd=REPO, env=env)
+        return subprocess.call(command, cwd=cwd, env=env)
     with tempfile.TemporaryDirectory(prefix="sbd-tests-") as tmp:
         logs = [Path(tmp) / f"shard-{i}.log" for i in range(shards)]
         others = []
         for i in range(1, shards):
             with open(logs[i], "w") as log:
-                others.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                others.append(subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                                                env={**env, "SBD_TEST_SHARD": f"{i}/{shards}"}))
         print(f"run_tests: {shards} pytest processes side by side; shard 0/{shards} below, the others after it",
               flush=True)
-        statuses = [subprocess.call(command, cwd=REPO, env={**env, "SBD_TEST_SHARD": f"0/{shards}"})]
+        statuses = [subprocess.call(command, cwd=cwd, env={**env, "SBD_TEST_SHARD": f"0/{shards}"})]
         statuses += [process.wait() for process in others]
         for i in range(1, shards):
             print(f"\n---- shard {i}/{shards} (exit status {statuses[i]}) ----", flush=True)

@@ -285,12 +285,23 @@ void gather_rows(RowOf row_of, int64_t j0, int64_t n, const Geometry& geo, Works
 // dst[w * ld + jj] = rows[jj][w] over 32-bit words: K^T for fp32, and for bf16 the VNNI-2 K^T as well
 // (a word is the pair (d, d + 1) of one key, which VNNI-2 keeps adjacent). Blocks of 16 keys keep the 16
 // source lines in L1 while each destination line is written whole.
+//
+// The rows are read as bytes: a bf16 key row read in place (gather_rows) starts at any even byte offset of
+// its tensor (a cache sliced at an odd token or head offset), where a uint32_t read is undefined behaviour
+// (UBSan: misaligned load) and also reads bf16 objects through another type. memcpy of 4 bytes is one load.
+inline uint32_t word_at(const void* row, int64_t w) {
+  uint32_t word;
+  std::memcpy(&word, static_cast<const char*>(row) + 4 * w, sizeof(word));
+  return word;
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 // Words [w0, w0 + 16) of 16 rows -> dst[(w0 + c) * ld + r] for c, r < 16: unpack 32 / 64-bit within
 // 128-bit lanes (r[4i + k] lane L = column 4L + k, rows 4i..4i+3), then two rounds of lane shuffles.
-inline void transpose_16x16(const uint32_t* const* rows, int64_t w0, uint32_t* dst, int64_t ld) {
+template <typename T>
+void transpose_16x16(const T* const* rows, int64_t w0, uint32_t* dst, int64_t ld) {
   __m512i r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i] + w0);
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(reinterpret_cast<const char*>(rows[i]) + 4 * w0);
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
@@ -318,7 +329,8 @@ inline void transpose_16x16(const uint32_t* const* rows, int64_t w0, uint32_t* d
 // (a word is the pair (d, d + 1) of one key, which VNNI-2 keeps adjacent). Blocks of 16 keys keep the 16
 // source lines in L1 while each destination line is written whole; AVX512 transposes 16 x 16 words in
 // registers (the scalar loop took ~15% of the kernel's time at D = 128).
-inline void transpose_words(const uint32_t* const* rows, int64_t n, int64_t words, uint32_t* dst, int64_t ld) {
+template <typename T>
+void transpose_words(const T* const* rows, int64_t n, int64_t words, uint32_t* dst, int64_t ld) {
   constexpr int64_t kBlock = 16;
   for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
     const int64_t jn = std::min(kBlock, n - j0);
@@ -330,7 +342,7 @@ inline void transpose_words(const uint32_t* const* rows, int64_t n, int64_t word
 #endif
     for (; w < words; ++w) {
       uint32_t* out = dst + w * ld + j0;
-      for (int64_t jj = 0; jj < jn; ++jj) out[jj] = rows[j0 + jj][w];
+      for (int64_t jj = 0; jj < jn; ++jj) out[jj] = word_at(rows[j0 + jj], w);
     }
   }
 }
@@ -342,7 +354,7 @@ void pack_keys(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t n_
   gather_rows<scalar_t>([&](int64_t j) { return view.key(j); }, j0, n, geo, ws);
   const int64_t words = geo.dim_pad * static_cast<int64_t>(sizeof(op_t)) / 4;
   auto* dst = reinterpret_cast<uint32_t*>(ws.k.data());
-  transpose_words(reinterpret_cast<const uint32_t* const*>(ws.rows.data()), n, words, dst, geo.key_tile);
+  transpose_words(ws.rows.data(), n, words, dst, geo.key_tile);
   for (int64_t jj = n; jj < n_pad; ++jj) {
     for (int64_t w = 0; w < words; ++w) dst[w * geo.key_tile + jj] = 0;
   }

@@ -1,0 +1,103 @@
+"""`make test-sanitize`: the C++ CPU kernels under AddressSanitizer and UndefinedBehaviorSanitizer.
+
+    python tools/sanitize.py [--quick] [--shards N] [PYTEST ARGS...]     # from the repository root
+
+Copies the checkout's tracked files to build/sanitize/src, builds the extension there with
+-fsanitize=address,undefined (undefined behaviour stops the run: -fno-sanitize-recover), and runs the tests that
+call the C++ kernels (KERNEL_TESTS, without their Triton cases; --quick: the fuzz tests alone, CI's selection)
+with the sanitizer runtimes preloaded into Python. torch's CPU tensors come from malloc, so ASan puts a red zone
+after every tensor: a kernel that reads or writes past any tensor's end, or into freed memory, stops with a
+report, as does a misaligned or overflowing access (UBSan). Each instruction-set variant the CPU supports runs
+(the tests' `cpu_isa` fixture).
+
+pytest runs with --capture=sys: it would capture file descriptor 2 for each test, and a process the sanitizer
+stops takes that capture, and the report in it, with it (GCC's UBSan writes to stderr whatever its log_path).
+Needs GCC's sanitizer runtimes (libasan, libubsan) for the compiler that builds the extension. Exit status: 0
+when every shard passed; a sanitizer report stops its shard with status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from run_tests import default_shards, run
+
+REPO = Path(__file__).resolve().parent.parent
+WORK = REPO / "build" / "sanitize"
+SANITIZE_FLAGS = "-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+# The tests that reach the C++ kernels: each op's oracle comparisons, filters, fuzzing, argument checks.
+KERNEL_TESTS = ["tests/test_sampling.py", "tests/test_sampling_filters.py", "tests/test_attention.py",
+                "tests/test_scatter.py", "tests/test_checks.py", "tests/test_trusted_values.py",
+                "tests/test_overlap.py", "tests/test_fuzz_sampling.py", "tests/test_fuzz_attention.py",
+                "tests/test_fuzz_scatter.py"]
+# Random shapes, strides and offsets of every op: the quick selection (about 4 minutes on 2 cores).
+QUICK_TESTS = [path for path in KERNEL_TESTS if "fuzz" in path]
+
+
+def runtime_library(compiler: str, name: str) -> str:
+    """The path of runtime library `name` of `compiler` (e.g. libasan.so), or exit naming what is missing."""
+    found = subprocess.run([compiler, f"-print-file-name={name}"], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    if not os.path.isabs(found):    # the compiler echoes a bare name it cannot find
+        sys.exit(f"sanitize: {compiler} has no {name}: install GCC's sanitizer runtimes (Debian: libgcc-12-dev "
+                 f"carries libasan and libubsan), or set CXX to a GCC that has them")
+    return found
+
+
+def copy_tracked_files(dst: Path) -> None:
+    """The checkout's tracked files (working-tree contents) into a fresh `dst`: the extension is built in
+    place, so the sanitized build cannot share the checkout's package folder."""
+    shutil.rmtree(dst, ignore_errors=True)
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for name in filter(None, names.decode().split("\0")):
+        if (REPO / name).is_file():     # a tracked file deleted in the working tree is left out
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dst / name)
+
+
+def build(src: Path) -> None:
+    env = {**os.environ, "CFLAGS": SANITIZE_FLAGS, "CXXFLAGS": SANITIZE_FLAGS,
+           "LDFLAGS": "-fsanitize=address,undefined"}
+    print(f"sanitize: building the extension with {SANITIZE_FLAGS} in {src}", flush=True)
+    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace", "--force"], cwd=src, env=env,
+                   check=True, stdout=subprocess.DEVNULL)
+
+
+def sanitizer_environment(compiler: str, src: Path) -> dict[str, str]:
+    """The runtimes preloaded into the uninstrumented Python, ASan's first as it requires; libstdc++ too, since
+    ASan looks up the real __cxa_throw when it starts, before torch would load libstdc++. Leak detection is off:
+    CPython and torch keep their allocations until exit, so every leak report would be theirs."""
+    preload = [runtime_library(compiler, name) for name in ("libasan.so", "libubsan.so", "libstdc++.so.6")]
+    return {
+        "LD_PRELOAD": " ".join(preload),
+        "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1",
+        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+        "PYTHONPATH": str(src),     # this copy's package and sanitized library, not the checkout's
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the fuzz tests alone (CI's selection)")
+    parser.add_argument("--shards", type=int, default=default_shards(), help="pytest processes side by side")
+    args, pytest_args = parser.parse_known_args(argv)
+    compiler = os.environ.get("CXX", "c++").split()[-1]     # "ccache g++" -> g++
+    src = WORK / "src"
+    copy_tracked_files(src)
+    build(src)
+    env = sanitizer_environment(compiler, src)
+    tests = QUICK_TESTS if args.quick else KERNEL_TESTS
+    print(f"sanitize: {shlex.join(f'{k}={v}' for k, v in env.items())}", flush=True)
+    status = run(args.shards, ["-k", "not triton", "--capture=sys", *pytest_args], paths=tests, cwd=src,
+                 extra_env=env)
+    print(f"sanitize: {'passed' if status == 0 else 'FAILED (a sanitizer report, if any, is above)'}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
