@@ -54,7 +54,7 @@ SOURCE_LIST = "csrc/sources.txt"
 # No -std: BuildExtension adds the standard the installed torch asks for (C++17 up to torch 2.11, C++20 from
 # 2.13; the ATen headers of torch 2.14 refuse C++17).
 # -isystem: torch's headers as system headers (GCC then drops the -I that BuildExtension gives the same
-# directories): their `#pragma unroll` lines gave 140 -Wunknown-pragmas warnings per build, which hid our own.
+# directories): their `#pragma unroll` lines gave about 140 -Wunknown-pragmas warnings a build, which hid ours.
 TORCH_SYSTEM_INCLUDES = [flag for path in include_paths() for flag in ("-isystem", path)]
 COMMON_FLAGS = ["-O3", "-g0", "-fvisibility=hidden", "-fopenmp", *TORCH_SYSTEM_INCLUDES]
 LINK_FLAGS = ["-fopenmp"]

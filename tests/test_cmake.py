@@ -126,7 +126,7 @@ def test_setup_py_compiles_in_parallel(tmp_path, build_args, expected):
 def test_avx512_kernels_compile_without_warnings(tmp_path):
     """Guards against warnings that drown our own in the extension's build: torch's headers read as ours
     (140 `#pragma unroll` -Wunknown-pragmas a build) and GCC 12.0-12.2's false "'__Y' may be used
-    uninitialized" inside avx512fintrin.h (GCC bug 105593, about 420 a build). Compiles the two AVX-512
+    uninitialized" inside avx512fintrin.h (GCC bug 105593, about 300 a build). Compiles the two AVX-512
     kernels, where both showed, with setup.py's own command lines and -Wall."""
     commands = [c["args"] for c in setup_py_compiles(tmp_path) if any(a.endswith("_avx512.cpp") for a in c["args"])]
     assert len(commands) == 2
