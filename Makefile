@@ -75,7 +75,7 @@ test-lower-bounds:
 	cd $(LOWER)/src && ../bin/pip install -q --no-build-isolation --no-deps -e . && ../bin/python tools/run_tests.py
 
 # The C++ kernels under AddressSanitizer and UndefinedBehaviorSanitizer (tools/sanitize.py): a sanitized build of
-# the sources in build/sanitize/src, then the tests that call the kernels (5.3 minutes on 2 cores).
+# the sources in build/sanitize/src, then the tests that call the kernels (5.5 minutes on 2 cores).
 # SANITIZE_FLAGS=--quick runs the fuzz tests alone (CI, about 2.5 minutes with the build).
 SANITIZE_FLAGS ?=
 test-sanitize: $(DEPS)

@@ -13,7 +13,7 @@ report, as does a misaligned or overflowing access (UBSan). Each instruction-set
 pytest runs with --capture=sys: it would capture file descriptor 2 for each test, and a process the sanitizer
 stops takes that capture, and the report in it, with it (GCC's UBSan writes to stderr whatever its log_path).
 Needs GCC's sanitizer runtimes (libasan, libubsan) for the compiler that builds the extension. Exit status: 0
-when every shard passed; a sanitizer report stops its shard with status 1.
+when every shard passed; a sanitizer report stops its shard with status 1 (add -v to see which test it stopped).
 """
 from __future__ import annotations
 
@@ -30,11 +30,13 @@ from run_tests import default_shards, run
 REPO = Path(__file__).resolve().parent.parent
 WORK = REPO / "build" / "sanitize"
 SANITIZE_FLAGS = "-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
-# The tests that reach the C++ kernels: each op's oracle comparisons, filters, fuzzing, argument checks.
+# The tests that reach the C++ kernels: each op's oracle comparisons, filters, fuzzing, argument checks; then
+# the ops inside decoding, the reference model, training and the Hugging Face path (its cache's layouts).
 KERNEL_TESTS = ["tests/test_sampling.py", "tests/test_sampling_filters.py", "tests/test_attention.py",
                 "tests/test_scatter.py", "tests/test_checks.py", "tests/test_trusted_values.py",
                 "tests/test_overlap.py", "tests/test_fuzz_sampling.py", "tests/test_fuzz_attention.py",
-                "tests/test_fuzz_scatter.py"]
+                "tests/test_fuzz_scatter.py", "tests/test_generate.py", "tests/test_model.py", "tests/test_hf.py",
+                "tests/test_compile.py", "tests/test_train.py", "tests/test_tasks.py"]
 # Random shapes, strides and offsets of every op: the quick selection (about 1.5 minutes on 2 cores).
 QUICK_TESTS = [path for path in KERNEL_TESTS if "fuzz" in path]
 COPIED = ["csrc", "sbd_kernels", "tests", "tools", "setup.py", "pyproject.toml", "MANIFEST.in", "README.md"]
