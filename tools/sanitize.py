@@ -3,7 +3,9 @@
     python tools/sanitize.py [--quick] [--shards N] [PYTEST ARGS...]     # from the repository root
 
 Copies the sources and tests to build/sanitize/src, builds the extension there with
--fsanitize=address,undefined (undefined behaviour stops the run: -fno-sanitize-recover), and runs the tests that
+-fsanitize=address,undefined,float-cast-overflow (the last is not part of GCC's "undefined": a NaN or infinite
+float converted to an integer, e.g. a NaN logit turned into an index; every report stops the run:
+-fno-sanitize-recover), and runs the tests that
 call the C++ kernels (KERNEL_TESTS, without their Triton cases; --quick: the fuzz tests alone, CI's selection)
 with the sanitizer runtimes preloaded into Python. torch's CPU tensors come from malloc, so ASan puts a red zone
 after every tensor: a kernel that reads or writes past any tensor's end, or into freed memory, stops with a
@@ -29,7 +31,8 @@ from run_tests import default_shards, run
 
 REPO = Path(__file__).resolve().parent.parent
 WORK = REPO / "build" / "sanitize"
-SANITIZE_FLAGS = "-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+SANITIZE_FLAGS = ("-fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=undefined,float-cast-overflow "
+                  "-fno-omit-frame-pointer")
 # The tests that reach the C++ kernels: each op's oracle comparisons, filters, fuzzing, argument checks; then
 # the ops inside decoding, the reference model, training and the Hugging Face path (its cache's layouts).
 KERNEL_TESTS = ["tests/test_sampling.py", "tests/test_sampling_filters.py", "tests/test_attention.py",
