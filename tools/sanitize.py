@@ -5,12 +5,11 @@
 Copies the sources and tests to build/sanitize/src, builds the extension there with
 -fsanitize=address,undefined,float-cast-overflow (the last is not part of GCC's "undefined": a NaN or infinite
 float converted to an integer, e.g. a NaN logit turned into an index; every report stops the run:
--fno-sanitize-recover), and runs the tests that
-call the C++ kernels (KERNEL_TESTS, without their Triton cases; --quick: the fuzz tests alone, CI's selection)
-with the sanitizer runtimes preloaded into Python. torch's CPU tensors come from malloc, so ASan puts a red zone
-after every tensor: a kernel that reads or writes past any tensor's end, or into freed memory, stops with a
-report, as does a misaligned or overflowing access (UBSan). Each instruction-set variant the CPU supports runs
-(the tests' `cpu_isa` fixture).
+-fno-sanitize-recover), and runs the tests that call the C++ kernels (KERNEL_TESTS, without their Triton cases;
+--quick: the fuzz tests alone, CI's selection) with the sanitizer runtimes preloaded into Python. torch's CPU
+tensors come from malloc, so ASan puts a red zone after every tensor: a kernel that reads or writes past any
+tensor's end, or into freed memory, stops with a report, as does a misaligned or overflowing access (UBSan). Each
+instruction-set variant the CPU supports runs (the tests' `cpu_isa` fixture).
 
 pytest runs with --capture=sys: it would capture file descriptor 2 for each test, and a process the sanitizer
 stops takes that capture, and the report in it, with it (GCC's UBSan writes to stderr whatever its log_path).
