@@ -43,7 +43,7 @@ gpu-check:
 	$(PYTHON) -m sbd_kernels.cli gpu-check $(GPU_CHECK_FLAGS)
 
 lint: $(DEPS)
-	$(BIN)/ruff check sbd_kernels tests bench
+	$(BIN)/ruff check sbd_kernels tests bench tools
 	$(BIN)/python tools/check_doc_refs.py
 
 build: $(BUILT)
@@ -75,7 +75,7 @@ test-lower-bounds:
 	cd $(LOWER)/src && ../bin/pip install -q --no-build-isolation --no-deps -e . && ../bin/python tools/run_tests.py
 
 # The C++ kernels under AddressSanitizer and UndefinedBehaviorSanitizer (tools/sanitize.py): a sanitized build of
-# the sources in build/sanitize/src, then the tests that call the kernels (5.5 minutes on 2 cores).
+# the sources in build/sanitize/src, then the tests that call the kernels (5.2-5.5 minutes on 2 cores).
 # SANITIZE_FLAGS=--quick runs the fuzz tests alone (CI, about 2.5 minutes with the build).
 SANITIZE_FLAGS ?=
 test-sanitize: $(DEPS)
