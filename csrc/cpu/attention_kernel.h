@@ -286,9 +286,10 @@ void gather_rows(RowOf row_of, int64_t j0, int64_t n, const Geometry& geo, Works
 // (a word is the pair (d, d + 1) of one key, which VNNI-2 keeps adjacent). Blocks of 16 keys keep the 16
 // source lines in L1 while each destination line is written whole.
 //
-// The rows are read as bytes: a bf16 key row read in place (gather_rows) starts at any even byte offset of
-// its tensor (a cache sliced at an odd token or head offset), where a uint32_t read is undefined behaviour
-// (UBSan: misaligned load) and also reads bf16 objects through another type. memcpy of 4 bytes is one load.
+// The rows are read as bytes: a bf16 key row read in place (gather_rows) starts at any even byte address (a
+// key or cache view at an odd element offset, or with odd strides), where a uint32_t read is undefined
+// behaviour (UBSan: misaligned load) and also reads bf16 objects through another type. A 4-byte memcpy is
+// one load.
 inline uint32_t word_at(const void* row, int64_t w) {
   uint32_t word;
   std::memcpy(&word, static_cast<const char*>(row) + 4 * w, sizeof(word));
