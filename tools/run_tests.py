@@ -27,6 +27,18 @@ def default_shards() -> int:
     return max(1, min(MAX_SHARDS, len(os.sched_getaffinity(0))))
 
 
+def add_shards_option(parser: argparse.ArgumentParser) -> None:
+    """--shards N (N >= 1, default: default_shards()), shared by the scripts that run the tests in shards."""
+    def shard_count(text: str) -> int:
+        count = int(text)
+        if count < 1:
+            raise argparse.ArgumentTypeError(f"must be >= 1, got {count}")
+        return count
+
+    parser.add_argument("--shards", type=shard_count, default=default_shards(),
+                        help=f"pytest processes side by side (default: the usable cores, at most {MAX_SHARDS})")
+
+
 def shard_command(pytest_args: list[str], paths: list[str]) -> list[str]:
     return [sys.executable, "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider", *pytest_args]
 
@@ -59,11 +71,8 @@ def run(shards: int, pytest_args: list[str], paths: list[str] | None = None, cwd
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", type=int, default=default_shards(),
-                        help=f"pytest processes side by side (default: the usable cores, at most {MAX_SHARDS})")
+    add_shards_option(parser)
     args, pytest_args = parser.parse_known_args(argv)
-    if args.shards < 1:
-        parser.error(f"--shards must be >= 1, got {args.shards}")
     return run(args.shards, pytest_args)
 
 

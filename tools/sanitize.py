@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from run_tests import default_shards, run
+from run_tests import add_shards_option, run
 
 REPO = Path(__file__).resolve().parent.parent
 WORK = REPO / "build" / "sanitize"
@@ -92,7 +92,7 @@ def sanitizer_environment(compiler: str, src: Path) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the fuzz tests alone (CI's selection)")
-    parser.add_argument("--shards", type=int, default=default_shards(), help="pytest processes side by side")
+    add_shards_option(parser)
     args, pytest_args = parser.parse_known_args(argv)
     compiler = os.environ.get("CXX", "c++").split()[-1]     # "ccache g++" -> g++
     src = WORK / "src"
