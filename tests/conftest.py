@@ -18,10 +18,13 @@ from sbd_kernels.testing import (
     SHARD_VARIABLE,
     configure_triton_environment,
     gpu_run_order,
+    patch_the_interpreter_once_per_launch,
     select_shard,
 )
 
 TRITON_DEVICE = configure_triton_environment(os.environ)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    patch_the_interpreter_once_per_launch()
 
 import pytest
 import torch
