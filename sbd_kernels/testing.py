@@ -250,17 +250,31 @@ SHARD_VARIABLE = "SBD_TEST_SHARD"
 PLAN_VARIABLE = "SBD_TEST_PLAN"
 
 
-def select_shard(items: list, spec: str) -> tuple[list, list]:
-    """(kept, dropped) for SBD_TEST_SHARD=`spec` "i/n": every n-th item from the i-th on is kept, so n runs
-    with i = 0..n-1 run each item once between them, heavy parametrisations spread over all of them. Raises
-    ValueError unless 0 <= i < n."""
+def select_shard(items: list, spec: str, group_of: Callable[[Any], str | None] = lambda item: None
+                 ) -> tuple[list, list]:
+    """(kept, dropped) for SBD_TEST_SHARD=`spec` "i/n": every n-th unit from the i-th on is kept, so n runs
+    with i = 0..n-1 run each item once between them, heavy parametrisations spread over all of them. A unit
+    is one item, or all the items of one `group_of` name (tests that share an expensive module fixture: one
+    shard builds it, not every shard), at the place of its first item. Raises ValueError unless 0 <= i < n."""
     try:
         index, count = (int(part) for part in spec.split("/"))
     except ValueError:
         raise ValueError(f"{SHARD_VARIABLE} must be i/n, e.g. 0/4, got {spec!r}") from None
     if not 0 <= index < count:
         raise ValueError(f"{SHARD_VARIABLE}={spec}: needs 0 <= i < n")
-    return items[index::count], [item for i, item in enumerate(items) if i % count != index]
+    unit_of_group: dict[str, int] = {}
+    kept, dropped, units = [], [], 0
+    for item in items:
+        group = group_of(item)
+        if group is None or group not in unit_of_group:
+            unit = units
+            units += 1
+            if group is not None:
+                unit_of_group[group] = unit
+        else:
+            unit = unit_of_group[group]
+        (kept if unit % count == index else dropped).append(item)
+    return kept, dropped
 
 
 # Test files that run Triton kernels or `device=...` code: first in a run on a GPU (`gpu_run_order`), and

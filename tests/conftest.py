@@ -6,9 +6,9 @@ SBD_TEST_DEVICE=cuda they run compiled, on CUDA tensors (TRITON_INTERPRET stays 
 the CUDA-only tests run, and the oracles still run on the CPU (`sbd_kernels.testing.on_device`). Both
 settings collect the same tests.
 
-SBD_TEST_SHARD=i/n keeps every n-th test from the i-th on (0 <= i < n), so that n pytest processes started
-side by side run the suite once between them (`sbd gpu-check` does, to compile Triton kernels on several cores).
-On CUDA the tests run in `gpu_run_order`: the `cuda_only` ones first, then the kernel test files in turns.
+SBD_TEST_SHARD=i/n keeps every n-th test from the i-th on (0 <= i < n; the tests of one `same_shard` name count
+as one), so that n pytest processes started side by side run the suite once between them (`make test` does, one
+per core, and `sbd gpu-check`, to compile Triton kernels on several cores). On CUDA the tests run in `gpu_run_order`: the `cuda_only` ones first, then the kernel test files in turns.
 SBD_TEST_PLAN=path writes the node ids about to run there, in order, unless the file exists.
 """
 import os
@@ -49,13 +49,20 @@ CPU_ISAS = supported_cpu_isas()
 torch.ops.sbd._set_cpu_isa(_BEST_ISA)
 
 
+def shard_group(item) -> str | None:
+    """The name of `@pytest.mark.same_shard(name)`: tests that share an expensive module fixture run in one
+    shard (a CMake build of the library took 112-125 s in each of two shards)."""
+    marker = item.get_closest_marker("same_shard")
+    return marker.args[0] if marker else None
+
+
 def pytest_collection_modifyitems(config, items):
     if TRITON_DEVICE == "cuda":
         items[:] = gpu_run_order(items, lambda item: item.path.name,
                                  lambda item: item.get_closest_marker("cuda_only") is not None)
     spec = os.environ.get(SHARD_VARIABLE)
     if spec:
-        kept, dropped = select_shard(items, spec)
+        kept, dropped = select_shard(items, spec, shard_group)
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
     plan = os.environ.get(PLAN_VARIABLE)

@@ -19,6 +19,8 @@ SOURCE_LIST = REPO / "csrc" / "sources.txt"
 ISA_FLAG = re.compile(r"-m(avx|fma|f16c)|-DCPU_CAPABILITY")
 
 needs_cmake = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+# The tests of the CMake build share one configure and build (module fixtures): in one shard of a sharded run.
+one_cmake_build = pytest.mark.same_shard("cmake_build")
 # What torch's own CMake config (Caffe2Config.cmake) stops with when torch is a CUDA build and CMake finds no
 # CUDA toolkit: a requirement of libtorch, not of this project's CPU-only library.
 TORCH_NEEDS_CUDA_TOOLKIT = "uses CUDA but I cannot find the CUDA"
@@ -157,6 +159,7 @@ def cmake_configured(tmp_path_factory) -> Path:
 
 
 @needs_cmake
+@one_cmake_build
 def test_both_builds_compile_the_same_sources_with_the_same_isa_flags(cmake_configured, tmp_path):
     """Guards against the Python extension and the libtorch library compiling different sources, or a kernel
     file without (or with another) instruction set's flags in one of them: an AVX-512 kernel built without
@@ -178,6 +181,7 @@ def cmake_build(cmake_configured) -> Path:
 
 
 @needs_cmake
+@one_cmake_build
 @pytest.mark.slow
 def test_library_loads_without_the_python_package(cmake_build):
     """Guards against the libtorch build missing a schema or a CPU kernel that the wheel has."""
@@ -203,6 +207,7 @@ print("ok")
 
 
 @needs_cmake
+@one_cmake_build
 @pytest.mark.slow
 def test_cpp_program_calls_an_op_through_the_dispatcher(cmake_build):
     """Guards against the C++ entry point (schema lookup + boxed call) not reaching the CPU kernel."""

@@ -169,6 +169,31 @@ def test_shards_split_the_run_once():
             select_shard(items, bad)
 
 
+def test_a_shard_group_runs_in_one_shard():
+    """Guards against tests that share an expensive module fixture (the CMake build) split over shards, each
+    building it: a group is one unit, dealt at the place of its first item, and the other items stay dealt
+    in turns."""
+    items = ["a", "cmake1", "b", "cmake2", "c", "d", "cmake3", "e"]
+    group = {"cmake1": "cmake", "cmake2": "cmake", "cmake3": "cmake"}.get
+    kept = [select_shard(items, f"{i}/2", group)[0] for i in range(2)]
+    assert kept == [["a", "b", "d"], ["cmake1", "cmake2", "c", "cmake3", "e"]]
+    assert select_shard(items, "0/2", group)[1] == kept[1]
+
+
+def test_the_cmake_tests_share_a_shard():
+    """Guards against a CMake test left out of its group (a second CMake build in another shard)."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "tests/test_cmake.py"], cwd=REPO, capture_output=True, text=True, check=False,
+                          env={**os.environ, "SBD_TEST_SHARD": "1/2"})
+    collected = [line for line in proc.stdout.splitlines() if "::" in line]
+    source = (REPO / "tests" / "test_cmake.py").read_text()
+    names = {node.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)
+             and node.name.startswith("test_")
+             and any(arg.arg in ("cmake_build", "cmake_configured") for arg in node.args.args)}
+    in_shard = {line.split("::")[1] for line in collected}
+    assert names and (names <= in_shard or not names & in_shard), (names, in_shard)
+
+
 # ----------------------------------------------------------------------------------------------------
 # on_device: a launcher on device copies of CPU arguments
 # ----------------------------------------------------------------------------------------------------

@@ -5,11 +5,9 @@ import os
 import types
 
 import pytest
+import triton.language as tl
 
-triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
-
-from sbd_kernels.testing import patch_the_interpreter_once_per_launch  # noqa: E402
+from sbd_kernels.testing import patch_the_interpreter_once_per_launch
 
 
 class RecordingInterpreter:
