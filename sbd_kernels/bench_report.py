@@ -297,7 +297,7 @@ def markdown(header: dict, families: dict[str, list[dict]], ceilings: dict | Non
         "# sbd_kernels benchmark report",
         "",
         (f"- machine: {header['cpu']}, {header['cores']} cores, torch threads {header['torch_threads']}, "
-        f"CPU kernels {header['cpu_isa']}"),
+        f"CPU kernels {header['cpu_isa']}{features_text(header)}"),
         f"- GPU: {gpu_line(header['gpu'])}",
         *cpu_ceilings_lines(header),
     ]
@@ -325,6 +325,12 @@ def markdown(header: dict, families: dict[str, list[dict]], ceilings: dict | Non
     for family, rows in families.items():
         lines += ["", f"## {family}", ""] + (_gpu_table(rows) if on_gpu else _cpu_table(rows))
     return "\n".join(lines) + "\n"
+
+
+def features_text(header: dict) -> str:
+    """", CPU features avx2 avx512f ..." (`machine.cpu_features`), or nothing for a run that stored none."""
+    features = header.get("cpu_features")
+    return f", CPU features {' '.join(features) or 'none listed'}" if isinstance(features, list) else ""
 
 
 def gpu_line(gpu: dict | str | None) -> str:

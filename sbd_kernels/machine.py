@@ -94,6 +94,25 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The CPU features that decide which GEMM and kernel code runs: our kernels' builds (AVX2, AVX-512), oneDNN's
+# bf16 GEMMs in torch.mm and in ATen's brgemm (AVX512-BF16 dot products, or AMX tiles), fp16 arithmetic.
+# A 2-core AMD EPYC Zen 4 and a 2-core Xeon with AMX both print "avx512" as their kernel build; their bf16
+# matmul ceilings differ by the AMX tiles.
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
+
+
+def cpu_features() -> list[str]:
+    """The CPU_FEATURES this CPU has, from the flags of /proc/cpuinfo (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return [name for name in CPU_FEATURES if name in flags]
+    except OSError:
+        pass
+    return []
+
+
 def git_commit(folder: Path) -> str:
     """Short commit of the git checkout holding `folder` ("+dirty" with uncommitted changes to tracked
     files), or "unknown" outside a checkout."""
@@ -154,6 +173,7 @@ def machine_header(checkout: Path, gpu: bool = True, ceilings: bool = True) -> d
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_isa": torch.ops.sbd._cpu_isa() if hasattr(torch.ops.sbd, "_cpu_isa") else "n/a",
+        "cpu_features": cpu_features(),
         "gpu": gpu_info() if gpu else None,
         "torch": torch.__version__,
         "triton": triton_version,

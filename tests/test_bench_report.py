@@ -187,6 +187,21 @@ def test_from_json_labels_the_report_with_the_machine_that_ran_it(tmp_path, monk
         assert expected in report, expected
 
 
+def test_header_names_the_cpu_features_that_pick_the_gemms(tmp_path, monkeypatch):
+    """Guards against reports of two CPUs that print the same model line and kernel build ("avx512") but run
+    bf16 GEMMs on different hardware (AVX512-BF16 dot products on an AMD EPYC Zen 4, AMX tiles on a Xeon):
+    the header lists the CPU's CPU_FEATURES from /proc/cpuinfo, and a run that stored none says nothing."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\n"
+                       "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8 avx512_fp16\n")
+    real_path = machine.Path
+    monkeypatch.setattr(machine, "Path", lambda name: real_path(cpuinfo if name == "/proc/cpuinfo" else name))
+    assert machine.cpu_features() == ["avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"]
+    assert "CPU kernels avx512, CPU features avx2 avx512f avx512_bf16 avx512_fp16 amx_tile amx_bf16\n" in markdown(
+        {**HEADER, "cpu_features": machine.cpu_features()}, {})
+    assert "- machine: Run CPU, 2 cores, torch threads 2, CPU kernels avx512\n" in markdown(HEADER, {})
+
+
 def test_gpu_run_header_measures_no_cpu_ceilings(tmp_path, monkeypatch):
     """Guards against a GPU bench run measuring the CPU's ceilings when it writes its JSON (seconds a stage of
     `sbd gpu-check` stopped at its budget may not have before SIGKILL), and against its report then reading as
