@@ -19,7 +19,7 @@
 // overflow), and so is the distance between two data pointers.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>

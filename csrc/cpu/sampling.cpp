@@ -5,7 +5,9 @@
 #include <limits>
 #include <tuple>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/isfinite.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 

@@ -4,7 +4,8 @@
 // walk them in rank order summing entropies in fp32 one term at a time (the order the oracle and the
 // Triton kernel use, so all three agree exactly at the gamma boundary), write accepted positions.
 // A row is a few dozen scalars, so the kernel is scalar; rows run in parallel when there are many.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
