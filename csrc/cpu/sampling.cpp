@@ -7,7 +7,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/isfinite.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
@@ -48,7 +47,7 @@ void check_temperature(const c10::optional<at::Tensor>& temperature, double temp
               "), got ", t.device());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, kOp, ": temperature must have shape [B] = [", batch,
               "], got ", t.sizes());
-  TORCH_CHECK((at::isfinite(t) & (t >= 0)).all().item<bool>(), kOp,
+  TORCH_CHECK(t.isfinite().logical_and(t.ge(0)).all().item<bool>(), kOp,
               ": temperature must be finite and >= 0");
 }
 
@@ -69,20 +68,22 @@ void check_filters(const c10::optional<at::Tensor>& top_k, int64_t top_k_val,
                    const at::Device& device) {
   if (top_k.has_value()) {
     check_filter_tensor("top_k", *top_k, at::kLong, "an int64", batch, device);
-    TORCH_CHECK((*top_k >= 0).all().item<bool>(), kOp, ": top_k must be >= 0 (0: off)");
+    TORCH_CHECK(top_k->ge(0).all().item<bool>(), kOp, ": top_k must be >= 0 (0: off)");
   } else {
     TORCH_CHECK(top_k_val >= 0, kOp, ": top_k_val must be >= 0 (0: off), got ", top_k_val);
   }
   if (top_p.has_value()) {
     check_filter_tensor("top_p", *top_p, at::kFloat, "a float32", batch, device);
-    TORCH_CHECK(((*top_p > 0) & (*top_p <= 1)).all().item<bool>(), kOp, ": top_p must be in (0, 1] (1: off)");
+    TORCH_CHECK(top_p->gt(0).logical_and(top_p->le(1)).all().item<bool>(), kOp,
+                ": top_p must be in (0, 1] (1: off)");
   } else {
     TORCH_CHECK(top_p_val > 0.0 && top_p_val <= 1.0, kOp, ": top_p_val must be in (0, 1] (1: off), got ",
                 top_p_val);
   }
   if (min_p.has_value()) {
     check_filter_tensor("min_p", *min_p, at::kFloat, "a float32", batch, device);
-    TORCH_CHECK(((*min_p >= 0) & (*min_p < 1)).all().item<bool>(), kOp, ": min_p must be in [0, 1) (0: off)");
+    TORCH_CHECK(min_p->ge(0).logical_and(min_p->lt(1)).all().item<bool>(), kOp,
+                ": min_p must be in [0, 1) (0: off)");
   } else {
     TORCH_CHECK(min_p_val >= 0.0 && min_p_val < 1.0, kOp, ": min_p_val must be in [0, 1) (0: off), got ",
                 min_p_val);
