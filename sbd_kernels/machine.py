@@ -84,14 +84,19 @@ def ceilings_by_threads(counts: Iterable[int]) -> dict[str, dict]:
         torch.set_num_threads(before)
 
 
-def cpu_model() -> str:
+def cpuinfo_field(name: str) -> str | None:
+    """The value of the first `name : value` line of /proc/cpuinfo, or None (no such line, or no such file)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 # The CPU features that decide which GEMM and kernel code runs: our kernels' builds (AVX2, AVX-512), oneDNN's
@@ -103,14 +108,8 @@ CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "am
 
 def cpu_features() -> list[str]:
     """The CPU_FEATURES this CPU has, from the flags of /proc/cpuinfo (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return [name for name in CPU_FEATURES if name in flags]
-    except OSError:
-        pass
-    return []
+    flags = set((cpuinfo_field("flags") or "").split())
+    return [name for name in CPU_FEATURES if name in flags]
 
 
 def git_commit(folder: Path) -> str:

@@ -262,17 +262,11 @@ def select_shard(items: list, spec: str, group_of: Callable[[Any], str | None] =
         raise ValueError(f"{SHARD_VARIABLE} must be i/n, e.g. 0/4, got {spec!r}") from None
     if not 0 <= index < count:
         raise ValueError(f"{SHARD_VARIABLE}={spec}: needs 0 <= i < n")
-    unit_of_group: dict[str, int] = {}
-    kept, dropped, units = [], [], 0
-    for item in items:
+    units: dict[int | str, int] = {}  # an item's position, or its group's name: the unit's number, in order
+    kept, dropped = [], []
+    for position, item in enumerate(items):
         group = group_of(item)
-        if group is None or group not in unit_of_group:
-            unit = units
-            units += 1
-            if group is not None:
-                unit_of_group[group] = unit
-        else:
-            unit = unit_of_group[group]
+        unit = units.setdefault(position if group is None else group, len(units))
         (kept if unit % count == index else dropped).append(item)
     return kept, dropped
 
