@@ -8,7 +8,8 @@ settings collect the same tests.
 
 SBD_TEST_SHARD=i/n keeps every n-th test from the i-th on (0 <= i < n; the tests of one `same_shard` name count
 as one), so that n pytest processes started side by side run the suite once between them (`make test` does, one
-per core, and `sbd gpu-check`, to compile Triton kernels on several cores). On CUDA the tests run in `gpu_run_order`: the `cuda_only` ones first, then the kernel test files in turns.
+per core, and `sbd gpu-check`, to compile Triton kernels on several cores). On CUDA the tests run in
+`gpu_run_order`: the `cuda_only` ones first, then the kernel test files in turns.
 SBD_TEST_PLAN=path writes the node ids about to run there, in order, unless the file exists.
 """
 import os
@@ -53,7 +54,12 @@ def shard_group(item) -> str | None:
     """The name of `@pytest.mark.same_shard(name)`: tests that share an expensive module fixture run in one
     shard (a CMake build of the library took 112-125 s in each of two shards)."""
     marker = item.get_closest_marker("same_shard")
-    return marker.args[0] if marker else None
+    if marker is None:
+        return None
+    if len(marker.args) != 1 or not isinstance(marker.args[0], str):
+        raise pytest.UsageError(f"{item.nodeid}: same_shard takes one name, the group's, e.g. "
+                                f"@pytest.mark.same_shard(\"cmake_build\"); got {marker.args!r}")
+    return marker.args[0]
 
 
 def pytest_collection_modifyitems(config, items):

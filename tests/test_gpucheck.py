@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,22 @@ def test_a_shard_group_runs_in_one_shard():
     kept = [select_shard(items, f"{i}/2", group)[0] for i in range(2)]
     assert kept == [["a", "b", "d"], ["cmake1", "cmake2", "c", "cmake3", "e"]]
     assert select_shard(items, "0/2", group)[1] == kept[1]
+
+
+def test_a_same_shard_marker_without_its_name_stops_the_run():
+    """Guards against a bare `@pytest.mark.same_shard` (no group name) failing with an IndexError in the
+    collection hook, or a marker's name not reaching select_shard."""
+    import conftest
+
+    def item(*args):
+        marker = pytest.mark.same_shard(*args).mark
+        return types.SimpleNamespace(nodeid="tests/test_x.py::test_y",
+                                     get_closest_marker=lambda name: marker if name == "same_shard" else None)
+
+    assert conftest.shard_group(item("cmake_build")) == "cmake_build"
+    for args in ((), ("a", "b"), (3,)):
+        with pytest.raises(pytest.UsageError, match=r"test_x.py::test_y: same_shard takes one name"):
+            conftest.shard_group(item(*args))
 
 
 def test_the_cmake_tests_share_a_shard():
