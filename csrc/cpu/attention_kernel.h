@@ -15,7 +15,9 @@
 // brgemm is the one GEMM entry point libtorch exports (TORCH_API); cpublas::gemm is internal. bf16 runs
 // bf16 x bf16 -> fp32 GEMMs on VNNI-2 operands packed here (cpublas::pack only exists on AMX machines),
 // i.e. vdpbf16ps on AVX512-BF16 and tiles on AMX; fp16 and fp32 run fp32 GEMMs (fp16 brgemm needs
-// AVX512-FP16, and fp16 x fp16 through torch.mm ran at ~1 GFLOP/s on this Zen 4).
+// AVX512-FP16, and fp16 x fp16 through torch.mm ran at ~1 GFLOP/s on this Zen 4; on a Xeon with AVX512-FP16
+// and AMX-BF16 but no AMX-FP16 the fp16 brgemm ran 107-110 GFLOP/s a core against 145-160 in fp32:
+// docs/performance.md §4.2).
 // Work items are (b, g, split of the keys), split only when B * Hkv is too small to keep every thread
 // busy; splits are merged by log-sum-exp. Split 0 of each (b, g) copies the causal rows' K/V into cache
 // slots [L, L + c); no item reads those slots (keys j >= L come from k / v), so items need no ordering.
