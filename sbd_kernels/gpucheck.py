@@ -36,7 +36,8 @@ its JUnit XML, and pytest-benchmark the timings it finished), GRACE_S later SIGK
 timings are also appended one by one as they end: SBD_BENCH_PARTIAL), and the summary says it overran. A
 stage that cannot run (pytest, pytest-benchmark or transformers missing, or the build failed) is skipped with
 the reason. The report goes to bench/reference/<gpu-name>/: report.md (the GPU from NVML: name, driver,
-clocks; the stages; the tests by file; what was skipped and why; the benchmark tables with achieved TB/s and
+clocks; the stages, each with the GPU's clocks, temperature, power and clock event reasons while it ran,
+sampled from NVML (`machine.GpuMonitor`); the tests by file; what was skipped and why; the benchmark tables with achieved TB/s and
 TFLOP/s against the GPU's datasheet), report.json, report.csv, gpu-check.json (the stages), raw/
 (pytest-benchmark JSON) and logs/. Exit status: 0 when every stage that ran passed, 1 when one failed or
 overran, 1 with one line when torch sees no GPU.
@@ -63,7 +64,7 @@ import torch
 
 from sbd_kernels import argtypes, bench_report
 from sbd_kernels.argtypes import add_option
-from sbd_kernels.machine import machine_header
+from sbd_kernels.machine import SAMPLE_INTERVAL_S, GpuMonitor, gpu_load_text, machine_header
 from sbd_kernels.testing import GPU_TEST_FILES, PLAN_VARIABLE
 
 # Seconds per stage, for a 16-core H100 or H200 machine. On the first H200 run (a 470 s budget) no stage
@@ -173,6 +174,7 @@ class StageResult:
     failures: list[str] = field(default_factory=list)  # FAILED / ERROR lines of pytest
     skipped: list[str] = field(default_factory=list)  # SKIPPED reasons of pytest
     by_file: dict[str, dict[str, int]] = field(default_factory=dict)  # outcomes_by_file of the test stage
+    gpu_load: dict = field(default_factory=dict)  # GpuMonitor.summary() while its commands ran; {} if none ran
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -364,15 +366,17 @@ def run_stage(stage: Stage, checkout: Checkout) -> StageResult:
         path.unlink(missing_ok=True)
     start = time.monotonic()
     processes = []
-    for i, (command, log) in enumerate(zip(stage.commands, logs)):
-        with open(log, "w") as handle:
-            processes.append(subprocess.Popen(command, cwd=checkout.repo, env=stage.environment(i, checkout.repo),
-                                              stdout=handle, stderr=subprocess.STDOUT, start_new_session=True))
-    overran = wait_or_stop(processes, start + stage.budget_s)
+    with GpuMonitor() as monitor:
+        for i, (command, log) in enumerate(zip(stage.commands, logs)):
+            with open(log, "w") as handle:
+                processes.append(subprocess.Popen(command, cwd=checkout.repo, env=stage.environment(i, checkout.repo),
+                                                  stdout=handle, stderr=subprocess.STDOUT, start_new_session=True))
+        overran = wait_or_stop(processes, start + stage.budget_s)
     seconds = time.monotonic() - start
     texts = [log.read_text(errors="replace") for log in logs]
     result = judge(stage, [p.returncode for p in processes], texts, overran, seconds)
     result.by_file = outcomes_by_file(stage.junit, stage.plans)
+    result.gpu_load = monitor.summary()
     return result
 
 
@@ -540,13 +544,17 @@ def check_section(header: dict, results: list[StageResult], stages: list[Stage],
     the failures, the commands."""
     name = (header.get("gpu") or {}).get("name", "unknown GPU")
     lines = [f"# sbd gpu-check: {name}{' (dry run: no stage ran)' if dry_run else ''}", "",
-             f"- GPU (NVML): {gpu_line(header)}",
+             f"- GPU (NVML, read before the stages: idle clocks): {gpu_line(header)}",
+             (f"- GPU while each stage ran: NVML every {SAMPLE_INTERVAL_S} s; clocks are medians (and the lowest "
+              "SM clock) of the samples with the GPU busy, temperature and power the highest"),
              (f"- torch {header['torch']} (CUDA {torch.version.cuda or 'none'}), triton {header['triton']}, python "
               f"{header['python']}, commit {header['commit']}, {header['date']}"),
              (f"- `sbd gpu-check` took {seconds:.0f} s; budget {checkout.budget_s} s (default {TOTAL_BUDGET_S} s: "
               "`make gpu-check` on an H100)"), "",
-             "## Stages", "", "| stage | status | time s | budget s | result |", "|---|---|---|---|---|"]
-    lines += [f"| {r.name} | {r.status} | {r.seconds:.0f} | {r.budget_s} | {r.detail} |" for r in results]
+             "## Stages", "", "| stage | status | time s | budget s | result | GPU while it ran |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r.name} | {r.status} | {r.seconds:.0f} | {r.budget_s} | {r.detail} | {gpu_load_text(r.gpu_load)} |"
+              for r in results]
     by_file = tests_by_file(results)
     if by_file:
         lines += ["", "## Tests by file", "",
@@ -670,6 +678,9 @@ def summary(header: dict, results: list[StageResult], families: dict[str, list[d
     lines = [f"sbd gpu-check: {gpu_line(header)}",
              f"{'stage':<16} {'status':<8} {'time / budget':>14}  result"]
     lines += [f"{r.name:<16} {r.status:<8} {r.seconds:>5.0f} / {r.budget_s:>3} s  {r.detail}" for r in results]
+    loads = [f"  {r.name}: {gpu_load_text(r.gpu_load)}" for r in results if r.gpu_load]
+    if loads:
+        lines += ["GPU while the stages ran (NVML):", *loads]
     total = sum(tests_by_file(results).values(), collections.Counter())
     if total["planned"]:
         ran = total["passed"] + total["failed"] + total["skipped"]

@@ -12,10 +12,12 @@ import os
 import platform
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
+from typing import final
 
 import torch
 
@@ -155,6 +157,145 @@ def gpu_info() -> dict | None:
         }
     finally:
         pynvml.nvmlShutdown()
+
+
+# NVML's clock event reasons (the bits of nvmlDeviceGetCurrentClocksEventReasons, nvmlClocksEventReason* in
+# nvml.h): why the SM clock was below its maximum when a sample was taken.
+CLOCK_EVENT_REASONS = {0x1: "idle", 0x2: "application clocks setting", 0x4: "software power cap",
+                       0x8: "hardware slowdown", 0x10: "sync boost", 0x20: "software thermal slowdown",
+                       0x40: "hardware thermal slowdown", 0x80: "hardware power brake",
+                       0x100: "display clock setting"}
+SAMPLE_INTERVAL_S = 0.5  # 20 samples in the shortest stage budget (scatter's 25 s at 600 s), ~1 ms of NVML each
+
+
+@final
+class GpuMonitor:
+    """GPU 0 as NVML sees it while a `with` block runs: SM and memory clocks, temperature, power,
+    utilisation and clock event reasons, read every `interval_s` seconds by a daemon thread.
+
+    `summary()` sets the clocks of the busy samples (utilisation > 0) against the idle ones a report's header
+    reads before the stages start: a benchmark's TB/s means little without the clock it ran at. A field the
+    GPU does not report is left out; NVML missing or failing gives {"error": why} and no samples; nothing here
+    raises into the stage it watches.
+    """
+
+    def __init__(self, interval_s: float = SAMPLE_INTERVAL_S, nvml=None):
+        self.interval_s = interval_s
+        self.samples: list[dict] = []
+        self.error: str | None = None
+        self._nvml = nvml
+        self._handle = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> GpuMonitor:
+        try:
+            if self._nvml is None:
+                import pynvml
+
+                self._nvml = pynvml
+            self._nvml.nvmlInit()
+            self._handle = self._nvml.nvmlDeviceGetHandleByIndex(0)
+        except ImportError:
+            self.error = "nvidia-ml-py not installed"
+            return self
+        except self._nvml.NVMLError as err:  # no driver, no GPU, no permission
+            self.error = f"NVML failed: {err}"
+            return self
+        self._thread = threading.Thread(target=self._run, name="sbd-gpu-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._nvml.nvmlShutdown()
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append(self.sample())
+            if self._stop.wait(self.interval_s):
+                return
+
+    def _read(self, name: str, *args):
+        """nvml.<name>(handle, *args), or None when this GPU or driver does not report it."""
+        try:
+            return getattr(self._nvml, name)(self._handle, *args)
+        except (self._nvml.NVMLError, AttributeError):  # not supported here; a function this nvidia-ml-py lacks
+            return None
+
+    def sample(self) -> dict:
+        """One reading: the fields NVML gave, in MHz, degrees C, W and percent; reasons as a bit mask."""
+        nvml = self._nvml
+        utilisation = self._read("nvmlDeviceGetUtilizationRates")
+        power_mw = self._read("nvmlDeviceGetPowerUsage")
+        reasons = self._read("nvmlDeviceGetCurrentClocksEventReasons")
+        if reasons is None:
+            reasons = self._read("nvmlDeviceGetCurrentClocksThrottleReasons")  # its name before driver 535
+        fields = {"sm_clock_mhz": self._read("nvmlDeviceGetClockInfo", nvml.NVML_CLOCK_SM),
+                  "mem_clock_mhz": self._read("nvmlDeviceGetClockInfo", nvml.NVML_CLOCK_MEM),
+                  "temperature_c": self._read("nvmlDeviceGetTemperature", nvml.NVML_TEMPERATURE_GPU),
+                  "power_w": None if power_mw is None else power_mw / 1000,
+                  "utilization_pct": None if utilisation is None else utilisation.gpu,
+                  "reasons": reasons}
+        return {k: v for k, v in fields.items() if v is not None}
+
+    def summary(self) -> dict:
+        """{"samples", "busy"} and, over the busy samples (utilisation > 0; every sample where the GPU reports
+        no utilisation): median and lowest SM clock, median memory clock, hottest temperature, highest power,
+        mean utilisation, and each clock event reason but idleness with the number of busy samples it was
+        set in; {"error": why} when NVML could not be read."""
+        if self.error is not None:
+            return {"error": self.error}
+        busy = [s for s in self.samples if s.get("utilization_pct", 1) > 0]
+        result = {"samples": len(self.samples), "busy": len(busy)}
+        readings = {key: [s[key] for s in busy if key in s]
+                    for key in ("sm_clock_mhz", "mem_clock_mhz", "temperature_c", "power_w", "utilization_pct")}
+        if readings["sm_clock_mhz"]:
+            result["sm_clock_mhz"] = statistics.median(readings["sm_clock_mhz"])
+            result["min_sm_clock_mhz"] = min(readings["sm_clock_mhz"])
+        if readings["mem_clock_mhz"]:
+            result["mem_clock_mhz"] = statistics.median(readings["mem_clock_mhz"])
+        if readings["temperature_c"]:
+            result["temperature_c"] = max(readings["temperature_c"])
+        if readings["power_w"]:
+            result["power_w"] = max(readings["power_w"])
+        if readings["utilization_pct"]:
+            result["utilization_pct"] = round(statistics.mean(readings["utilization_pct"]))
+        counts = {name: sum(1 for s in busy if s.get("reasons", 0) & bit)
+                  for bit, name in CLOCK_EVENT_REASONS.items() if bit != 0x1}
+        result["reasons"] = {name: count for name, count in counts.items() if count}
+        return result
+
+
+def gpu_load_text(load: dict) -> str:
+    """One line of a GpuMonitor summary: "SM 1980 MHz (lowest 1755), memory 3201 MHz, 61 C, 412 W, 38%
+    busy in 40 of 41 samples; clock events: software power cap in 3"."""
+    if not load:
+        return "-"
+    if "error" in load:
+        return f"not sampled ({load['error']})"
+    if not load["busy"]:
+        return f"idle in all {load['samples']} samples"
+    parts = []
+    if "sm_clock_mhz" in load:
+        parts.append(f"SM {load['sm_clock_mhz']:.0f} MHz (lowest {load['min_sm_clock_mhz']:.0f})")
+    if "mem_clock_mhz" in load:
+        parts.append(f"memory {load['mem_clock_mhz']:.0f} MHz")
+    if "temperature_c" in load:
+        parts.append(f"{load['temperature_c']} C")
+    if "power_w" in load:
+        parts.append(f"{load['power_w']:.0f} W")
+    if "utilization_pct" in load:
+        parts.append(f"{load['utilization_pct']}% busy in {load['busy']} of {load['samples']} samples")
+    else:
+        parts.append(f"{load['samples']} samples (no utilisation reported)")
+    text = ", ".join(parts)
+    if load["reasons"]:
+        text += "; clock events: " + ", ".join(f"{name} in {count}" for name, count in load["reasons"].items())
+    return text
 
 
 def machine_header(checkout: Path, gpu: bool = True, ceilings: bool = True) -> dict:

@@ -8,13 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
 import pytest
 import torch
 
-from sbd_kernels import bench_report, cli, gpucheck
+from sbd_kernels import bench_report, cli, gpucheck, machine
 from sbd_kernels import benchmark_grid as grid
 from sbd_kernels.testing import (
     OP_FAMILIES,
@@ -558,6 +559,131 @@ def test_judge_reads_the_compile_stage_by_its_exit_status():
 
 
 # ----------------------------------------------------------------------------------------------------
+# The GPU while a stage runs (machine.GpuMonitor on a fake NVML)
+# ----------------------------------------------------------------------------------------------------
+class FakeNvml:
+    """The calls of nvidia-ml-py that GpuMonitor makes, answering from `readings` in turn (the last one
+    repeats); a field missing from a reading raises NVMLError as an unsupported query does."""
+
+    NVML_CLOCK_SM, NVML_CLOCK_MEM, NVML_TEMPERATURE_GPU = 1, 2, 0
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, readings: list[dict], fail_init: bool = False):
+        self.readings, self.fail_init, self.calls, self.shut = readings, fail_init, 0, False
+
+    def _field(self, key: str):
+        reading = self.readings[min(self.calls, len(self.readings) - 1)]
+        if key not in reading:
+            raise self.NVMLError("Not Supported")
+        return reading[key]
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise self.NVMLError("Driver Not Loaded")
+
+    def nvmlShutdown(self):
+        self.shut = True
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return "gpu0"
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return types.SimpleNamespace(gpu=self._field("util"), memory=0)
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return self._field("mw")
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+        return self._field("reasons")
+
+    def nvmlDeviceGetTemperature(self, handle, sensor):
+        return self._field("temp")
+
+    def nvmlDeviceGetClockInfo(self, handle, clock):
+        value = self._field("sm" if clock == self.NVML_CLOCK_SM else "mem")
+        if clock == self.NVML_CLOCK_MEM:
+            self.calls += 1  # the last field of a sample: the next sample reads the next reading
+        return value
+
+
+class FakeNvmlBeforeTheRename(FakeNvml):
+    """nvidia-ml-py before driver 535's names: the clock event reasons are only ...ThrottleReasons."""
+
+    @property
+    def nvmlDeviceGetCurrentClocksEventReasons(self):
+        raise AttributeError("module 'pynvml' has no attribute 'nvmlDeviceGetCurrentClocksEventReasons'")
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+        return self._field("reasons")
+
+
+IDLE = {"util": 0, "mw": 70_000, "reasons": 0x1, "temp": 30, "sm": 345, "mem": 3201}
+BUSY = {"util": 90, "mw": 650_000, "reasons": 0, "temp": 61, "sm": 1980, "mem": 3201}
+CAPPED = {**BUSY, "util": 100, "mw": 700_000, "reasons": 0x4, "temp": 66, "sm": 1755}
+
+
+def sampled(readings: list[dict], nvml=FakeNvml) -> machine.GpuMonitor:
+    """A GpuMonitor whose samples are one per reading, in order (its thread's own are replaced)."""
+    fake = nvml(readings)
+    with machine.GpuMonitor(nvml=fake) as monitor:
+        pass
+    fake.calls = 0
+    monitor.samples = [monitor.sample() for _ in readings]
+    return monitor
+
+
+def test_gpu_load_is_summarised_over_the_busy_samples():
+    """Guards against a report whose clocks mix idle samples in (the header's 345 MHz idle SM clock read as the
+    benchmarks' clock), that hides a power cap, or that counts the idle reason as a slowdown."""
+    load = sampled([IDLE, BUSY, BUSY, CAPPED, IDLE]).summary()
+    assert load == {"samples": 5, "busy": 3, "sm_clock_mhz": 1980, "min_sm_clock_mhz": 1755, "mem_clock_mhz": 3201,
+                    "temperature_c": 66, "power_w": 700.0, "utilization_pct": 93, "reasons": {"software power cap": 1}}
+    assert machine.gpu_load_text(load) == ("SM 1980 MHz (lowest 1755), memory 3201 MHz, 66 C, 700 W, 93% busy in 3 of "
+                                           "5 samples; clock events: software power cap in 1")
+
+
+def test_gpu_load_leaves_out_what_the_gpu_does_not_report():
+    """Guards against a GPU or driver without power or utilisation readings (some virtual GPUs) failing the
+    stage or giving "idle in all samples" for a GPU that was busy; and against an nvidia-ml-py from before
+    the clock event reasons' rename losing them."""
+    bare = [{k: v for k, v in CAPPED.items() if k not in ("mw", "util")}] * 2
+    load = sampled(bare, FakeNvmlBeforeTheRename).summary()
+    assert load["busy"] == 2 and "power_w" not in load and load["reasons"] == {"software power cap": 2}
+    assert machine.gpu_load_text(load) == ("SM 1755 MHz (lowest 1755), memory 3201 MHz, 66 C, 2 samples (no "
+                                           "utilisation reported); clock events: software power cap in 2")
+    assert machine.gpu_load_text(sampled([IDLE, IDLE]).summary()) == "idle in all 2 samples"
+
+
+def test_gpu_load_without_nvml_says_why_and_never_raises(monkeypatch):
+    """Guards against a machine without NVML (no driver, or nvidia-ml-py missing) failing the stage it watches."""
+    with machine.GpuMonitor(nvml=FakeNvml([IDLE], fail_init=True)) as monitor:
+        pass
+    assert machine.gpu_load_text(monitor.summary()) == "not sampled (NVML failed: Driver Not Loaded)"
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    with machine.GpuMonitor() as monitor:
+        pass
+    assert monitor.summary() == {"error": "nvidia-ml-py not installed"}
+    assert machine.gpu_load_text({}) == "-"
+
+
+def test_a_stage_records_the_gpu_while_its_commands_run(tmp_path, monkeypatch):
+    """Guards against a stage result without the GPU's state during it, or a monitor left sampling (NVML not
+    shut down) after the stage's commands ended."""
+    fake = FakeNvml([BUSY])
+    monkeypatch.setattr(gpucheck, "GpuMonitor", lambda: machine.GpuMonitor(interval_s=0.01, nvml=fake))
+    stage = gpucheck.Stage("tests", 30, "one short command",
+                           commands=((sys.executable, "-c", "import time; time.sleep(0.3); print('1 passed in 0.3s')"),))
+    result = gpucheck.run_stage(stage, checkout(tmp_path))
+    assert result.status == "passed" and result.gpu_load["busy"] >= 5, result
+    assert result.gpu_load["sm_clock_mhz"] == 1980 and fake.shut
+    calls = fake.calls
+    time.sleep(0.1)
+    assert fake.calls == calls, "sampled after the stage ended"
+
+
+# ----------------------------------------------------------------------------------------------------
 # The command: dry run, no GPU, a whole run with stubbed stages
 # ----------------------------------------------------------------------------------------------------
 def test_dry_run_prints_the_plan_and_writes_the_report(tmp_path, capsys, monkeypatch):
@@ -630,7 +756,8 @@ def stub_runner(stage: gpucheck.Stage, checkout_: gpucheck.Checkout) -> gpucheck
     status, detail = outcome.get(stage.name, ("passed", "ok"))
     failures = ["FAILED tests/test_x.py::test_y - boom"] if stage.name == "tests" else []
     by_file = {"tests/test_x.py": {"planned": 6, "passed": 3, "failed": 1}} if stage.name == "tests" else {}
-    return gpucheck.StageResult(stage.name, status, 1.0, stage.budget_s, detail, failures, [], by_file)
+    load = sampled([IDLE, BUSY, CAPPED]).summary() if stage.name == "bench-sampling" else {}
+    return gpucheck.StageResult(stage.name, status, 1.0, stage.budget_s, detail, failures, [], by_file, load)
 
 
 def test_a_run_reports_stages_skips_failures_and_kernels(tmp_path, capsys, monkeypatch):
@@ -648,10 +775,15 @@ def test_a_run_reports_stages_skips_failures_and_kernels(tmp_path, capsys, monke
     assert err == ""
     assert "name NVIDIA H100 80GB HBM3, driver 550.54.15" in out and "bench-hf (transformers not installed)" in out
     assert "tests: 4 of 6 run (1 failed), 2 not reached in the budget" in out
+    sampling_load = ("SM 1868 MHz (lowest 1755), memory 3201 MHz, 66 C, 700 W, 95% busy in 2 of 3 samples; clock "
+                     "events: software power cap in 1")
+    assert f"GPU while the stages ran (NVML):\n  bench-sampling: {sampling_load}\n" in out
     assert ("sampling: 1 rows, 10.00x vs eager per call, 40.00x on CUDA-graph time; best 1.64 TB/s = 49% of the "
             "3.35 TB/s datasheet (B=1 K=16 V=128256 bf16)") in out
     report = (tmp_path / "report.md").read_text()
-    for expected in ("# sbd gpu-check: NVIDIA H100 80GB HBM3", "| tests | failed | 1 | 145 | 3 passed, 1 failed |",
+    for expected in ("# sbd gpu-check: NVIDIA H100 80GB HBM3", "| tests | failed | 1 | 145 | 3 passed, 1 failed | - |",
+                     f"| bench-sampling | passed | 1 | 55 | ok | {sampling_load} |",
+                     "- GPU (NVML, read before the stages: idle clocks): name NVIDIA H100 80GB HBM3",
                      "| bench-attention | overran |", "- tests/test_hf.py: transformers is not installed",
                      "- tests: FAILED tests/test_x.py::test_y - boom", "GPU ceilings: 3.35 TB/s, dense TFLOP/s bf16 989",
                      "| graph ms | TB/s | % datasheet BW |", "| 0.0025 | 1.642 | 49 |",
