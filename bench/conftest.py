@@ -1,7 +1,8 @@
 """Benchmarks time the compiled kernels: the Triton interpreter must be off, and the ops registered. Every
 case's own kernel and its plain baseline run before the providers that compile per case or run the oracle,
 and a run stopped in the middle of a timing still writes the timings it finished: a run stopped at a time
-budget (`sbd gpu-check`) keeps complete comparisons."""
+budget (`sbd gpu-check`) keeps complete comparisons. On a GPU, NVML is sampled while the benchmarks run and
+the header records the clocks, temperature, power and clock event reasons they ran at."""
 import os
 from pathlib import Path
 
@@ -14,7 +15,21 @@ from pytest_benchmark.utils import safe_dumps
 import sbd_kernels  # noqa: F401
 from bench.harness import bench_device
 from sbd_kernels.bench_report import HEADER_KEY, PARTIAL_VARIABLE
-from sbd_kernels.machine import ceilings_by_threads, machine_header
+from sbd_kernels.machine import GpuMonitor, ceilings_by_threads, machine_header
+
+MONITOR = pytest.StashKey[GpuMonitor]()
+
+
+def pytest_sessionstart(session):
+    """On the GPU: starts sampling it (`machine.GpuMonitor`, every 0.5 s in a thread of this process)."""
+    if bench_device() == "cuda":
+        session.config.stash[MONITOR] = GpuMonitor().__enter__()
+
+
+def pytest_sessionfinish(session):
+    monitor = session.config.stash.get(MONITOR, None)
+    if monitor is not None:
+        monitor.__exit__(None, None, None)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -37,6 +52,9 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
     threads = [b["extra_info"]["threads"] for b in output_json["benchmarks"]
                if b.get("extra_info", {}).get("device") == "cpu" and "threads" in b["extra_info"]]
     header = machine_header(Path(__file__).resolve().parent, ceilings=bench_device() == "cpu")
+    monitor = config.stash.get(MONITOR, None)
+    if monitor is not None:
+        header["gpu_load"] = monitor.summary()
     output_json["machine_info"][HEADER_KEY] = {**header, "ceilings_by_threads": ceilings_by_threads(threads)}
 
 

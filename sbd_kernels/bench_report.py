@@ -48,7 +48,7 @@ from sbd_kernels import argtypes
 from sbd_kernels.argtypes import add_option
 from sbd_kernels.bench_plots import write_plots
 from sbd_kernels.benchmark_grid import GRIDS, shape_from_dict
-from sbd_kernels.machine import PEAK_DTYPE_FOR
+from sbd_kernels.machine import PEAK_DTYPE_FOR, gpu_load_text
 from sbd_kernels.roofline import HARDWARE
 
 COLUMNS = ["case", "provider", "threads", "median_ms", "p20_ms", "p80_ms", "graph_ms", "gbs", "pct_copy", "gflops",
@@ -301,6 +301,9 @@ def markdown(header: dict, families: dict[str, list[dict]], ceilings: dict | Non
         f"- GPU: {gpu_line(header['gpu'])}",
         *cpu_ceilings_lines(header),
     ]
+    if header.get("gpu_load"):
+        lines.append(f"- GPU while the benchmarks ran (NVML; clocks: medians of the busy samples): "
+                     f"{gpu_load_text(header['gpu_load'])}")
     if on_gpu:
         lines.append(f"- GPU ceilings: {gpu_ceilings_line(ceilings)}")
     lines.append(f"- torch {header['torch']}, triton {header['triton']}, python {header['python']}, "

@@ -64,7 +64,7 @@ import torch
 
 from sbd_kernels import argtypes, bench_report
 from sbd_kernels.argtypes import add_option
-from sbd_kernels.machine import SAMPLE_INTERVAL_S, GpuMonitor, gpu_load_text, machine_header
+from sbd_kernels.machine import GpuMonitor, gpu_load_text, machine_header
 from sbd_kernels.testing import GPU_TEST_FILES, PLAN_VARIABLE
 
 # Seconds per stage, for a 16-core H100 or H200 machine. On the first H200 run (a 470 s budget) no stage
@@ -545,8 +545,8 @@ def check_section(header: dict, results: list[StageResult], stages: list[Stage],
     name = (header.get("gpu") or {}).get("name", "unknown GPU")
     lines = [f"# sbd gpu-check: {name}{' (dry run: no stage ran)' if dry_run else ''}", "",
              f"- GPU (NVML, read before the stages: idle clocks): {gpu_line(header)}",
-             (f"- GPU while each stage ran: NVML every {SAMPLE_INTERVAL_S} s; clocks are medians (and the lowest "
-              "SM clock) of the samples with the GPU busy, temperature and power the highest"),
+             ("- GPU while each stage ran (NVML): clocks are medians (and the lowest SM clock) of the samples "
+              "with the GPU busy, temperature and power the highest"),
              (f"- torch {header['torch']} (CUDA {torch.version.cuda or 'none'}), triton {header['triton']}, python "
               f"{header['python']}, commit {header['commit']}, {header['date']}"),
              (f"- `sbd gpu-check` took {seconds:.0f} s; budget {checkout.budget_s} s (default {TOTAL_BUDGET_S} s: "

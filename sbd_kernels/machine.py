@@ -243,14 +243,14 @@ class GpuMonitor:
         return {k: v for k, v in fields.items() if v is not None}
 
     def summary(self) -> dict:
-        """{"samples", "busy"} and, over the busy samples (utilisation > 0; every sample where the GPU reports
+        """{"samples", "busy", "interval_s"} and, over the busy samples (utilisation > 0; every sample where the GPU reports
         no utilisation): median and lowest SM clock, median memory clock, hottest temperature, highest power,
         mean utilisation, and each clock event reason but idleness with the number of busy samples it was
         set in; {"error": why} when NVML could not be read."""
         if self.error is not None:
             return {"error": self.error}
         busy = [s for s in self.samples if s.get("utilization_pct", 1) > 0]
-        result = {"samples": len(self.samples), "busy": len(busy)}
+        result = {"samples": len(self.samples), "busy": len(busy), "interval_s": self.interval_s}
         readings = {key: [s[key] for s in busy if key in s]
                     for key in ("sm_clock_mhz", "mem_clock_mhz", "temperature_c", "power_w", "utilization_pct")}
         if readings["sm_clock_mhz"]:
@@ -272,7 +272,7 @@ class GpuMonitor:
 
 def gpu_load_text(load: dict) -> str:
     """One line of a GpuMonitor summary: "SM 1980 MHz (lowest 1755), memory 3201 MHz, 61 C, 412 W, 38%
-    busy in 40 of 41 samples; clock events: software power cap in 3"."""
+    busy in 40 of 41 samples 0.5 s apart; clock events: software power cap in 3"."""
     if not load:
         return "-"
     if "error" in load:
@@ -289,9 +289,10 @@ def gpu_load_text(load: dict) -> str:
     if "power_w" in load:
         parts.append(f"{load['power_w']:.0f} W")
     if "utilization_pct" in load:
-        parts.append(f"{load['utilization_pct']}% busy in {load['busy']} of {load['samples']} samples")
+        parts.append(f"{load['utilization_pct']}% busy in {load['busy']} of {load['samples']} samples "
+                     f"{load['interval_s']} s apart")
     else:
-        parts.append(f"{load['samples']} samples (no utilisation reported)")
+        parts.append(f"{load['samples']} samples {load['interval_s']} s apart (no utilisation reported)")
     text = ", ".join(parts)
     if load["reasons"]:
         text += "; clock events: " + ", ".join(f"{name} in {count}" for name, count in load["reasons"].items())

@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -143,10 +145,41 @@ def test_bench_run_stores_its_header_and_the_ceilings_of_its_thread_counts(monke
     output = {"machine_info": {"node": "vm"}, "benchmarks": [
         {"extra_info": {"device": "cpu", "threads": 1}}, {"extra_info": {"device": "cpu", "threads": 2}},
         {"extra_info": {"device": "cpu", "threads": 1}}, {"extra_info": {"device": "cuda", "threads": 3}}, {}]}
-    conftest.pytest_benchmark_update_json(None, [], output)
+    conftest.pytest_benchmark_update_json(types.SimpleNamespace(stash=pytest.Stash()), [], output)
     assert output["machine_info"][bench_report.HEADER_KEY] == {
         "cpu": "Run CPU", "ceilings_by_threads": {"1": {"copy_gbs": 10.0}, "2": {"copy_gbs": 20.0}}}
     assert torch.get_num_threads() == before
+
+
+def test_a_gpu_bench_run_stores_the_clocks_it_ran_at(monkeypatch):
+    """Guards against a GPU bench report whose only clocks are those NVML gave once, at rest (an H200 at 345
+    MHz): a run on the GPU samples it while the benchmarks run, stores the summary in its header and the
+    report prints it; a CPU run starts no sampling."""
+    import importlib
+
+    from test_gpucheck import BUSY, CAPPED, FakeNvml
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    conftest = importlib.import_module("bench.conftest")
+    monkeypatch.setattr(conftest, "machine_header", lambda checkout, **kwargs: {"cpu": "Run CPU"})
+    fake = FakeNvml([BUSY, CAPPED])
+    monkeypatch.setattr(conftest, "GpuMonitor", lambda: machine.GpuMonitor(interval_s=0.01, nvml=fake))
+    session = types.SimpleNamespace(config=types.SimpleNamespace(stash=pytest.Stash()))
+    monkeypatch.setattr(conftest, "bench_device", lambda: "cpu")
+    conftest.pytest_sessionstart(session)
+    assert conftest.MONITOR not in session.config.stash
+    monkeypatch.setattr(conftest, "bench_device", lambda: "cuda")
+    conftest.pytest_sessionstart(session)
+    while fake.calls < 3:
+        time.sleep(0.01)
+    output = {"machine_info": {}, "benchmarks": []}
+    conftest.pytest_benchmark_update_json(session.config, [], output)
+    conftest.pytest_sessionfinish(session)
+    assert fake.shut
+    header = output["machine_info"][bench_report.HEADER_KEY]
+    assert header["gpu_load"]["min_sm_clock_mhz"] == 1755 and header["gpu_load"]["reasons"]["software power cap"] >= 1
+    report = markdown({**HEADER, **header, "gpu": H100}, {})
+    assert "- GPU while the benchmarks ran (NVML; clocks: medians of the busy samples): SM " in report
 
 
 def write_raw(path: Path, raw: dict) -> Path:

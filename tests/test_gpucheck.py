@@ -638,10 +638,10 @@ def test_gpu_load_is_summarised_over_the_busy_samples():
     """Guards against a report whose clocks mix idle samples in (the header's 345 MHz idle SM clock read as the
     benchmarks' clock), that hides a power cap, or that counts the idle reason as a slowdown."""
     load = sampled([IDLE, BUSY, BUSY, CAPPED, IDLE]).summary()
-    assert load == {"samples": 5, "busy": 3, "sm_clock_mhz": 1980, "min_sm_clock_mhz": 1755, "mem_clock_mhz": 3201,
+    assert load == {"samples": 5, "busy": 3, "interval_s": 0.5, "sm_clock_mhz": 1980, "min_sm_clock_mhz": 1755, "mem_clock_mhz": 3201,
                     "temperature_c": 66, "power_w": 700.0, "utilization_pct": 93, "reasons": {"software power cap": 1}}
     assert machine.gpu_load_text(load) == ("SM 1980 MHz (lowest 1755), memory 3201 MHz, 66 C, 700 W, 93% busy in 3 of "
-                                           "5 samples; clock events: software power cap in 1")
+                                           "5 samples 0.5 s apart; clock events: software power cap in 1")
 
 
 def test_gpu_load_leaves_out_what_the_gpu_does_not_report():
@@ -651,8 +651,8 @@ def test_gpu_load_leaves_out_what_the_gpu_does_not_report():
     bare = [{k: v for k, v in CAPPED.items() if k not in ("mw", "util")}] * 2
     load = sampled(bare, FakeNvmlBeforeTheRename).summary()
     assert load["busy"] == 2 and "power_w" not in load and load["reasons"] == {"software power cap": 2}
-    assert machine.gpu_load_text(load) == ("SM 1755 MHz (lowest 1755), memory 3201 MHz, 66 C, 2 samples (no "
-                                           "utilisation reported); clock events: software power cap in 2")
+    assert machine.gpu_load_text(load) == ("SM 1755 MHz (lowest 1755), memory 3201 MHz, 66 C, 2 samples 0.5 s apart "
+                                           "(no utilisation reported); clock events: software power cap in 2")
     assert machine.gpu_load_text(sampled([IDLE, IDLE]).summary()) == "idle in all 2 samples"
 
 
@@ -775,8 +775,8 @@ def test_a_run_reports_stages_skips_failures_and_kernels(tmp_path, capsys, monke
     assert err == ""
     assert "name NVIDIA H100 80GB HBM3, driver 550.54.15" in out and "bench-hf (transformers not installed)" in out
     assert "tests: 4 of 6 run (1 failed), 2 not reached in the budget" in out
-    sampling_load = ("SM 1868 MHz (lowest 1755), memory 3201 MHz, 66 C, 700 W, 95% busy in 2 of 3 samples; clock "
-                     "events: software power cap in 1")
+    sampling_load = ("SM 1868 MHz (lowest 1755), memory 3201 MHz, 66 C, 700 W, 95% busy in 2 of 3 samples 0.5 s "
+                     "apart; clock events: software power cap in 1")
     assert f"GPU while the stages ran (NVML):\n  bench-sampling: {sampling_load}\n" in out
     assert ("sampling: 1 rows, 10.00x vs eager per call, 40.00x on CUDA-graph time; best 1.64 TB/s = 49% of the "
             "3.35 TB/s datasheet (B=1 K=16 V=128256 bf16)") in out
