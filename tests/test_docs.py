@@ -95,6 +95,23 @@ def test_checker_reports_each_broken_reference(tmp_path):
     assert _run_checker(source).returncode == 0, "valid references alone must pass"
 
 
+def test_checker_finds_commands_that_run_a_module_that_is_gone(tmp_path):
+    """Guards against documented commands that fail as written because the module they run moved or never
+    existed (the docs ran bench/report.py as a module after it moved into the package): a module of the
+    repository's packages must exist; other modules (pytest, pip, venv) are not the checker's to know."""
+    module = tool_module(CHECKER.stem)
+    gone, never = "bench" + ".report", "tools" + ".nothing"  # split: this file is checked too
+    lines = ["python -m sbd_kernels.aot --warm", ".venv/bin/python3 -m pytest tests -q", "python -m venv .venv",
+             "python3 -m sbd_kernels.cli gpu-check", f"run `python -m {gone} --only sampling`",
+             f"python3.12 -m {never}"]
+    source = tmp_path / "example.md"
+    source.write_text("\n".join(lines) + "\n")
+    problems = module.check_text(source, source.read_text(), module.Documents(REPO_ROOT))
+    assert [(p.line, p.message) for p in problems] == [
+        (5, f"'python -m {gone}' runs no module: no bench/report.py in the repository"),
+        (6, f"'python3.12 -m {never}' runs no module: no tools/nothing.py in the repository")]
+
+
 def test_checker_enforces_one_heading_scheme(tmp_path):
     """Guards against documents whose numbered headings cannot be cited unambiguously: a section number
     defined twice, or a heading level that does not match the number's depth."""

@@ -13,7 +13,10 @@ Fails (exit 1), listing `file:line: problem` for each, when:
 - a referenced document or section does not exist, or a bare `§` number appears outside docs/;
 - a numbered heading of a document breaks the scheme (its level does not match its depth, or it repeats);
 - a file mentions the internal notes that live outside the repository (`NOTE_NAMES`): cite docs/ instead.
-  This file itself is exempt, since it names them;
+  This file itself is exempt, since it names them (and, below, a module that is gone);
+- a command runs a module of the repository that does not exist (`python -m bench.report` after the
+  module moved): `python -m <module>` (python3, .venv/bin/python, ... alike) whose first part is one of the
+  repository's packages (PROJECT_PACKAGES) must name a .py file or a package folder in it;
 - a Markdown file (the reports under bench/reference/ aside) gives a GPU figure without its source: a
   paragraph, or a paragraph with the tables right after it, that names a GPU model (H100, A100, ...) and gives
   a figure in us, ms, GB/s, TB/s, GFLOP/s or TFLOP/s must name an existing bench/reference/ path (the
@@ -47,6 +50,10 @@ FENCE = re.compile(r"^\s*(```|~~~)")
 # Internal notes that never ship with the repository; the code must cite docs/ instead.
 NOTE_NAMES = ("SBD_SPEC", "FINDINGS", "DESIGN.md", "STYLE.md", "PAPER_ROOFLINE", "/work/shared")
 NOTES = re.compile("|".join(re.escape(name) for name in NOTE_NAMES))
+
+# `python -m <module>`, the module of the repository's own packages checked to exist.
+MODULE_RUN = re.compile(r"\bpython(?:3(?:\.\d+)?)?\s+-m\s+([A-Za-z_]\w*(?:\.\w+)*)")
+PROJECT_PACKAGES = ("sbd_kernels", "bench", "tools", "tests")
 
 
 # GPU figures in Markdown: a GPU model, a number with a time or throughput unit, and what names the source.
@@ -153,8 +160,21 @@ def check_range(docs: Documents, name: str, first: str | None, last: str | None)
     return None
 
 
+def missing_module(module: str, root: Path) -> str | None:
+    """None when `module` is outside the repository's packages or is a file (or package) of root; else what
+    is missing."""
+    parts = module.split(".")
+    if parts[0] not in PROJECT_PACKAGES:
+        return None
+    base = root.joinpath(*parts)
+    if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file() or (base / "__main__.py").is_file():
+        return None
+    return f"no {'/'.join(parts)}.py in the repository"
+
+
 def check_text(path: Path, text: str, docs: Documents) -> list[Problem]:
-    """Every problem of one file: unresolved references, bare section numbers, mentions of the notes."""
+    """Every problem of one file: unresolved references, bare section numbers, modules run that do not
+    exist, mentions of the notes."""
     shown = display(path, docs.root)
     own_doc = shown if shown.startswith("docs/") and shown.endswith(".md") else None
     problems = []
@@ -176,11 +196,16 @@ def check_text(path: Path, text: str, docs: Documents) -> list[Problem]:
             missing = check_range(docs, own_doc, *match.groups())
             if missing:
                 problems.append(Problem(shown, number, f"'{match.group(0)}' does not resolve: {missing}"))
-        if path.resolve() != SELF:
-            for match in NOTES.finditer(line):
-                message = (f"mentions '{match.group(0)}', an internal note outside the repository: cite "
-                           "docs/algorithm.md or docs/performance.md")
-                problems.append(Problem(shown, number, message))
+        if path.resolve() == SELF:  # names the notes, and a module that is gone, as examples
+            continue
+        for match in MODULE_RUN.finditer(line):
+            missing = missing_module(match.group(1), docs.root)
+            if missing:
+                problems.append(Problem(shown, number, f"'{match.group(0)}' runs no module: {missing}"))
+        for match in NOTES.finditer(line):
+            message = (f"mentions '{match.group(0)}', an internal note outside the repository: cite "
+                       "docs/algorithm.md or docs/performance.md")
+            problems.append(Problem(shown, number, message))
     return problems
 
 
