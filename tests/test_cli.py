@@ -1,6 +1,7 @@
 """The `sbd` command line: subcommands wired to their modules, `sbd generate` output, `sbd train`; bad
 arguments (exit 2, one argparse error line), errors while running (exit 1, one line, a traceback only with
 --debug), `sbd train --overwrite`, and the dashed flag spellings with their hidden underscore aliases."""
+import argparse
 import os
 import re
 import subprocess
@@ -509,6 +510,34 @@ def test_documents_spell_flags_with_dashes(name):
     """Guards against commands in the docs teaching the old underscore spellings."""
     text = (REPO / name).read_text()
     assert not re.findall(r"(?<![\w{])--[a-z0-9]+_[a-z0-9_]+", text)
+
+
+def subcommand_flags() -> dict[str, set[str]]:
+    """{subcommand: every option string it accepts}, from the parser itself."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: set(command._option_string_actions) for name, command in sub.choices.items()}
+
+
+def unknown_flags(text: str, flags: dict[str, set[str]]) -> list[str]:
+    """"sbd <subcommand> --flag" for each flag a command line in `text` gives its subcommand that it does not
+    take (the line up to a comment, a backquote or a table cell's end)."""
+    command = re.compile(r"\bsbd (" + "|".join(map(re.escape, flags)) + r")\b([^`\n|#]*)")
+    return [f"sbd {m.group(1)} {flag}" for m in command.finditer(text)
+            for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", m.group(2)) if flag not in flags[m.group(1)]]
+
+
+def test_documented_commands_use_flags_their_subcommand_takes():
+    """Guards against a command in the README, docs or docstrings that fails as written (a flag renamed,
+    removed or given to the wrong subcommand); the scan itself must see a wrong flag."""
+    flags = subcommand_flags()
+    assert unknown_flags("`sbd bench --only sampling --budget 480`, sbd roofline --paper", flags) == [
+        "sbd bench --budget"]
+    files = [REPO / "README.md", REPO / "Makefile", *sorted((REPO / "docs").glob("*.md")),
+             *sorted((REPO / "sbd_kernels").rglob("*.py")), *sorted((REPO / "sbd_kernels").rglob("*.md")),
+             *sorted((REPO / "bench").glob("*.py")), *sorted((REPO / "tools").glob("*.py"))]
+    wrong = {str(path.relative_to(REPO)): unknown_flags(path.read_text(), flags) for path in files}
+    assert not {name: found for name, found in wrong.items() if found}
 
 
 def test_abbreviations_are_not_accepted(capsys):
