@@ -1,7 +1,8 @@
 """`sbd gpu-check` (`make gpu-check`): on an NVIDIA GPU, the test suite on CUDA, the benchmarks on the GPU and
 their report, in one command that fits in 10 minutes on an H100.
 
-    make gpu-check                 # builds the extension in place with $(PYTHON), then `sbd gpu-check`
+    make gpu-check                 # builds the extension in place with $(PYTHON), then `sbd gpu-check --spent
+                                   # <the build's seconds>`: the build counts against the 10 minutes
     sbd gpu-check [--out DIR]      # at the root of a checkout whose extension is built
     sbd gpu-check --budget 480 --only tests,bench-sampling   # less time; some stages, sharing it
     sbd gpu-check --dry-run        # any machine: the plan and its commands, a report of stages not run
@@ -111,6 +112,7 @@ class Checkout:
     extension_current: bool  # the compiled extension is newer than every build input
     budget_s: int = TOTAL_BUDGET_S  # the whole check, at most (`--budget`): the stages' budgets are scaled to it
     only: tuple[str, ...] = ()  # the stages to run (`--only`; the build too when it has work); empty: all
+    spent_s: int = 0  # seconds of the check before this command (`--spent`: make gpu-check's build)
 
     def selected(self) -> tuple[str, ...]:
         """The stages that get a budget: those of `only` (all when empty), the build when it has work, and the
@@ -122,9 +124,14 @@ class Checkout:
 
         return tuple(name for name in BUDGETS_S if wanted(name))
 
+    def stage_room_s(self) -> int:
+        """What the stages share: the budget less the seconds spent before this command, at least the least
+        budget that gives each stage a second (a build slower than the whole budget still leaves a check)."""
+        return max(least_budget_s(), self.budget_s - self.spent_s)
+
     def stage_budget(self, name: str) -> int:
         """The budget of stage `name`; 0 for a stage not selected."""
-        return stage_budgets(self.budget_s, self.selected()).get(name, 0)
+        return stage_budgets(self.stage_room_s(), self.selected()).get(name, 0)
 
 
 @dataclass(frozen=True)
@@ -266,7 +273,9 @@ def plan(checkout: Checkout) -> list[Stage]:
 def build_stage(checkout: Checkout) -> Stage:
     what = "the C++ extension, in place, with this interpreter"
     if checkout.extension_current:
-        return Stage("build", checkout.stage_budget("build"), what, nothing_to_do="up to date: newer than every source")
+        done = (f"built before this command, in {checkout.spent_s} s (`make gpu-check`)" if checkout.spent_s
+                else "up to date: newer than every source")
+        return Stage("build", checkout.stage_budget("build"), what, nothing_to_do=done)
     # --force: distutils only compares the .cpp files with the library, not the headers. The build replaces the
     # library file (distutils unlinks it before copying), so this process's loaded copy stays intact.
     command = (checkout.python, "setup.py", "build_ext", "--inplace", "--force")
@@ -335,16 +344,18 @@ def bench_stage(checkout: Checkout, family: str) -> Stage:
                       (bench_report.PARTIAL_VARIABLE, str(bench_report.partial_path(raw)))), raw_json=raw)
 
 
-def plan_text(stages: list[Stage], budget_s: int = TOTAL_BUDGET_S) -> str:
-    """The stages with their budgets, and the commands each runs (or why it does not)."""
+def plan_text(stages: list[Stage], budget_s: int = TOTAL_BUDGET_S, spent_s: int = 0) -> str:
+    """The stages with their budgets, and the commands each runs (or why it does not); spent_s, the seconds
+    the check took before this command, counts against budget_s."""
     lines = []
     for s in stages:
         lines.append(f"{s.name:<16} {s.budget_s:>4} s  {s.what}")
         if s.skip is not None or s.nothing_to_do is not None:
             lines.append(f"    skipped: {s.skip}" if s.skip is not None else f"    nothing to run: {s.nothing_to_do}")
         lines += [f"    {line}" for line in s.command_lines()]
-    total = sum(s.budget_s for s in stages) + fixed_cost_s(sum(s.budget_s > 0 for s in stages))
-    lines.append(f"budget: {total} s at most of {budget_s} s (stages, {GRACE_S} s grace each, report)")
+    total = spent_s + sum(s.budget_s for s in stages) + fixed_cost_s(sum(s.budget_s > 0 for s in stages))
+    before = f"the build before, {spent_s} s; " if spent_s else ""
+    lines.append(f"budget: {total} s at most of {budget_s} s ({before}stages, {GRACE_S} s grace each, report)")
     return "\n".join(lines)
 
 
@@ -549,8 +560,9 @@ def check_section(header: dict, results: list[StageResult], stages: list[Stage],
               "with the GPU busy, temperature and power the highest"),
              (f"- torch {header['torch']} (CUDA {torch.version.cuda or 'none'}), triton {header['triton']}, python "
               f"{header['python']}, commit {header['commit']}, {header['date']}"),
-             (f"- `sbd gpu-check` took {seconds:.0f} s; budget {checkout.budget_s} s (default {TOTAL_BUDGET_S} s: "
-              "`make gpu-check` on an H100)"), "",
+             (f"- the check took {seconds:.0f} s"
+              f"{f' (the build before `sbd gpu-check`, {checkout.spent_s} s, included)' if checkout.spent_s else ''}; "
+              f"budget {checkout.budget_s} s (default {TOTAL_BUDGET_S} s: `make gpu-check` on an H100)"), "",
              "## Stages", "", "| stage | status | time s | budget s | result | GPU while it ran |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r.name} | {r.status} | {r.seconds:.0f} | {r.budget_s} | {r.detail} | {gpu_load_text(r.gpu_load)} |"
@@ -720,17 +732,19 @@ def run(args: argparse.Namespace) -> int:
     default_out = (repo / "bench" / "results" / "gpu-check-dry-run" if args.dry_run
                    else repo / "bench" / "reference" / gpu_slug((header.get("gpu") or {}).get("name", "")))
     checkout = Checkout(repo, (args.out or default_out).resolve(), sys.executable, os.cpu_count() or 1, missing,
-                        extension_is_current(repo), args.budget, tuple(args.only.split(",")) if args.only else ())
+                        extension_is_current(repo), args.budget, tuple(args.only.split(",")) if args.only else (),
+                        args.spent)
     checkout.out.mkdir(parents=True, exist_ok=True)
     stages = plan(checkout)
     print(f"sbd gpu-check{' --dry-run' if args.dry_run else ''}: {len(stages)} stages\n"
-          f"{plan_text(stages, checkout.budget_s)}", flush=True)
+          f"{plan_text(stages, checkout.budget_s, checkout.spent_s)}", flush=True)
     results = []
     for stage in stages:
         if stage.skip is not None:
             result = StageResult(stage.name, "skipped", 0.0, stage.budget_s, stage.skip)
         elif stage.nothing_to_do is not None:
-            result = StageResult(stage.name, "passed", 0.0, stage.budget_s, stage.nothing_to_do)
+            before = checkout.spent_s if stage.name == "build" else 0.0  # make gpu-check's build
+            result = StageResult(stage.name, "passed", before, stage.budget_s, stage.nothing_to_do)
         elif args.dry_run:
             result = not_run(stage, "dry run")
         elif any(r.name == "build" and r.status == "failed" for r in results):
@@ -739,7 +753,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"[{stage.name}] running, {stage.budget_s} s budget", flush=True)
             result = run_stage(stage, checkout)
         results.append(result)
-    seconds = time.monotonic() - started
+    seconds = time.monotonic() - started + checkout.spent_s
     report, families, ceilings = write_report(checkout, header, stages, results, seconds, args.dry_run)
     print(summary(header, results, families, ceilings, report, seconds, checkout.budget_s))
     return 1 if any(r.status in ("failed", "overran") for r in results) else 0
@@ -756,6 +770,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                metavar="STAGES", help="comma-separated stages to run (the build when needed and the compile stage "
                                       "always run too), e.g. bench-attention,bench-sampling; the budget is shared "
                                       "among them")
+    add_option(parser, "--spent", type=argtypes.non_negative_int, default=0, metavar="SECONDS",
+               help="seconds the check already took before this command (`make gpu-check` passes its build's): "
+                    "they count against --budget, the stages share the rest")
     add_option(parser, "--dry-run", action="store_true",
                help="no GPU needed: print the plan and its commands, write the report of stages not run")
     return parser

@@ -714,6 +714,34 @@ def test_a_dry_run_with_a_budget_plans_and_reports_against_it(tmp_path, capsys, 
     assert json.loads((tmp_path / "gpu-check.json").read_text())["budget_s"] == 480
 
 
+@pytest.mark.parametrize("spent", [0, 45, 1000])
+def test_the_build_before_the_command_counts_against_the_budget(tmp_path, spent):
+    """Guards against `make gpu-check` taking its build plus the whole budget (past 10 minutes on an H100):
+    the seconds spent before `sbd gpu-check` (--spent) leave the stages the rest, never less than the least
+    budget that gives each a second, and the build's line says how long it took."""
+    room = max(gpucheck.least_budget_s(), gpucheck.TOTAL_BUDGET_S - spent)
+    given = dataclasses.replace(checkout(tmp_path), spent_s=spent)
+    stages = gpucheck.plan(given)
+    assert {s.name: s.budget_s for s in stages if s.budget_s} == gpucheck.stage_budgets(room, given.selected())
+    worst = spent + sum(s.budget_s + gpucheck.GRACE_S for s in stages if s.budget_s) + gpucheck.REPORT_BUDGET_S
+    assert worst <= gpucheck.TOTAL_BUDGET_S or room == gpucheck.least_budget_s()
+    build = next(s for s in stages if s.name == "build")
+    assert build.nothing_to_do == (f"built before this command, in {spent} s (`make gpu-check`)" if spent
+                                   else "up to date: newer than every source")
+    assert f"budget: {worst} s at most of 600 s" in gpucheck.plan_text(stages, given.budget_s, spent)
+
+
+def test_make_gpu_check_passes_the_time_of_its_build(capsys):
+    """Guards against the Makefile's build being left out of the check's time again, and a --spent that
+    takes a negative or fractional count."""
+    recipe = (REPO / "Makefile").read_text().split("\ngpu-check:\n", 1)[1].split("\n\n", 1)[0]
+    assert "start=$$(date +%s)" in recipe and "gpu-check --spent $$(( $$(date +%s) - start ))" in recipe
+    for text in ("-1", "2.5"):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["gpu-check", "--dry-run", "--spent", text])
+        assert info.value.code == 2 and "argument --spent" in capsys.readouterr().err
+
+
 def test_without_a_gpu_one_line_and_status_1(tmp_path, capsys, monkeypatch):
     """Guards against a check that starts (or writes a report) on a machine where torch sees no GPU, or fails
     there with a traceback."""
