@@ -885,7 +885,8 @@ def test_bench_device_is_the_gpu_where_there_is_one(monkeypatch):
 
 
 # A CUDA driver that Triton's JIT can compile against on a machine without a GPU: device 0, stream 0, sm_90.
-FAKE_DRIVER_WARM = """
+# Triton's JIT on a machine without a GPU: a driver that targets sm_90 (compiles work, launches cannot).
+FAKE_DRIVER_SETUP = """
 import sys
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
@@ -896,23 +897,67 @@ class FakeCudaDriver:
     def get_current_target(self): return GPUTarget("cuda", 90, 32)
 
 driver.set_active(FakeCudaDriver())
+"""
+# Launches of awkward calls (offset and transposed views, sizes off any power of two, bf16 and fp16), one per
+# family and the filtered sampling path, built by each launcher from real CPU tensors: `warm` compiles their
+# configurations by name as the compile stage does; `launch` asks the JIT for each launch as a test process
+# would and prints the cache entries it added.
+WARM_THEN_LAUNCH = FAKE_DRIVER_SETUP + """
+import os, torch
+from pathlib import Path
 from sbd_kernels import aot
-names = [spec.name for spec in aot.collect_specs()]
-print(aot._warm_job(names.index(sys.argv[1])))
+from sbd_kernels.ops.attention import triton as attention
+from sbd_kernels.ops.sampling import triton as sampling
+from sbd_kernels.ops.scatter import triton as scatter
+
+attention.compiles_for_gpu = lambda device: True  # the CPU tensors stand for CUDA ones (tensor-core dots)
+gen = torch.Generator().manual_seed(0)
+tokens = torch.full((3, 27), -1, dtype=torch.int64)[:, 1:14]
+launches = {scatter: scatter._scatter_launches(tokens, torch.ones(3, 13, dtype=torch.bool),
+                                               torch.randint(0, 9, (3, 13), generator=gen),
+                                               torch.rand(13, 3, generator=gen).t(), None, 0.5, "threshold")[1]}
+logits = torch.randn(2, 3, 1100, generator=gen).to(torch.bfloat16)[:, :, 3:1003]
+launches[sampling] = sampling._sampling_launches(logits, torch.tensor([1, 2]), torch.tensor([0, 5]),
+                                                 torch.tensor([0.7, 1.0]), top_k=torch.tensor([5, 0]))[1]
+q, k, v = (torch.randn(2, 9, h, 64, generator=gen).to(torch.float16).transpose(1, 2).contiguous().transpose(1, 2)
+           for h in (4, 2, 2))
+cache = torch.zeros(2, 40, 2, 64, dtype=torch.float16)
+launches[attention] = attention._attention_launches(q, k, v, cache, cache.clone(), torch.tensor([7, 20], dtype=torch.int32),
+                                                    torch.tensor([5, 2], dtype=torch.int32), 4)[2]
+names = [spec.name for family, kls in launches.items() for spec in family.specs_of_launches(kls)]
+folder = Path(os.environ["TRITON_CACHE_DIR"])
+if sys.argv[1] == "warm":
+    listed = [spec.name for spec in aot.collect_specs()]
+    print([aot._warm_job(listed.index(name))[2] for name in names])
+else:  # "launch": all; "launch-first": the scatter launch alone (one compile where nothing is cached)
+    before = set(folder.iterdir())
+    every = [kl for kls in launches.values() for kl in kls]
+    for kl in every if sys.argv[1] == "launch" else every[:1]:
+        kl.kernel.warmup(**kl.args, **kl.constexprs, grid=kl.grid, num_warps=kl.num_warps, num_stages=kl.num_stages)
+    print((len(names), sorted(p.name for p in set(folder.iterdir()) - before)))
 """
 
 
-def test_compile_stage_compiles_through_the_jit_into_its_cache(tmp_path):
-    """Guards against the compile stage (`python -m sbd_kernels.aot --warm`) failing on Triton's JIT
-    (`warmup` with the spec's arguments and constexprs), or compiling somewhere the later stages do not look:
-    one configuration, with a driver that targets sm_90 in place of a GPU, lands in TRITON_CACHE_DIR."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
-    name = "mask_scatter_/accept BLOCK_K=16 rule=threshold gamma=scalar valid=no"
-    proc = subprocess.run([sys.executable, "-c", FAKE_DRIVER_WARM, name], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=REPO, check=False)
-    assert proc.returncode == 0, proc.stderr
-    reported_name, _, error = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
-    assert (reported_name, error) == (name, None)
-    assert [p.name for p in tmp_path.rglob("_scatter_accept_kernel.cubin")]
+def test_a_launch_finds_what_the_compile_stage_compiled(tmp_path):
+    """Guards against the compile stage (`python -m sbd_kernels.aot --warm`) failing on Triton's JIT, compiling
+    somewhere the later stages do not look (TRITON_CACHE_DIR), or filling the cache under keys no launch asks
+    for (arguments typed unlike a launch's, a specialisation it did not foresee): then every test process
+    compiles the same kernels again and the test stage is bound by compiling, as on the first GPU runs.
+    Launches of awkward calls, typed by the JIT from real tensors in a fresh process, find every binary the
+    warm compiled (and in an empty cache one compiles: the check can fail)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(REPO)}
 
+    def run(mode: str, cache: Path) -> list:
+        proc = subprocess.run([sys.executable, "-c", WARM_THEN_LAUNCH, mode], env={**env, "TRITON_CACHE_DIR": str(cache)},
+                              capture_output=True, text=True, timeout=600, cwd=REPO, check=False)
+        assert proc.returncode == 0, proc.stderr
+        return ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+
+    errors = run("warm", tmp_path / "warmed")
+    assert errors and errors == [None] * len(errors)
+    assert [p.name for p in (tmp_path / "warmed").rglob("_scatter_accept_kernel.cubin")]
+    count, added = run("launch", tmp_path / "warmed")
+    assert count == len(errors) >= 4 and added == [], f"{len(added)} of {count} launches compiled again"
+    (tmp_path / "empty").mkdir()
+    _, added = run("launch-first", tmp_path / "empty")
+    assert len(added) == 1
