@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import inspect
 import io
 import json
 import multiprocessing
@@ -96,10 +97,18 @@ def parse_ptxas_log(log: str) -> tuple[int, int] | None:
     return max(regs), sum(int(m) for m in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
 
 
+def ptxas_path(arch: int) -> str:
+    """The ptxas Triton compiles for `arch` with: `get_ptxas(arch)` from triton 3.6 on (3.9 gives sm_90 the
+    newer of its two, ptxas-blackwell, which alone reads its PTX), `get_ptxas()` in 3.5."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    takes_arch = bool(inspect.signature(get_ptxas).parameters)
+    return (get_ptxas(arch) if takes_arch else get_ptxas()).path
+
+
 def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
-    """(registers, spill store + load bytes) from `ptxas -v`, run with the flags Triton uses. The ptxas of
-    sm_80 / sm_90 is `knobs.nvidia.ptxas` (Triton's get_ptxas takes the arch from triton 3.6 on, nothing before)."""
-    from triton import knobs
+    """(registers, spill store + load bytes) from `ptxas -v`, run with the flags Triton uses, by the ptxas
+    Triton uses for `arch` (`ptxas_path`)."""
     from triton.backends.nvidia.compiler import sm_arch_from_capability
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,7 +116,7 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
         with open(src, "w") as f:
             f.write(ptx)
         proc = subprocess.run(
-            [knobs.nvidia.ptxas.path, "-v", "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(arch)}",
+            [ptxas_path(arch), "-v", "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(arch)}",
              src, "-o", os.path.join(tmp, "k.cubin")],
             capture_output=True, text=True, check=True,
         )
@@ -134,8 +143,7 @@ def compile_spec(spec, arch: int) -> CompileResult:
         knobs.nvidia.dump_ptxas_log = True
         log = io.StringIO()
         with contextlib.redirect_stdout(log):
-            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                      options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=spec.options())
         usage = parse_ptxas_log(log.getvalue()) or ptxas_usage(compiled.asm["ptx"], arch)
         result.regs, result.spill_bytes = usage
         result.shared_bytes = compiled.metadata.shared
@@ -269,8 +277,7 @@ def _warm_job(index: int) -> tuple[str, float, str | None]:
     spec = collect_specs()[index]
     start = time.monotonic()
     try:
-        spec.fn.warmup(*warmup_arguments(spec), grid=(1,), num_warps=spec.num_warps, num_stages=spec.num_stages,
-                       **spec.constexprs)
+        spec.fn.warmup(*warmup_arguments(spec), grid=(1,), **spec.options(), **spec.constexprs)
     except Exception as err:  # noqa: BLE001  (report every failing configuration, not just the first)
         return spec.name, time.monotonic() - start, compile_error_line(err)
     return spec.name, time.monotonic() - start, None

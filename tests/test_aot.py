@@ -139,7 +139,7 @@ result = aot.compile_spec(spec, 90)
 assert result.ok, result.error
 compiled = triton.compile(ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs),
                           target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+                          options=spec.options())
 print(result.regs, result.spill_bytes, *aot.ptxas_usage(compiled.asm["ptx"], 90))
 """
 

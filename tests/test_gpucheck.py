@@ -909,6 +909,7 @@ from sbd_kernels import aot
 from sbd_kernels.ops.attention import triton as attention
 from sbd_kernels.ops.sampling import triton as sampling
 from sbd_kernels.ops.scatter import triton as scatter
+from sbd_kernels.ops._aot import compile_options
 
 attention.compiles_for_gpu = lambda device: True  # the CPU tensors stand for CUDA ones (tensor-core dots)
 gen = torch.Generator().manual_seed(0)
@@ -933,7 +934,7 @@ else:  # "launch": all; "launch-first": the scatter launch alone (one compile wh
     before = set(folder.iterdir())
     every = [kl for kls in launches.values() for kl in kls]
     for kl in every if sys.argv[1] == "launch" else every[:1]:
-        kl.kernel.warmup(**kl.args, **kl.constexprs, grid=kl.grid, num_warps=kl.num_warps, num_stages=kl.num_stages)
+        kl.kernel.warmup(**kl.args, **kl.constexprs, grid=kl.grid, **compile_options(kl.num_warps, kl.num_stages))
     print((len(names), sorted(p.name for p in set(folder.iterdir()) - before)))
 """
 

@@ -27,6 +27,11 @@ DEFAULT_SM_COUNT = 132
 # Software-pipelining depth of a launch that does not choose one: Triton's own default on CUDA
 # (`CUDAOptions.num_stages` in Triton 3.8), passed explicitly so that the AOT compile uses it too.
 TRITON_DEFAULT_NUM_STAGES = 3
+# Floating-point contraction (a * b + c as one FMA), as the kernels were tuned and their tolerances set with:
+# Triton's default through 3.9, which warns that the default turns to off in 3.10 (TRITON_DEFAULT_FP_FUSION).
+# Passed with every launch, compile and warm-up, so that the version installed changes neither the code nor
+# the cache key; TRITON_FORCE_DISABLE_FP_FUSION=1 still turns it off.
+ENABLE_FP_FUSION = True
 
 
 def unspecialised_jit(fn):
@@ -49,7 +54,7 @@ def unspecialised_jit(fn):
 
 
 class KernelLaunch(NamedTuple):
-    """One launch `kernel[grid](**args, **constexprs, num_warps=..., num_stages=...)`.
+    """One launch `kernel[grid](**args, **constexprs, **compile_options(num_warps, num_stages))`.
 
     args: every runtime argument of `kernel` by name (tensors, ints, floats).
     constexprs: every `tl.constexpr` argument by name: the compile-time choices of the launch.
@@ -63,10 +68,15 @@ class KernelLaunch(NamedTuple):
     num_stages: int = TRITON_DEFAULT_NUM_STAGES
 
 
+def compile_options(num_warps: int, num_stages: int) -> dict[str, Any]:
+    """The compile options of a launch, an AOT compile or a warm-up of the same configuration: one key."""
+    return {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": ENABLE_FP_FUSION}
+
+
 def launch(launches: list[KernelLaunch]) -> None:
     """Run the launches in order (one stream, no host sync)."""
     for kl in launches:
-        kl.kernel[kl.grid](**kl.args, **kl.constexprs, num_warps=kl.num_warps, num_stages=kl.num_stages)
+        kl.kernel[kl.grid](**kl.args, **kl.constexprs, **compile_options(kl.num_warps, kl.num_stages))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -132,6 +142,10 @@ class KernelSpec:
     constexprs: dict[str, Any] = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = TRITON_DEFAULT_NUM_STAGES
+
+    def options(self) -> dict[str, Any]:
+        """`compile_options` of this configuration: what its launches pass."""
+        return compile_options(self.num_warps, self.num_stages)
 
     @property
     def configuration(self) -> tuple:
