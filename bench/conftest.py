@@ -21,8 +21,13 @@ MONITOR = pytest.StashKey[GpuMonitor]()
 
 
 def pytest_sessionstart(session):
-    """On the GPU: starts sampling it (`machine.GpuMonitor`, every 0.5 s in a thread of this process)."""
-    if bench_device() == "cuda":
+    """On the GPU: starts sampling it (`machine.GpuMonitor`, every 0.5 s in a thread of this process). A
+    device that SBD_BENCH_DEVICE asks for and this machine lacks stops the run in one line."""
+    try:
+        device = bench_device()
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
+    if device == "cuda":
         session.config.stash[MONITOR] = GpuMonitor().__enter__()
 
 

@@ -871,8 +871,8 @@ def test_gpu_slug():
 
 
 def test_bench_device_is_the_gpu_where_there_is_one(monkeypatch):
-    """Guards against GPU benchmark runs timing CPU baselines (the old behaviour), and against a forced CUDA run
-    without a GPU."""
+    """Guards against GPU benchmark runs timing CPU baselines (the old behaviour), against a forced CUDA run
+    without a GPU, and against a bench run on such a setting failing with pytest's internal-error traceback."""
     from bench.harness import bench_device
 
     monkeypatch.delenv("SBD_BENCH_DEVICE", raising=False)
@@ -882,10 +882,15 @@ def test_bench_device_is_the_gpu_where_there_is_one(monkeypatch):
     monkeypatch.setenv("SBD_BENCH_DEVICE", "tpu")
     with pytest.raises(ValueError, match="SBD_BENCH_DEVICE must be cpu or cuda"):
         bench_device()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"SBD_BENCH_DEVICE": "tpu"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "bench/bench_scatter.py", "-q", "-p", "no:cacheprovider"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR and "INTERNALERROR" not in proc.stderr + proc.stdout
+    assert "ERROR: SBD_BENCH_DEVICE must be cpu or cuda, got 'tpu'" in proc.stderr
 
 
-# A CUDA driver that Triton's JIT can compile against on a machine without a GPU: device 0, stream 0, sm_90.
-# Triton's JIT on a machine without a GPU: a driver that targets sm_90 (compiles work, launches cannot).
+# Triton's JIT on a machine without a GPU: a driver for device 0, stream 0, sm_90 (compiles work, launches
+# cannot).
 FAKE_DRIVER_SETUP = """
 import sys
 from triton.backends.compiler import GPUTarget
