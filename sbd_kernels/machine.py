@@ -166,6 +166,9 @@ CLOCK_EVENT_REASONS = {0x1: "idle", 0x2: "application clocks setting", 0x4: "sof
                        0x40: "hardware thermal slowdown", 0x80: "hardware power brake",
                        0x100: "display clock setting"}
 SAMPLE_INTERVAL_S = 0.5  # 20 samples in the shortest stage budget (scatter's 25 s at 600 s), ~1 ms of NVML each
+# How GpuMonitor.summary reduces each reading over the busy samples.
+SUMMARY_OF = {"sm_clock_mhz": statistics.median, "mem_clock_mhz": statistics.median, "temperature_c": max,
+              "power_w": max, "utilization_pct": lambda values: round(statistics.mean(values))}
 
 
 @final
@@ -243,27 +246,21 @@ class GpuMonitor:
         return {k: v for k, v in fields.items() if v is not None}
 
     def summary(self) -> dict:
-        """{"samples", "busy", "interval_s"} and, over the busy samples (utilisation > 0; every sample where the GPU reports
-        no utilisation): median and lowest SM clock, median memory clock, hottest temperature, highest power,
-        mean utilisation, and each clock event reason but idleness with the number of busy samples it was
-        set in; {"error": why} when NVML could not be read."""
+        """{"samples", "busy", "interval_s"} and, over the busy samples (utilisation > 0; all of them where the
+        GPU reports no utilisation), each reading reduced by SUMMARY_OF (median clocks, hottest temperature,
+        highest power, mean utilisation), the lowest SM clock, and each clock event reason but idleness with
+        the number of busy samples it was set in; {"error": why} when NVML could not be read."""
         if self.error is not None:
             return {"error": self.error}
-        busy = [s for s in self.samples if s.get("utilization_pct", 1) > 0]
-        result = {"samples": len(self.samples), "busy": len(busy), "interval_s": self.interval_s}
-        readings = {key: [s[key] for s in busy if key in s]
-                    for key in ("sm_clock_mhz", "mem_clock_mhz", "temperature_c", "power_w", "utilization_pct")}
-        if readings["sm_clock_mhz"]:
-            result["sm_clock_mhz"] = statistics.median(readings["sm_clock_mhz"])
-            result["min_sm_clock_mhz"] = min(readings["sm_clock_mhz"])
-        if readings["mem_clock_mhz"]:
-            result["mem_clock_mhz"] = statistics.median(readings["mem_clock_mhz"])
-        if readings["temperature_c"]:
-            result["temperature_c"] = max(readings["temperature_c"])
-        if readings["power_w"]:
-            result["power_w"] = max(readings["power_w"])
-        if readings["utilization_pct"]:
-            result["utilization_pct"] = round(statistics.mean(readings["utilization_pct"]))
+        samples = list(self.samples)  # the thread may append meanwhile
+        busy = [s for s in samples if s.get("utilization_pct", 1) > 0]
+        result = {"samples": len(samples), "busy": len(busy), "interval_s": self.interval_s}
+        for key, reduce in SUMMARY_OF.items():
+            values = [s[key] for s in busy if key in s]
+            if values:
+                result[key] = reduce(values)
+        if "sm_clock_mhz" in result:
+            result["min_sm_clock_mhz"] = min(s["sm_clock_mhz"] for s in busy if "sm_clock_mhz" in s)
         counts = {name: sum(1 for s in busy if s.get("reasons", 0) & bit)
                   for bit, name in CLOCK_EVENT_REASONS.items() if bit != 0x1}
         result["reasons"] = {name: count for name, count in counts.items() if count}
