@@ -9,7 +9,7 @@ reference machine (AMD EPYC Zen 4) two processes ran it in 8.5-11 minutes (8.7-1
 machine), where one process had taken 17.3 minutes (with 71 more real-process CLI cases, ~2.5 min). A 2-core
 Xeon at 2.1 GHz took 16.4-18.7 minutes, and 10.1-12.1 once the interpreter patched triton.language once per
 launch (`sbd_kernels.testing.patch_the_interpreter_once_per_launch`) and the CMake build ran in one shard;
-a 2-core Xeon at 2.6 GHz, 7.7-9.8 minutes.
+a 2-core Xeon at 2.6 GHz, 7.7-10.6 minutes.
 Shard 0 prints as it runs; the others' output follows when they end. Exit status: 0 when every shard passed,
 else the first non-zero status among them.
 """
