@@ -38,8 +38,8 @@ timings are also appended one by one as they end: SBD_BENCH_PARTIAL), and the su
 stage that cannot run (pytest, pytest-benchmark or transformers missing, or the build failed) is skipped with
 the reason. The report goes to bench/reference/<gpu-name>/: report.md (the GPU from NVML: name, driver,
 clocks; the stages, each with the GPU's clocks, temperature, power and clock event reasons while it ran,
-sampled from NVML (`machine.GpuMonitor`); the tests by file; what was skipped and why; the benchmark tables with achieved TB/s and
-TFLOP/s against the GPU's datasheet), report.json, report.csv, gpu-check.json (the stages), raw/
+sampled from NVML (`machine.GpuMonitor`); the tests by file; what was skipped and why; the benchmark tables
+with achieved TB/s and TFLOP/s against the GPU's datasheet), report.json, report.csv, gpu-check.json (the stages), raw/
 (pytest-benchmark JSON) and logs/. Exit status: 0 when every stage that ran passed, 1 when one failed or
 overran, 1 with one line when torch sees no GPU.
 """

@@ -638,8 +638,9 @@ def test_gpu_load_is_summarised_over_the_busy_samples():
     """Guards against a report whose clocks mix idle samples in (the header's 345 MHz idle SM clock read as the
     benchmarks' clock), that hides a power cap, or that counts the idle reason as a slowdown."""
     load = sampled([IDLE, BUSY, BUSY, CAPPED, IDLE]).summary()
-    assert load == {"samples": 5, "busy": 3, "interval_s": 0.5, "sm_clock_mhz": 1980, "min_sm_clock_mhz": 1755, "mem_clock_mhz": 3201,
-                    "temperature_c": 66, "power_w": 700.0, "utilization_pct": 93, "reasons": {"software power cap": 1}}
+    assert load == {"samples": 5, "busy": 3, "interval_s": 0.5, "sm_clock_mhz": 1980, "min_sm_clock_mhz": 1755,
+                    "mem_clock_mhz": 3201, "temperature_c": 66, "power_w": 700.0, "utilization_pct": 93,
+                    "reasons": {"software power cap": 1}}
     assert machine.gpu_load_text(load) == ("SM 1980 MHz (lowest 1755), memory 3201 MHz, 66 C, 700 W, 93% busy in 3 of "
                                            "5 samples 0.5 s apart; clock events: software power cap in 1")
 
