@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,6 +49,47 @@ from sbd_kernels.ops.scatter._checks import RULES
 from sbd_kernels.protocol import DecodeCache, SbdModel
 
 METHODS = ("ntp", "sbd")
+INTEGER_FIELDS = ("block_size", "max_new_tokens", "seed", "top_k")  # of DecodeConfig
+REAL_FIELDS = ("gamma", "temperature", "top_p", "min_p")
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+def integer(owner: str, name: str, value: object) -> int:
+    """`value` as an int: Python and NumPy integers and one-element integer tensors (anything with __index__),
+    not bools. Raises TypeError naming `owner` and `name` otherwise."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{owner}: {name} must be an integer, got {value!r} ({type(value).__name__})")
+
+
+def real(owner: str, name: str, value: object) -> float:
+    """`value` as a float: Python and NumPy reals, not bools. Raises TypeError naming `owner` and `name`."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"{owner}: {name} must be a real number, got {value!r} ({type(value).__name__})")
+
+
+def token_ids(caller: str, eos_id: object) -> tuple[int, ...]:
+    """`generate`'s eos_id as a tuple of ints: one id (an integer, see `integer`) or a non-empty sequence of them,
+    each within int64 (the dtype the decode compares tokens in). A negative id matches no token (no EOS)."""
+    if eos_id is None:
+        raise TypeError(f"{caller}: eos_id must be a token id or a sequence of token ids, got None (pass -1 for "
+                        "no EOS)")
+    if hasattr(eos_id, "__index__") and not getattr(eos_id, "ndim", 0):
+        ids = (integer(caller, "eos_id", eos_id),)
+    elif isinstance(eos_id, (str, bytes)) or not hasattr(eos_id, "__iter__"):
+        raise TypeError(f"{caller}: eos_id must be a token id or a sequence of token ids, got {eos_id!r}")
+    else:
+        ids = tuple(integer(caller, f"eos_id[{i}]", e) for i, e in enumerate(eos_id))
+    if not ids:
+        raise ValueError(f"{caller}: eos_id must name at least one token id")
+    for i, e in enumerate(ids):
+        if not INT64_MIN <= e <= INT64_MAX:
+            raise ValueError(f"{caller}: eos_id {e} does not fit in int64, the dtype of the decoded tokens")
+    return ids
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -81,6 +124,12 @@ class DecodeConfig:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
+        # Types first: a float budget (4.5) would be compared as such by the decode loop (5 positions revealed)
+        # and clamped as an int64 tensor elsewhere (4 reported), and a float block size fails inside torch.
+        for name in INTEGER_FIELDS:
+            object.__setattr__(self, name, integer("DecodeConfig", name, getattr(self, name)))
+        for name in REAL_FIELDS:
+            object.__setattr__(self, name, real("DecodeConfig", name, getattr(self, name)))
         if self.method not in METHODS:
             raise ValueError(f"DecodeConfig: method must be one of {METHODS}, got {self.method!r}")
         if self.block_size < 1:
@@ -229,11 +278,12 @@ class DecodeConstants:
     min_p: float = 0.0
 
     @staticmethod
-    def of(model_mask_id: int, cfg: DecodeConfig, eos_id: int | Sequence[int], pad_id: int) -> DecodeConstants:
-        """The constants of decoding with `cfg` (block size 1 for NTP)."""
-        eos_ids = (eos_id,) if isinstance(eos_id, int) else tuple(int(e) for e in eos_id)
-        if not eos_ids:
-            raise ValueError("generate: eos_id must name at least one token id")
+    def of(model_mask_id: int, cfg: DecodeConfig, eos_id: int | Sequence[int], pad_id: int,
+           caller: str = "generate") -> DecodeConstants:
+        """The constants of decoding with `cfg` (block size 1 for NTP); TypeError / ValueError naming `caller`
+        and the argument for an eos_id or pad_id that is not a token id (see `token_ids`)."""
+        eos_ids = token_ids(caller, eos_id)
+        pad_id = integer(caller, "pad_id", pad_id)
         return DecodeConstants(eos_ids=eos_ids, pad_id=pad_id, mask_id=model_mask_id,
                                block_size=cfg.block_size if cfg.method == "sbd" else 1,
                                max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma, temperature=cfg.temperature,
@@ -629,7 +679,9 @@ def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eo
              pad_id: int, batch_size: int | None = None, ops: DecodeOps | None = None,
              steps: StepFunctions | None = None, cuda_graph: bool = False) -> DecodeResult:
     """Decode every prompt (token-id lists) with the KV cache, `batch_size` prompts per batch (default all).
-    No prompt gives an empty result. Prompt ids and pad_id must lie in the model's vocabulary (ValueError).
+    No prompt gives an empty result. Prompt ids and pad_id must lie in the model's vocabulary (ValueError);
+    eos_id is one id or a sequence of ids, of any integer type (TypeError); an id no token has (-1) never
+    ends a sequence, as in Hugging Face's generate.
 
     ops: the kernels (default `fused_ops()`; `naive_ops()` runs the same loop on the oracles).
     steps: the step functions (default eager; `compiled_steps()` for torch.compile).
@@ -652,7 +704,7 @@ def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eo
         raise ValueError(f"generate: cuda_graph=True needs the model on a CUDA device, it is on {device}")
     if batch_size is not None and not batch_size >= 1:
         raise ValueError(f"generate: batch_size must be >= 1 (or None: one batch), got {batch_size}")
-    check_prompts(model, prompts, pad_id, "generate")
+    check_prompts(model, prompts, sp.pad_id, "generate")
     if not prompts:
         return DecodeResult.empty(sp.block_size)
     batch_size = batch_size or len(prompts)
@@ -827,8 +879,8 @@ def oracle_decode(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, 
     prompt at a time, with the naive ops by default. Same seeds, NFE accounting, EOS rule, invalid-logits stop
     and pass limit as `generate`. `observer`, if given, is called after every pass with its `OraclePass`."""
     ops = ops or naive_ops()
-    sp = DecodeConstants.of(model.mask_token_id, cfg, eos_id, pad_id)
-    check_prompts(model, prompts, pad_id, "oracle_decode")
+    sp = DecodeConstants.of(model.mask_token_id, cfg, eos_id, pad_id, "oracle_decode")
+    check_prompts(model, prompts, sp.pad_id, "oracle_decode")
     decode_one = _oracle_sbd if cfg.method == "sbd" else _oracle_ntp
     answers, all_tokens, nfes, generated, stopped = [], [], [], [], []
     hist = torch.zeros(sp.block_size + 1, dtype=torch.int64)

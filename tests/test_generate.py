@@ -14,6 +14,7 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -276,6 +277,50 @@ def test_bad_config_names_the_field(field, value):
     temperature fails only mid-decode, an unknown rule not at all under NTP)."""
     with pytest.raises(ValueError, match=field):
         DecodeConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", [("max_new_tokens", 4.5), ("block_size", 2.5), ("block_size", True),
+                                         ("seed", "1"), ("top_k", 2.0), ("gamma", "0.1"), ("temperature", False),
+                                         ("top_p", None)])
+def test_config_of_the_wrong_type_names_the_field(field, value):
+    """Guards against a float budget decoding silently wrong (max_new_tokens=4.5 revealed 5 positions and
+    reported 4), a float block size failing deep inside torch.full, and True passing as a block size of 1."""
+    with pytest.raises(TypeError, match=f"DecodeConfig: {field} must be"):
+        DecodeConfig(**{field: value})
+
+
+def test_config_takes_numpy_and_tensor_integers_as_ints():
+    """Guards against rejecting the integer types a config is built from in practice (NumPy, one-element
+    tensors), and against keeping them: the decode loop and the graph-capture checks compare plain ints."""
+    cfg = DecodeConfig(block_size=np.int64(4), max_new_tokens=torch.tensor(8), gamma=np.float32(0.5),
+                       top_k=np.int32(3))
+    assert (cfg.block_size, cfg.max_new_tokens, cfg.gamma, cfg.top_k) == (4, 8, 0.5, 3)
+    assert all(type(getattr(cfg, f)) is int for f in ("block_size", "max_new_tokens", "top_k"))
+    assert type(cfg.gamma) is float
+
+
+@pytest.mark.parametrize("decode", ["generate", "oracle_decode"])
+@pytest.mark.parametrize("eos_id,error,words", [
+    (None, TypeError, r"eos_id must be a token id or a sequence of token ids, got None"),
+    ("2", TypeError, r"eos_id must be a token id or a sequence of token ids, got '2'"),
+    ([2, 3.0], TypeError, r"eos_id\[1\] must be an integer, got 3.0"),
+    ([], ValueError, r"eos_id must name at least one token id"),
+    (10 ** 20, ValueError, r"eos_id 100000000000000000000 does not fit in int64"),
+])
+def test_bad_eos_id_names_the_argument(model, decode, eos_id, error, words):
+    """Guards against a bad eos_id failing as "'NoneType' object is not iterable" or a bare
+    OverflowError mid-decode: the error names the argument."""
+    fn = generate if decode == "generate" else oracle_decode
+    with pytest.raises(error, match=f"{decode}: {words}"):
+        fn(model, [[5, 6]], DecodeConfig(block_size=BLOCK, max_new_tokens=4), eos_id=eos_id, pad_id=PAD)
+
+
+@pytest.mark.parametrize("eos_id", [np.int64(EOS), torch.tensor(EOS), [np.int32(EOS)], torch.tensor([EOS, 40])])
+def test_eos_id_of_numpy_or_tensor_type_decodes_as_the_int(model, prompts, eos_id):
+    """Guards against rejecting a single NumPy or tensor id as "not iterable" (it was taken for a sequence)."""
+    cfg = DecodeConfig(block_size=BLOCK, gamma=0.5, max_new_tokens=BUDGET)
+    expected = generate(model, prompts, cfg, eos_id=[EOS, 40] if getattr(eos_id, "ndim", 0) else EOS, pad_id=PAD)
+    assert_same_decode(generate(model, prompts, cfg, eos_id=eos_id, pad_id=PAD), expected)
 
 
 def test_empty_prompt_is_rejected(model):
