@@ -564,6 +564,24 @@ def test_mask_token_reused_from_the_tokenizer_gets_an_embedding_row():
     assert int(out.generated[0]) == 4
 
 
+def test_enable_again_with_another_mask_token_unsuppresses_the_old_one():
+    """Guards against `enable_sbd` with a new mask token leaving the old mask id in
+    generation_config.suppress_tokens (and so in a saved generation_config.json): HF's generate never emitted that
+    token again, and custom_generate refused with "suppress_tokens other than the mask token", a setting the user
+    never made. A token the user suppressed stays suppressed."""
+    model = tiny_model("llama")
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    hf.enable_sbd(model, mask_token_id=MASK_ID - 1)
+    assert model.generation_config.suppress_tokens == [MASK_ID - 1]
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, custom_generate=hf.sbd_generate)
+    assert out[:, :3].tolist() == [[5, 6, 7]]
+    own = tiny_model("llama")
+    own.generation_config.suppress_tokens = [40]
+    hf.enable_sbd(own, mask_token_id=MASK_ID)
+    hf.enable_sbd(own, mask_token_id=MASK_ID - 1)
+    assert own.generation_config.suppress_tokens == [40, MASK_ID - 1]
+
+
 def test_forward_without_a_mask_is_causal_when_positions_restart():
     """Guards against `SbdCausalLM.forward(tokens, positions, None)` attending block-diagonally: with position ids
     that restart (the SBD layout [0..n-1 ; 0..n-1]) HF reads a missing mask as packed sequences (logits moved by

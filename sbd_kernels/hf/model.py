@@ -161,6 +161,19 @@ def _refuse_special_mask_token(model: nn.Module, tokenizer: Any, mask_token_id: 
                              "id, or the tokenizer to pick a reserved token or add <|sbd_mask|>")
 
 
+def _suppress_mask_token(generation_config: Any, mask_token_id: int, previous: int | None) -> None:
+    """Puts the mask token in `generation_config.suppress_tokens` in place of `previous`, the mask id an earlier
+    `enable_sbd` recorded (and so added there): a stale id left in would keep HF's generate from emitting a
+    token that is no longer special, and make `sbd_generate` refuse suppress_tokens the user never set. (A
+    previous mask id the user had suppressed as well cannot be told apart, and is taken out too.)"""
+    suppressed = list(generation_config.suppress_tokens or [])
+    if previous is not None and previous != mask_token_id:
+        suppressed = [t for t in suppressed if t != previous]
+    if mask_token_id not in suppressed:
+        suppressed.append(mask_token_id)
+    generation_config.suppress_tokens = suppressed
+
+
 def enable_sbd(model: nn.Module, tokenizer: Any = None, *, block_size: int | None = None,
                mask_token_id: int | None = None) -> SbdCausalLM:
     """Prepares an HF causal LM for SBD training and decoding; returns its `SbdCausalLM` adapter.
@@ -171,7 +184,8 @@ def enable_sbd(model: nn.Module, tokenizer: Any = None, *, block_size: int | Non
       refuses one that is an EOS, pad or BOS id of the model or tokenizer.
     - Records `sbd_block_size`, `sbd_mask_token_id` and `sbd_base_attn_implementation` in `model.config`, so they
       are saved and loaded with `save_pretrained` / `from_pretrained` (call `enable_sbd` again after loading).
-    - Adds the mask token to `generation_config.suppress_tokens`, so HF's own `generate` never emits it.
+    - Adds the mask token to `generation_config.suppress_tokens`, so HF's own `generate` never emits it (and
+      takes out the one an earlier `enable_sbd` with another mask token added).
     - Registers the "sbd" attention implementation and its mask function, and switches the model to it: outside
       SBD decode passes it runs the base implementation unchanged.
     """
@@ -191,14 +205,12 @@ def enable_sbd(model: nn.Module, tokenizer: Any = None, *, block_size: int | Non
         mask_token_id = getattr(config, "sbd_mask_token_id", None)
     mask_token_id = choose_mask_token(model, tokenizer, mask_token_id)
     _refuse_special_mask_token(model, tokenizer, mask_token_id)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        _suppress_mask_token(generation_config, mask_token_id, getattr(config, "sbd_mask_token_id", None))
     config.sbd_mask_token_id = mask_token_id
     config.sbd_block_size = block_size
     config.sbd_base_attn_implementation = base
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None:
-        suppressed = list(generation_config.suppress_tokens or [])
-        if config.sbd_mask_token_id not in suppressed:
-            generation_config.suppress_tokens = suppressed + [config.sbd_mask_token_id]
     register()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return SbdCausalLM(model)
