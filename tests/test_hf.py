@@ -476,6 +476,60 @@ def test_custom_generate_refuses_processors_and_criteria_whose_settings_it_would
     assert torch.equal(run(stopping_criteria=StoppingCriteriaList([EosTokenCriteria(eos_token_id=1)])), run())
 
 
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_custom_generate_with_eos_token_id_none_runs_to_the_length_limit(method):
+    """Guards against model.generate(..., custom_generate=hf.sbd_generate, eos_token_id=None) stopping on the EOS
+    id of the model's generation config, which HF's own generate with eos_token_id=None never does (row 0 ended
+    after 1 new token instead of 12): the generation config HF hands custom_generate is already resolved. Only
+    hf.generate, called directly, reads a missing eos_token_id from the model's generation config."""
+    model = tiny_model("llama").to(DEVICE)
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]], device=DEVICE)
+    free = hf.generate(model, ids, max_new_tokens=12, eos_token_id=[], method=method, gamma=0.5)
+    model.generation_config.eos_token_id = int(free.sequences[0, 4])     # the model's stored EOS
+    out = model.generate(ids, max_new_tokens=12, custom_generate=hf.sbd_generate, return_dict_in_generate=True,
+                         eos_token_id=None, method=method, gamma=0.5)
+    assert out.generated.tolist() == [12, 12]
+    assert out.sequences.tolist() == free.sequences.tolist()
+    if method == "ntp":
+        assert out.sequences.tolist() == model.generate(ids, max_new_tokens=12, do_sample=False,
+                                                        eos_token_id=None).tolist()
+    assert int(hf.generate(model, ids, max_new_tokens=12, method=method, gamma=0.5).generated[0]) <= 2
+
+
+@pytest.mark.parametrize("settings", [{"pad_token_id": None}, {"pad_token_id": None, "eos_token_id": None}],
+                         ids=["pad-none", "pad-and-eos-none"])
+def test_custom_generate_pads_like_hf_when_pad_token_id_is_none(settings):
+    """Guards against model.generate(..., custom_generate=hf.sbd_generate, pad_token_id=None) padding finished
+    rows with the model's stored pad id (0), where HF pads them with the first EOS id: the NTP decode through
+    custom_generate gives HF greedy's sequences token for token."""
+    model = tiny_model("llama").to(DEVICE)
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]], device=DEVICE)
+    free = hf.generate(model, ids, max_new_tokens=12, eos_token_id=[], method="ntp")
+    model.generation_config.eos_token_id = int(free.sequences[0, 5])     # row 0 ends after 3 new tokens
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False, **settings)
+    out = model.generate(ids, max_new_tokens=12, custom_generate=hf.sbd_generate, method="ntp", **settings)
+    assert out.tolist() == expected.tolist()
+
+
+def test_an_out_of_range_pad_token_id_is_named_as_the_caller_passed_it():
+    """Guards against an out-of-range pad_token_id (given to hf.generate or model.generate, or the first EOS id HF
+    pads with when pad_token_id is None) being reported as "pad_id 500", a name neither entry point takes."""
+    model = tiny_model("llama")
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    outside = r"pad_token_id 500 is outside the model's vocabulary \[0, 96\)"
+    with pytest.raises(ValueError, match=f"sbd_generate: {outside}"):
+        model.generate(ids, max_new_tokens=4, custom_generate=hf.sbd_generate, pad_token_id=500)
+    with pytest.raises(ValueError, match=f"^generate: {outside}"):
+        hf.generate(model, ids, max_new_tokens=4, pad_token_id=500)
+    with pytest.raises(ValueError, match=r"sbd_generate: pad_token_id 500 \(the first eos_token_id, as "
+                                         r"pad_token_id is None\) is outside"):
+        model.generate(ids, max_new_tokens=4, custom_generate=hf.sbd_generate, pad_token_id=None,
+                       eos_token_id=[500, 1])
+
+
 @pytest.fixture
 def two_rank_group():
     """A process group of world size 2 in this one process, as rank 1 (torch's fake backend: collectives do

@@ -12,7 +12,9 @@ and `accepted_hist` (passes by tokens accepted). Prompts may be left- or right-p
 tokens are real, and position ids are built inside (real tokens at 0, 1, ...).
 
 Generation settings read from HF: `max_new_tokens` (or `max_length`), `eos_token_id` (one or several), `do_sample`
-with `temperature`, `top_k`, `top_p` and `min_p` (greedy unless do_sample), `pad_token_id`. Logits processors and
+with `temperature`, `top_k`, `top_p` and `min_p` (greedy unless do_sample), `pad_token_id`; through
+`model.generate` they mean what they mean to HF's own generate (`eos_token_id=None`: no EOS stop; `pad_token_id=None`:
+pad with the first EOS id). Logits processors and
 stopping criteria the fused kernels do not implement (repetition penalty, bad words, stop strings, ...) are
 refused by name rather than ignored, and so are processors / criteria of the handled kinds passed to `generate`
 with other settings than the generation config's (the decode reads the config, not the processors).
@@ -42,7 +44,7 @@ try:
 except ImportError:  # transformers 5.13 keeps it in integrations (distributed.fsdp came in 5.14)
     from transformers.integrations.fsdp import is_fsdp_managed_module
 
-from sbd_kernels.generate import DecodeConfig, DecodeOps, DecodeResult, fused_ops
+from sbd_kernels.generate import DecodeConfig, DecodeOps, DecodeResult, fused_ops, vocab_size_of
 from sbd_kernels.generate import generate as decode
 from sbd_kernels.hf.model import SbdCausalLM
 
@@ -97,6 +99,42 @@ def _sequences(input_ids: Tensor, result: DecodeResult, pad_id: int) -> Tensor:
     return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
 
 
+def _pad_id(sbd_model: SbdCausalLM, pad_token_id: int | None, eos_ids: tuple[int, ...], caller: str) -> int:
+    """The id written after each sequence's end and into the prompts' padding: pad_token_id, or when it is None the
+    first EOS id (HF's generate pads so: `_prepare_special_tokens`), or 0 without EOS ids (no sequence then ends
+    early but one cut short by NaN logits). Raises ValueError naming pad_token_id when the id is outside the
+    vocabulary: the padded prompts are looked up in the embeddings."""
+    source = ""
+    if pad_token_id is None and eos_ids:
+        pad_token_id, source = eos_ids[0], " (the first eos_token_id, as pad_token_id is None)"
+    pad_id = 0 if pad_token_id is None else int(pad_token_id)
+    vocab = vocab_size_of(sbd_model)
+    if vocab is not None and not 0 <= pad_id < vocab:
+        raise ValueError(f"{caller}: pad_token_id {pad_id}{source} is outside the model's vocabulary [0, {vocab})")
+    return pad_id
+
+
+def _decode_batch(sbd_model: SbdCausalLM, input_ids: Tensor, attention_mask: Tensor | None, caller: str, *,
+                  eos_token_id: int | Sequence[int] | Tensor | None, pad_token_id: int | None,
+                  block_size: int | None, batch_size: int | None, ops: DecodeOps | None, cuda_graph: bool,
+                  **settings: Any) -> SbdGenerateOutput:
+    """The decode of both entry points, with eos_token_id and pad_token_id taken as given, as HF's generate takes
+    those of its resolved generation config: None (or no id) never stops on EOS, and pad_token_id None pads as
+    `_pad_id` says. settings: the other `DecodeConfig` fields."""
+    eos_ids = _eos_ids(eos_token_id)
+    pad_id = _pad_id(sbd_model, pad_token_id, eos_ids, caller)
+    if block_size is None:
+        block_size = sbd_model.block_size
+    cfg = DecodeConfig(block_size=block_size, **settings)
+    prompts = prompts_from_batch(input_ids, attention_mask)
+    # (-1,): no end token, every sequence runs to max_new_tokens.
+    result = decode(sbd_model, prompts, cfg, eos_id=eos_ids or (-1,), pad_id=pad_id, batch_size=batch_size,
+                    ops=ops or fused_ops(), cuda_graph=cuda_graph)
+    return SbdGenerateOutput(sequences=_sequences(input_ids, result, pad_id), nfe=result.nfe,
+                             generated=result.generated, accepted_hist=result.accepted_hist,
+                             stopped_early=result.stopped_early)
+
+
 def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None, *, max_new_tokens: int,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None, method: str = "sbd",
              block_size: int | None = None, gamma: float = 0.1, rule: str = "eb", temperature: float = 0.0,
@@ -105,33 +143,25 @@ def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None
     """SBD (`method="sbd"`) or NTP decoding of an HF model prepared by `enable_sbd` (or its `SbdCausalLM`).
 
     input_ids `[B, P]` int64 with optional attention_mask `[B, P]` (left or right padding); eos_token_id: one id or
-    several (default: the model's generation config); block_size: default the one recorded by `enable_sbd`;
-    temperature > 0 samples, after the top_k / top_p / min_p filters (0 / 1 / 0 = off), sequence i with seed
-    `seed + i`; cuda_graph: replay the decode steps from CUDA graphs (model on a CUDA device). Returns
+    several (default: the model's generation config's; `[]`: no EOS stop); pad_token_id: default the model's
+    generation config's, else the first EOS id (as HF), else 0; block_size: default the one recorded by
+    `enable_sbd`; temperature > 0 samples, after the top_k / top_p / min_p filters (0 / 1 / 0 = off), sequence i
+    with seed `seed + i`; cuda_graph: replay the decode steps from CUDA graphs (model on a CUDA device). Returns
     `SbdGenerateOutput` (see the module docstring). A model sharded over several ranks (DeepSpeed ZeRO-3, FSDP) is
     refused (`refuse_synced_gpus`).
     """
     sbd_model = model if isinstance(model, SbdCausalLM) else SbdCausalLM(model)
     refuse_synced_gpus(sbd_model.hf_model)
+    # The model's generation config fills what this call leaves out; `sbd_generate` gets HF's resolved one instead.
     generation_config = getattr(sbd_model.hf_model, "generation_config", None)
-    eos_ids = _eos_ids(eos_token_id if eos_token_id is not None
-                       else getattr(generation_config, "eos_token_id", None))
+    if eos_token_id is None:
+        eos_token_id = getattr(generation_config, "eos_token_id", None)
     if pad_token_id is None:
         pad_token_id = getattr(generation_config, "pad_token_id", None)
-    if pad_token_id is None:
-        pad_token_id = eos_ids[0] if eos_ids else 0
-    if not eos_ids:
-        eos_ids = (-1,)  # no end token: every sequence runs to max_new_tokens
-    if block_size is None:
-        block_size = sbd_model.block_size
-    cfg = DecodeConfig(method=method, block_size=block_size, gamma=gamma, temperature=temperature,
-                       max_new_tokens=max_new_tokens, seed=seed, rule=rule, top_k=top_k, top_p=top_p, min_p=min_p)
-    prompts = prompts_from_batch(input_ids, attention_mask)
-    result = decode(sbd_model, prompts, cfg, eos_id=eos_ids, pad_id=pad_token_id, batch_size=batch_size,
-                    ops=ops or fused_ops(), cuda_graph=cuda_graph)
-    return SbdGenerateOutput(sequences=_sequences(input_ids, result, pad_token_id), nfe=result.nfe,
-                             generated=result.generated, accepted_hist=result.accepted_hist,
-                             stopped_early=result.stopped_early)
+    return _decode_batch(sbd_model, input_ids, attention_mask, "generate", eos_token_id=eos_token_id,
+                         pad_token_id=pad_token_id, block_size=block_size, batch_size=batch_size, ops=ops,
+                         cuda_graph=cuda_graph, method=method, gamma=gamma, rule=rule, temperature=temperature,
+                         max_new_tokens=max_new_tokens, seed=seed, top_k=top_k, top_p=top_p, min_p=min_p)
 
 
 def _synced_gpus_reason(model: Any) -> str | None:
@@ -269,8 +299,10 @@ def sbd_generate(model: Any, input_ids: Tensor, logits_processor: Any = None, st
     sampling = _sampling_settings(generation_config)
     _refuse_unsupported(logits_processor, stopping_criteria, generation_config, sbd_model.mask_token_id, sampling,
                         prompt_len + max_new)
-    out = generate(sbd_model, input_ids, model_kwargs.get("attention_mask"), max_new_tokens=max_new,
-                   eos_token_id=generation_config.eos_token_id, pad_token_id=generation_config.pad_token_id,
-                   method=method, block_size=block_size, gamma=gamma, rule=rule, seed=seed, ops=ops,
-                   cuda_graph=cuda_graph, **sampling)
+    # HF has resolved generation_config from the model's and the call's settings: an eos_token_id or pad_token_id
+    # of None here was asked for (eos_token_id=None, no EOS stop), and must not fall back to the model's again.
+    out = _decode_batch(sbd_model, input_ids, model_kwargs.get("attention_mask"), "sbd_generate",
+                        eos_token_id=generation_config.eos_token_id, pad_token_id=generation_config.pad_token_id,
+                        block_size=block_size, batch_size=None, ops=ops, cuda_graph=cuda_graph, method=method,
+                        gamma=gamma, rule=rule, max_new_tokens=max_new, seed=seed, **sampling)
     return out if generation_config.return_dict_in_generate else out.sequences
