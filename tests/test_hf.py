@@ -530,6 +530,18 @@ def test_an_out_of_range_pad_token_id_is_named_as_the_caller_passed_it():
                        eos_token_id=[500, 1])
 
 
+def test_custom_generate_refuses_inputs_embeds():
+    """Guards against model.generate(inputs_embeds=..., custom_generate=hf.sbd_generate) failing with "prompts[0]
+    is empty", which names nothing the user passed (HF hands custom_generate empty [B, 0] input_ids beside the
+    embeddings): the decode looks token ids up itself, so the embeddings are refused by name."""
+    model = tiny_model("llama")
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with pytest.raises(ValueError, match="sbd_generate: inputs_embeds is not supported.*pass input_ids"):
+        model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=4,
+                       custom_generate=hf.sbd_generate)
+
+
 @pytest.fixture
 def two_rank_group():
     """A process group of world size 2 in this one process, as rank 1 (torch's fake backend: collectives do

@@ -282,7 +282,7 @@ def sbd_generate(model: Any, input_ids: Tensor, logits_processor: Any = None, st
     Returns `SbdGenerateOutput` with `return_dict_in_generate=True`, else the sequences tensor (as HF does).
     output_scores / output_logits / output_attentions / output_hidden_states are refused (the fused decode keeps
     none of them), as are logits processors and stopping criteria whose settings differ from the generation
-    config's (the decode reads only the config).
+    config's (the decode reads only the config), and `inputs_embeds` (the decode looks token ids up itself).
 
     HF does not forward `streamer` or `synced_gpus` to a callable custom_generate (transformers 5 rebuilds its
     keyword arguments from the callable's own parameters): a streamer given to `model.generate` receives the
@@ -294,6 +294,10 @@ def sbd_generate(model: Any, input_ids: Tensor, logits_processor: Any = None, st
     if streamer is not None:
         raise ValueError("sbd_generate: streamers are not supported")
     refuse_synced_gpus(model, synced_gpus)
+    if model_kwargs.get("inputs_embeds") is not None:
+        # HF hands a callable custom_generate empty [B, 0] input_ids beside the embeddings.
+        raise ValueError("sbd_generate: inputs_embeds is not supported: the fused decode looks the prompt's token ids "
+                         "up in the embeddings itself, in every pass; pass input_ids")
     prompt_len = input_ids.shape[1]
     max_new = generation_config.max_new_tokens or generation_config.max_length - prompt_len
     sampling = _sampling_settings(generation_config)
