@@ -906,6 +906,46 @@ def test_collator_eager_mask_is_in_the_models_dtype(dtype):
         assert torch.equal(model(**batch).loss, model(**{**batch, "attention_mask": fp32["attention_mask"]}).loss)
 
 
+@pytest.mark.parametrize("switch", ["reload", "set_attn_implementation"])
+def test_training_masks_refuse_a_model_running_another_attention_than_enable_sbd_recorded(tmp_path, switch):
+    """Guards against the SBD training mask being built for the attention implementation `enable_sbd` recorded
+    while the model runs another: a model prepared under sdpa, then reloaded with attn_implementation="eager"
+    (without enable_sbd) or switched by set_attn_implementation("eager"), got the boolean sdpa mask, which plain
+    eager attention adds to the scores as 1 / 0: a wrong loss (12.53 instead of 14.45 on this model), no error.
+    The collator (built before or after the switch) and the SbdCausalLM forward the plain-loop loss and hf.check
+    use refuse and say to call enable_sbd again; after it the loss is that of the eager mask. A model reloaded
+    with the recorded implementation trains without enable_sbd; a config loaded on its own, which cannot say what
+    the model runs, is refused."""
+    model = tiny_model("llama")
+    adapter = hf.enable_sbd(model, mask_token_id=MASK_ID)
+    examples = [{"input_ids": list(range(3, 15))}, {"input_ids": list(range(5, 12))}]
+    collator = hf.SbdDataCollator(model.config, seed=1, rank=0)
+    with torch.no_grad():
+        expected = model(**collator(examples)).loss
+    model.save_pretrained(tmp_path)
+    same = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(same(**hf.SbdDataCollator(same.config, seed=1, rank=0)(examples)).loss, expected)
+    refused = r"runs attention implementation 'eager', but enable_sbd recorded 'sdpa'.*enable_sbd\(model"
+    if switch == "reload":
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    else:
+        model.set_attn_implementation("eager")
+        with pytest.raises(RuntimeError, match=f"SbdDataCollator: .*{refused}"):
+            collator(examples)
+        with pytest.raises(RuntimeError, match=f"SbdCausalLM.forward: .*{refused}"):
+            adapter(torch.tensor([[3, 4, 5]]), attn_mask=torch.ones(1, 3, 3, dtype=torch.bool).tril())
+    with pytest.raises(RuntimeError, match=f"SbdDataCollator: .*{refused}"):
+        hf.SbdDataCollator(model.config, seed=1, rank=0)
+    hf.enable_sbd(model)
+    batch = hf.SbdDataCollator(model.config, seed=1, rank=0)(examples)
+    assert batch["attention_mask"].is_floating_point()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).loss, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="pass the model's own config, model.config"):
+        hf.SbdDataCollator(transformers.AutoConfig.from_pretrained(tmp_path))      # no attention implementation
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_padded_batch_masks_give_the_same_logits_as_unpadded_rows(family, attn):

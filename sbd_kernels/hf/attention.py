@@ -57,6 +57,32 @@ def base_implementation(config: Any) -> str:
     return base
 
 
+def mask_implementation(config: Any, caller: str) -> str:
+    """The implementation whose form an attention mask given to the model must take: the base `enable_sbd`
+    recorded, while the model runs "sbd" (which hands masks to the base) or the base itself (a saved SBD model
+    reloaded with that attn_implementation). `config` must be the model's own config object, which follows
+    `set_attn_implementation`.
+
+    Raises RuntimeError when the model runs another implementation (reloaded with another attn_implementation, or
+    switched by set_attn_implementation after enable_sbd): a mask in the base's form reaches that implementation
+    directly, outside the check of `sbd_attention`, and is misread with no error (eager attention adds the boolean
+    sdpa mask to the scores as 1 / 0: a wrong training loss)."""
+    base = base_implementation(config)
+    current = getattr(config, "_attn_implementation", None)
+    if current in (ATTN_IMPLEMENTATION, base):
+        return base
+    if current is None:
+        raise RuntimeError(
+            f"{caller}: the config does not say which attention implementation the model runs (a config loaded on "
+            "its own?); pass the model's own config, model.config")
+    raise RuntimeError(
+        f"{caller}: the model runs attention implementation {current!r}, but enable_sbd recorded {base!r}, and a "
+        f"mask built for {base!r} would be misread by {current!r} without an error (eager attention adds a boolean "
+        "mask to the scores as 1 / 0). Call sbd_kernels.hf.enable_sbd(model) again after loading the model with "
+        "another attn_implementation or switching it with set_attn_implementation: it records the one the model "
+        "runs")
+
+
 def _check_mask_form(base: str, attention_mask: Any) -> None:
     """Rejects a mask the base implementation would read differently from what the caller meant: eager attention
     adds the mask to the scores, so a boolean or integer 0 / 1 mask (1 = attend) would add 1 / 0 instead of

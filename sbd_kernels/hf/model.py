@@ -23,7 +23,7 @@ from sbd_kernels.hf.attention import (
     BASE_IMPLEMENTATIONS,
     SBD_PASS_MASK,
     SbdPass,
-    base_implementation,
+    mask_implementation,
     register,
 )
 from sbd_kernels.hf.cache import SbdCache
@@ -183,7 +183,8 @@ def enable_sbd(model: nn.Module, tokenizer: Any = None, *, block_size: int | Non
     - Picks the mask token (`choose_mask_token`; an earlier `enable_sbd` recorded in the config is reused), and
       refuses one that is an EOS, pad or BOS id of the model or tokenizer.
     - Records `sbd_block_size`, `sbd_mask_token_id` and `sbd_base_attn_implementation` in `model.config`, so they
-      are saved and loaded with `save_pretrained` / `from_pretrained` (call `enable_sbd` again after loading).
+      are saved and loaded with `save_pretrained` / `from_pretrained` (call `enable_sbd` again after loading, and
+      after `set_attn_implementation`: the SBD training masks refuse a model running another base).
     - Adds the mask token to `generation_config.suppress_tokens`, so HF's own `generate` never emits it (and
       takes out the one an earlier `enable_sbd` with another mask token added).
     - Registers the "sbd" attention implementation and its mask function, and switches the model to it: outside
@@ -300,9 +301,10 @@ class SbdCausalLM(nn.Module):
             # and its own causal mask is right.
             attn_mask = torch.ones(1, tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).tril()
         mask = attn_mask
+        implementation = None if attn_mask is None else mask_implementation(self.config, "SbdCausalLM.forward")
         if isinstance(attn_mask, Tensor):
             weight = self.hf_model.get_input_embeddings().weight
-            mask = mask_for_implementation(attn_mask, base_implementation(self.config), weight.dtype)
+            mask = mask_for_implementation(attn_mask, implementation, weight.dtype)
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         out = self.hf_model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False)

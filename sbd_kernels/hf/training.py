@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from sbd_kernels.hf.attention import BASE_IMPLEMENTATIONS, base_implementation
+from sbd_kernels.hf.attention import mask_implementation
 from sbd_kernels.hf.model import mask_for_implementation
 from sbd_kernels.model import SbdMaskMod, sbd_train_inputs
 from sbd_kernels.train import IGNORE, add_noise, sbd_labels, sbd_objective
@@ -150,7 +150,9 @@ class SbdDataCollator:
     `remove_unused_columns=True` keeps `labels` and `attention_mask` but drops a `loss_mask` column before the
     collator sees it, which then trains on the prompts (the collator cannot tell those examples from unlabelled ones).
 
-    model_config: `model.config` after `enable_sbd` (mask id, base attention implementation, recorded dtype).
+    model_config: `model.config` after `enable_sbd` (mask id, base attention implementation, recorded dtype): the
+    model's own config object, from which each batch reads the attention implementation the model runs; one other
+    than "sbd" or the recorded base is refused (call `enable_sbd` again after switching or reloading the model).
     block_min, block_max: the range of the per-batch block size (SBD recipe: 2..16).
     seed: seeds the block size and the noise. Each batch's block size follows from the seed and the batch's index
     in the data loader (equal on every rank), its noise from the seed, `rank`, the DataLoader worker's seed (a
@@ -180,12 +182,18 @@ class SbdDataCollator:
         self.mask_token_id = getattr(self.model_config, "sbd_mask_token_id", None)
         if self.mask_token_id is None:
             raise ValueError("SbdDataCollator: the config has no sbd_mask_token_id; run enable_sbd(model, ...) first")
-        self.implementation = base_implementation(self.model_config)
-        if self.implementation not in BASE_IMPLEMENTATIONS:
-            raise ValueError(f"SbdDataCollator: unsupported attention implementation {self.implementation!r}")
+        # Refused here already when the model runs another attention than the recorded one, and again per batch.
+        mask_implementation(self.model_config, "SbdDataCollator")
         self.pad_token_id = getattr(self.model_config, "pad_token_id", None) or 0
         if self.dtype is None:
             self.dtype = _config_dtype(self.model_config)
+
+    @property
+    def implementation(self) -> str:
+        """The attention implementation the training mask is built for, read from the config at every batch: the
+        model may have been switched (`set_attn_implementation`) since the collator was made, and a mask of the
+        wrong form is misread without an error (`sbd_kernels.hf.attention.mask_implementation` refuses)."""
+        return mask_implementation(self.model_config, "SbdDataCollator")
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         tokens, targets, lengths = self._pad(examples)
