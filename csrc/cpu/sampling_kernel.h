@@ -750,7 +750,9 @@ inline int64_t compact_pairs(float* xs, float* qs, int64_t n, Keep keep) {
 // of q over {x >= t} >= target. Quickselect on x with a three-way split around the median of three
 // samples (a tie group is decided at once); expected O(n). Invariant: the answer is among the n left,
 // `above` is the mass of the entries above all of them, and above < target <= above + their mass (up
-// to the rounding of the sums). The arrays need Vec::size() entries of slack.
+// to the rounding of the sums). The arrays need Vec::size() entries of slack. A target <= 0 gives the
+// largest x (no caller passes one: top_p, at least 2^-149 as a float32, times a mass that holds the
+// maximum's weight e^0 is > 0 in double); n == 0 gives -inf. Every read stays in [0, n).
 inline float weighted_threshold(float* xs, float* qs, int64_t n, double target) {
   double above = 0;
   while (n > 32) {
@@ -758,12 +760,16 @@ inline float weighted_threshold(float* xs, float* qs, int64_t n, double target) 
     std::sort(sample, sample + 3);
     const float pivot = sample[1];
     const auto [gt, eq] = masses_around(xs, qs, n, pivot);
+    // One rounded sum for the test and the update: above + (gt + eq) could round up to the target where
+    // (above + gt) + eq fell short, and a later split above the maximum would then keep nothing.
+    const double through_pivot = above + gt + eq;
     if (above + gt >= target) {
       n = compact_pairs(xs, qs, n, [&](const Vec& x) { return gt_bits(x, Vec(pivot)); });
-    } else if (above + gt + eq >= target) {
+      if (n == 0) return pivot;  // nothing above the pivot (a target <= above): it is the largest left
+    } else if (through_pivot >= target) {
       return pivot;
     } else {
-      above += gt + eq;
+      above = through_pivot;
       n = compact_pairs(xs, qs, n, [&](const Vec& x) { return lt_bits(x, Vec(pivot)); });
       if (n == 0) return pivot;  // the sums' rounding left no mass below: keep down to the pivot
     }
@@ -773,9 +779,10 @@ inline float weighted_threshold(float* xs, float* qs, int64_t n, double target) 
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return xs[a] > xs[b]; });
   for (int64_t i = 0; i < n; ++i) {
     above += qs[order[i]];
-    if (above >= target) return xs[order[i]];
+    // The last one when the sums' rounding falls short of the target: keep them all.
+    if (above >= target || i == n - 1) return xs[order[i]];
   }
-  return xs[order[n - 1]];
+  return -kInf;
 }
 
 // The k-th largest of the n candidates (ties counted): weighted_threshold with unit weights (exact
