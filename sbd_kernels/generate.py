@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from sbd_kernels.ops import trusted_values
-from sbd_kernels.ops.sampling._checks import FLOAT32_MAX
+from sbd_kernels.ops.sampling._checks import FLOAT32_MAX, as_float32
 from sbd_kernels.ops.scatter._checks import RULES
 from sbd_kernels.protocol import DecodeCache, SbdModel
 
@@ -106,7 +106,7 @@ class DecodeConfig:
     rule: the acceptance rule of SBD, "eb" or "threshold" (docs/algorithm.md §3.5).
     top_k, top_p, min_p: filters applied before sampling, as Hugging Face applies them (top-k, then top-p,
         then min-p on softmax(logits / T); see `sbd_kernels.entropy_sample`); 0 / 1.0 / 0.0 = off; ignored
-        at T = 0.
+        at T = 0. top_p in (0, 1] and min_p in [0, 1) as float32s, as the sampler checks them.
     max_new_tokens: answer budget per sequence, EOS included; SBD block positions past it are never
         revealed (they stay mask tokens in the model input).
     seed: sequence i of a `generate` call samples with seed `seed + i`, whatever its batch.
@@ -136,7 +136,7 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig: block_size must be >= 1, got {self.block_size}")
         if not self.gamma >= 0:                                  # written so that NaN fails too
             raise ValueError(f"DecodeConfig: gamma must be >= 0, got {self.gamma}")
-        if not 0.0 <= self.temperature <= FLOAT32_MAX:
+        if not 0.0 <= as_float32(self.temperature) <= FLOAT32_MAX:  # the sampler's check
             raise ValueError(f"DecodeConfig: temperature must be finite and >= 0 as a float32 (at most "
                              f"{FLOAT32_MAX:.8g}), got {self.temperature}")
         if self.rule not in RULES:
@@ -145,10 +145,10 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig: max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.top_k < 0:
             raise ValueError(f"DecodeConfig: top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"DecodeConfig: top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p < 1.0:
-            raise ValueError(f"DecodeConfig: min_p must be in [0, 1), got {self.min_p}")
+        if not 0.0 < as_float32(self.top_p) <= 1.0:
+            raise ValueError(f"DecodeConfig: top_p must be in (0, 1] as a float32, got {self.top_p}")
+        if not 0.0 <= as_float32(self.min_p) < 1.0:
+            raise ValueError(f"DecodeConfig: min_p must be in [0, 1) as a float32, got {self.min_p}")
 
 
 @dataclass(frozen=True)

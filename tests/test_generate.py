@@ -431,13 +431,18 @@ def test_sampling_filters_reach_the_sampler(model, prompts, oracle, method):
 
 def test_extreme_legal_settings_are_accepted():
     """Guards against the NaN-proof checks rejecting legal extremes: gamma +inf (a whole block per pass) and the
-    largest float32 temperature."""
+    largest float32 temperature, also as 3.4028235e38 (a double above it that rounds to it), and filter values
+    that round into range as float32s."""
     DecodeConfig(gamma=math.inf, temperature=3.4028234663852886e38)
+    DecodeConfig(temperature=3.4028235e38, top_p=1 + 2.0**-24, min_p=-(2.0**-150))
 
 
-@pytest.mark.parametrize("field,value", [("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.0)])
+@pytest.mark.parametrize("field,value", [("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.0),
+                                         ("top_p", 1e-50), ("min_p", 1 - 1e-12)])
 def test_bad_filter_settings_name_the_field(field, value):
-    """Guards against a filter value the sampler would reject mid-decode (or silently misread)."""
+    """Guards against a filter value the sampler would reject mid-decode (or silently misread), including
+    doubles out of range only as float32s, which the sampler checks them as (top_p 1e-50 is 0, min_p
+    1 - 1e-12 is 1)."""
     with pytest.raises(ValueError, match=field):
         DecodeConfig(**{field: value})
 

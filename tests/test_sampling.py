@@ -494,6 +494,37 @@ def test_scalar_temperature_is_rounded_to_fp32(backend):
     tokens, *_ = check_backend(backend, logits, seed, offset, temperature_val=1e-46)
     assert torch.equal(tokens, logits.argmax(-1))
 
+
+TEMPERATURE_VAL_RULE = r"temperature_val must be finite and >= 0 as a float32 \(at most 3.4028235e\+38\)"
+# Doubles at the ends of the temperature's float32 range (round to nearest even), with what their float32
+# is: 3.4028235e38 (the largest float32 as Python prints it, above it as a double) and the double below
+# 2^128 - 2^103 (the midpoint between the largest float32 and 2^128) round to the largest float32, the
+# midpoint to inf; -2^-150 rounds to -0 (greedy), -2^-149 is itself a float32.
+FLOAT32_MAX = torch.finfo(torch.float32).max
+TEMPERATURE_EDGES = [(FLOAT32_MAX, FLOAT32_MAX), (3.4028235e38, FLOAT32_MAX),
+                     (2.0**128 - 2.0**103 - 2.0**75, FLOAT32_MAX), (2.0**128 - 2.0**103, math.inf),
+                     (-2.0**-150, -0.0), (-2.0**-149, -2.0**-149)]
+
+
+@pytest.mark.parametrize(("value", "as_float32"), TEMPERATURE_EDGES, ids=[repr(v) for v, _ in TEMPERATURE_EDGES])
+@pytest.mark.parametrize("backend", BACKENDS + ("naive",))
+def test_scalar_temperature_is_checked_as_the_float32_used(backend, value, as_float32):
+    """Guards against temperature_val checked as a double: 3.4028235e+38, the limit its own error message
+    quoted, was rejected although it is the largest float32 the kernels would run at. A scalar temperature
+    is accepted exactly when its float32 is finite and >= 0, and then samples as that float32 in a tensor
+    does."""
+    assert torch.tensor(value, dtype=torch.float64).float().item() == as_float32
+    logits = make_logits(2, 3, 300)
+    seed, offset = make_seeds(2)
+    if not (math.isfinite(as_float32) and as_float32 >= 0):
+        with pytest.raises(RuntimeError, match=f"{TEMPERATURE_VAL_RULE}, got "):
+            backend_op(backend)(logits, seed, offset, temperature_val=value)
+        return
+    tokens = check_backend(backend, logits, seed, offset, temperature_val=value)[0]
+    per_row = torch.full((2,), as_float32, dtype=torch.float32)
+    assert torch.equal(tokens, naive.entropy_sample(logits, seed, offset, temperature=per_row)[0])
+
+
 # ------------------------------------------------------------------------------------------- bad inputs
 def _bad_cases():
     logits = torch.randn(2, 3, 10)
@@ -514,10 +545,12 @@ def _bad_cases():
          "temperature must be finite and >= 0"),
         ("temperature_nan", dict(good, temperature=torch.tensor([float("nan"), 1.0])),
          "temperature must be finite and >= 0"),
-        ("temperature_val_negative", dict(good, temperature_val=-1.0),
-         "temperature_val must be finite and >= 0 as a float32 \\(at most 3.4028235e\\+38\\), got -1$"),
+        ("temperature_val_negative", dict(good, temperature_val=-1.0), f"{TEMPERATURE_VAL_RULE}, got -1$"),
         ("temperature_val_above_float32", dict(good, temperature_val=1e39),
-         "temperature_val must be finite and >= 0 as a float32 \\(at most 3.4028235e\\+38\\), got 1e\\+39$"),
+         rf"{TEMPERATURE_VAL_RULE}, got 1e\+39 \(inf as a float32\)$"),
+        ("temperature_val_inf_as_float32", dict(good, temperature_val=2.0**128 - 2.0**103),
+         rf"{TEMPERATURE_VAL_RULE}, got 3.4028235677973366e\+38 \(inf as a float32\)$"),
+        ("temperature_val_nan", dict(good, temperature_val=float("nan")), f"{TEMPERATURE_VAL_RULE}, got nan$"),
         ("compute_mask_dtype", dict(good, compute_mask=torch.ones(2, 3, dtype=torch.int32)),
          "compute_mask must be a bool tensor"),
         ("compute_mask_shape", dict(good, compute_mask=torch.ones(3, 2, dtype=torch.bool)),

@@ -3,6 +3,9 @@ Triton under the interpreter or compiled on CUDA with SBD_TEST_DEVICE=cuda, the 
 warpers, by statistics, on ties, in a batch, and with bad values."""
 import contextlib
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -676,6 +679,79 @@ def test_subnormal_filter_values(backend):
     check_backend(backend, logits, seed, offset, temperature=torch.tensor([1e-40, 1.0]), top_k_val=2)
 
 
+REPO = Path(__file__).resolve().parents[1]
+# A row of 64 logits, 40 tied at the maximum: the CPU top-p selection's pivot (the median of three samples)
+# is the maximum at once. Run in a process of its own, so that a crash fails the test instead of ending pytest.
+TIED_MAXIMA_TOP_P = """
+import sys
+import torch
+import sbd_kernels  # noqa: F401
+torch.ops.sbd._set_cpu_isa(sys.argv[1])
+logits = torch.full((1, 1, 64), -1.0)
+logits[0, 0, :40] = 1.0
+for top_p in map(float, sys.argv[2:]):
+    try:
+        tokens = torch.ops.sbd.entropy_sample(logits, torch.tensor([0]), torch.tensor([0]), None, 1.0,
+                                              top_p_val=top_p)[0]
+        print(int(tokens))
+    except RuntimeError as error:
+        print(str(error).splitlines()[0])
+"""
+
+
+def test_cpu_top_p_at_float32_zero_on_tied_maxima(cpu_isa):
+    """Guards against a top_p_val that is 0 as a float32 (1e-50 passed the check as a double) crashing the
+    process: the selection's target top_p * mass was 0, its split above a pivot at the maximum kept nothing,
+    and it read the entry before its empty list. 1e-50 is now rejected, and 2^-149, the smallest top_p that
+    is not 0 as a float32, keeps the tied maxima and draws the oracle's token."""
+    smallest = 2.0**-149
+    proc = subprocess.run([sys.executable, "-c", TIED_MAXIMA_TOP_P, cpu_isa, "1e-50", repr(smallest)], cwd=REPO,
+                          capture_output=True, text=True, check=False, timeout=120)
+    assert proc.returncode == 0, f"exit status {proc.returncode}: {proc.stderr[-2000:]}"
+    logits = torch.full((1, 1, 64), -1.0)
+    logits[0, 0, :40] = 1.0
+    want = naive.entropy_sample(logits, torch.tensor([0]), torch.tensor([0]), temperature_val=1.0,
+                                top_p_val=smallest)[0]
+    assert proc.stdout.splitlines() == [
+        "sbd.entropy_sample: top_p_val must be in (0, 1] as a float32 (1: off), got 1e-50 (0 as a float32)",
+        str(int(want))]
+
+
+# Doubles at the ends of the filters' float32 ranges (round to nearest even), with what their float32 is:
+# 2^-150 is the midpoint between 0 and 2^-149 (rounds to 0), 1 + 2^-24 the midpoint between 1 and its next
+# float (rounds to 1), 1 - 2^-25 the midpoint between 1 and the float below (rounds to 1), -2^-150 rounds to -0.
+SCALAR_FILTER_EDGES = [
+    ("top_p", 2.0**-150, 0.0), ("top_p", 2.0**-150 * (1 + 2.0**-52), 2.0**-149), ("top_p", 1e-50, 0.0),
+    ("top_p", 1 + 2.0**-24, 1.0), ("top_p", 1 + 2.0**-24 + 2.0**-52, 1 + 2.0**-23),
+    ("min_p", 1 - 2.0**-25, 1.0), ("min_p", 1 - 2.0**-25 - 2.0**-53, 1 - 2.0**-24), ("min_p", 1 - 1e-12, 1.0),
+    ("min_p", -2.0**-150, -0.0), ("min_p", -2.0**-149, -2.0**-149),
+]
+FILTER_RANGES = {"top_p": (lambda p: 0 < p <= 1, r"in \(0, 1\] as a float32 \(1: off\)"),
+                 "min_p": (lambda p: 0 <= p < 1, r"in \[0, 1\) as a float32 \(0: off\)")}
+
+
+@pytest.mark.parametrize(("name", "value", "as_float32"), SCALAR_FILTER_EDGES,
+                         ids=[f"{name}={value!r}" for name, value, _ in SCALAR_FILTER_EDGES])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_scalar_filters_are_checked_as_the_float32_used(backend, name, value, as_float32):
+    """Guards against top_p_val / min_p_val checked as doubles but used as float32: top_p 1e-50 (0 as a
+    float32; it crashed the C++ kernel) and min_p 1 - 1e-12 (1) were accepted, 1 + 2^-24 (1) rejected, where
+    a tensor of the same float32 is judged the other way. A scalar is accepted exactly when its float32 is
+    in range, and then samples as that float32 in a tensor does."""
+    assert torch.tensor(value, dtype=torch.float64).float().item() == as_float32
+    in_range, rule = FILTER_RANGES[name]
+    logits = make_logits(2, 3, 300)
+    seed, offset = make_seeds(2)
+    if not in_range(as_float32):
+        with pytest.raises(RuntimeError, match=f"{name}_val must be {rule}, got "):
+            backend_op(backend)(logits, seed, offset, temperature_val=1.0, **{f"{name}_val": value})
+        return
+    tokens = check_backend(backend, logits, seed, offset, temperature_val=1.0, **{f"{name}_val": value})[0]
+    per_row = torch.full((2,), as_float32, dtype=torch.float32)
+    assert torch.equal(tokens, naive.entropy_sample(logits, seed, offset, temperature_val=1.0,
+                                                    **{name: per_row})[0])
+
+
 # ------------------------------------------------------------------------------------- bad values
 def _bad_filter_cases():
     logits = torch.randn(2, 3, 10)
@@ -692,14 +768,22 @@ def _bad_filter_cases():
         ("top_p_zero", dict(good, top_p=torch.tensor([0.5, 0.0])), r"top_p must be in \(0, 1\] \(1: off\)"),
         ("top_p_above_one", dict(good, top_p=torch.tensor([1.5, 0.5])), r"top_p must be in \(0, 1\] \(1: off\)"),
         ("top_p_nan", dict(good, top_p=torch.tensor([float("nan"), 0.5])), r"top_p must be in \(0, 1\]"),
-        ("top_p_val_zero", dict(good, top_p_val=0.0), r"top_p_val must be in \(0, 1\] \(1: off\), got 0$"),
-        ("top_p_val_nan", dict(good, top_p_val=float("nan")), r"top_p_val must be in \(0, 1\] \(1: off\), got nan"),
+        ("top_p_val_zero", dict(good, top_p_val=0.0),
+         r"top_p_val must be in \(0, 1\] as a float32 \(1: off\), got 0$"),
+        ("top_p_val_nan", dict(good, top_p_val=float("nan")),
+         r"top_p_val must be in \(0, 1\] as a float32 \(1: off\), got nan$"),
+        ("top_p_val_zero_as_float32", dict(good, top_p_val=1e-50),
+         r"top_p_val must be in \(0, 1\] as a float32 \(1: off\), got 1e-50 \(0 as a float32\)$"),
         ("min_p_dtype", dict(good, min_p=torch.tensor([0, 0])), "min_p must be a float32 tensor, got Long"),
         ("min_p_one", dict(good, min_p=torch.tensor([0.1, 1.0])), r"min_p must be in \[0, 1\) \(0: off\)"),
         ("min_p_negative", dict(good, min_p=torch.tensor([-0.1, 0.1])), r"min_p must be in \[0, 1\)"),
         ("min_p_nan", dict(good, min_p=torch.tensor([0.1, float("nan")])), r"min_p must be in \[0, 1\)"),
-        ("min_p_val_one", dict(good, min_p_val=1.0), r"min_p_val must be in \[0, 1\) \(0: off\), got 1$"),
-        ("min_p_val_negative", dict(good, min_p_val=-0.5), r"min_p_val must be in \[0, 1\) \(0: off\), got -0.5$"),
+        ("min_p_val_one", dict(good, min_p_val=1.0),
+         r"min_p_val must be in \[0, 1\) as a float32 \(0: off\), got 1$"),
+        ("min_p_val_one_as_float32", dict(good, min_p_val=1 - 1e-12),
+         r"min_p_val must be in \[0, 1\) as a float32 \(0: off\), got 0.999999999999 \(1 as a float32\)$"),
+        ("min_p_val_negative", dict(good, min_p_val=-0.5),
+         r"min_p_val must be in \[0, 1\) as a float32 \(0: off\), got -0.5$"),
     ]
 
 

@@ -1,8 +1,10 @@
 // CPU kernel of sbd::entropy_sample: argument checks, output allocation and the ISA dispatch into
 // csrc/cpu/sampling_kernel.h. The math and the random generator are defined in
 // sbd_kernels/ops/sampling/naive.py; the checks word for word match sbd_kernels/ops/sampling/_checks.py.
+#include <charconv>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <tuple>
 
 #include <ATen/core/Tensor.h>
@@ -31,13 +33,45 @@ int64_t check_per_row_int64(const char* name, const at::Tensor& t, int64_t batch
   return (per_row && batch > 1) ? t.stride(0) : 0;
 }
 
+// A host scalar as the kernels take it: the float32 nearest to x (ties to even). The doubles from the
+// midpoint 2^128 - 2^103 up become inf, tested first: converting a double beyond the float range is
+// undefined behaviour in C++.
+float as_float32(double x) {
+  if (std::isnan(x)) return std::numeric_limits<float>::quiet_NaN();
+  if (std::abs(x) >= 0x1p128 - 0x1p103) return std::copysign(std::numeric_limits<float>::infinity(), x);
+  return static_cast<float>(x);
+}
+
+// x as _checks.exact_g prints it: %g with the fewest significant digits (at most 17) that read back as x,
+// so that 0.999999999999 does not print as 1 (a stream's 6 digits); a NaN is "nan" whatever its sign bit
+// (a stream prints "-nan", Python "nan").
+std::string exact_g(double x) {
+  if (std::isnan(x)) return "nan";
+  char text[32];
+  for (int digits = 1;; ++digits) {
+    char* end = std::to_chars(text, text + sizeof(text), x, std::chars_format::general, digits).ptr;
+    double back = 0;
+    std::from_chars(text, end, back);
+    if (back == x || digits == 17) return std::string(text, end);
+  }
+}
+
+// temperature_val, top_p_val, min_p_val: checked as the float32 the kernels run at, like an entry of the
+// [B] tensor. `in_range` takes a float or a double: the message names the float32 when only the rounding
+// puts the value out of range (top_p_val 1e-50 is 0 as a float32).
+template <typename InRange>
+void check_float32_scalar(const char* name, double value, InRange in_range, const char* rule) {
+  const float value32 = as_float32(value);
+  TORCH_CHECK(in_range(value32), kOp, ": ", name, " must be ", rule, ", got ", exact_g(value),
+              in_range(value) ? " (" + exact_g(value32) + " as a float32)" : std::string());
+}
+
 void check_temperature(const c10::optional<at::Tensor>& temperature, double temperature_val, int64_t batch,
                        const at::Device& device) {
   if (!temperature.has_value()) {
-    // The kernels run at fp32(temperature_val): a double above the largest float32 would become inf.
-    TORCH_CHECK(temperature_val >= 0.0 && temperature_val <= std::numeric_limits<float>::max(), kOp,
-                ": temperature_val must be finite and >= 0 as a float32 (at most 3.4028235e+38), got ",
-                temperature_val);
+    check_float32_scalar("temperature_val", temperature_val,
+                         [](auto t) { return t >= 0 && std::isfinite(t); },
+                         "finite and >= 0 as a float32 (at most 3.4028235e+38)");
     return;
   }
   const at::Tensor& t = *temperature;
@@ -77,16 +111,16 @@ void check_filters(const c10::optional<at::Tensor>& top_k, int64_t top_k_val,
     TORCH_CHECK(top_p->gt(0).logical_and(top_p->le(1)).all().item<bool>(), kOp,
                 ": top_p must be in (0, 1] (1: off)");
   } else {
-    TORCH_CHECK(top_p_val > 0.0 && top_p_val <= 1.0, kOp, ": top_p_val must be in (0, 1] (1: off), got ",
-                top_p_val);
+    check_float32_scalar("top_p_val", top_p_val, [](auto p) { return p > 0 && p <= 1; },
+                         "in (0, 1] as a float32 (1: off)");
   }
   if (min_p.has_value()) {
     check_filter_tensor("min_p", *min_p, at::kFloat, "a float32", batch, device);
     TORCH_CHECK(min_p->ge(0).logical_and(min_p->lt(1)).all().item<bool>(), kOp,
                 ": min_p must be in [0, 1) (0: off)");
   } else {
-    TORCH_CHECK(min_p_val >= 0.0 && min_p_val < 1.0, kOp, ": min_p_val must be in [0, 1) (0: off), got ",
-                min_p_val);
+    check_float32_scalar("min_p_val", min_p_val, [](auto p) { return p >= 0 && p < 1; },
+                         "in [0, 1) as a float32 (0: off)");
   }
 }
 
@@ -144,7 +178,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> entropy_sample_cpu(
   args.offset_stride = offset_stride;
   args.temperature = temperature.has_value() ? temperature->data_ptr<float>() : nullptr;
   args.temperature_stride = temperature.has_value() ? temperature->stride(0) : 0;
-  args.temperature_val = static_cast<float>(temperature_val);
+  args.temperature_val = as_float32(temperature_val);
   args.compute_mask = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   args.mask_token_id = mask_token_id;
   args.top_k = top_k.has_value() ? top_k->data_ptr<int64_t>() : nullptr;
@@ -152,10 +186,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> entropy_sample_cpu(
   args.top_k_val = top_k_val;
   args.top_p = top_p.has_value() ? top_p->data_ptr<float>() : nullptr;
   args.top_p_stride = top_p.has_value() ? top_p->stride(0) : 0;
-  args.top_p_val = static_cast<float>(top_p_val);
+  args.top_p_val = as_float32(top_p_val);
   args.min_p = min_p.has_value() ? min_p->data_ptr<float>() : nullptr;
   args.min_p_stride = min_p.has_value() ? min_p->stride(0) : 0;
-  args.min_p_val = static_cast<float>(min_p_val);
+  args.min_p_val = as_float32(min_p_val);
   args.filters = top_k.has_value() || top_p.has_value() || min_p.has_value() || top_k_val > 0 ||
                  args.top_p_val < 1.f || args.min_p_val > 0.f;
   args.tokens = tokens.data_ptr<int64_t>();

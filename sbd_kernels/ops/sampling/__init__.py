@@ -92,14 +92,18 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
         - ``temperature`` not float32, not on the device of logits, or not of shape [B];
         - a ``temperature`` entry that is negative, NaN or infinite (on CUDA checked without a host sync,
           raised at the next synchronisation);
-        - ``temperature_val`` (or a number passed as ``temperature``) negative, NaN, or above the largest
-          float32 (3.4028235e+38): the kernels run at fp32(T);
+        - ``temperature_val`` (or a number passed as ``temperature``) negative, NaN, or infinite as a float32:
+          the kernels run at fp32(T), so a number is checked as that float32, like a tensor entry (a double
+          from 2^128 - 2^103 = 3.4028235677973366e+38 up is inf; 3.4028235e+38 rounds to the largest float32
+          and is accepted);
         - ``compute_mask`` not bool, not on the device of logits, or not of shape [B, K];
         - ``mask_token_id`` not -1 and not in [0, V);
         - ``top_k`` / ``top_p`` / ``min_p`` tensors not int64 / float32 / float32, not on the device of
           logits, or not of shape [B]; an entry out of range (top_k < 0, top_p outside (0, 1], min_p
           outside [0, 1), NaN): on CUDA checked without a host sync, like the temperature;
-        - a number out of those ranges (the schema's ``top_k_val`` / ``top_p_val`` / ``min_p_val``).
+        - a number out of those ranges (the schema's ``top_k_val`` / ``top_p_val`` / ``min_p_val``), top_p and
+          min_p checked as float32s like the temperature (top_p 1e-50 is 0 as a float32, min_p 1 - 1e-12 is 1;
+          the message then gives that float32).
         Inside ``sbd_kernels.ops.trusted_values()`` the checks of tensor entries (temperature, top_k, top_p,
         min_p) are skipped (for a caller that validated them once); these values only enter comparisons,
         never an address (every read stays in [0, V) of its row, every write at its position), so nothing is

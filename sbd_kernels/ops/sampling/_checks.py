@@ -1,11 +1,14 @@
 """Argument checks of `sbd.entropy_sample` shared by the oracle, the Triton launcher and the fake kernel.
 
 The wording matches the `TORCH_CHECK`s of csrc/cpu/sampling.cpp word for word (dtypes are printed with
-ATen's names, e.g. "Double", and floats like a C++ stream, "%g"), so every backend names the same
-argument in the same words.
+ATen's names, e.g. "Double", and floats by `exact_g`), so every backend names the same argument in the
+same words.
 """
 from __future__ import annotations
 
+import math
+import struct
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -32,6 +35,39 @@ class SampleDims(NamedTuple):
 
 def _fail(message: str) -> None:
     raise RuntimeError(f"{OP}: {message}")
+
+
+def as_float32(value: float) -> float:
+    """The float32 nearest to `value` (ties to even), as the kernels take a host scalar: inf from the
+    midpoint 2^128 - 2^103 up (3.4028235e38 rounds to the largest float32, 1e39 to inf), 0 up to the
+    midpoint 2^-150 (1e-50)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # struct refuses a finite double whose float32 is inf
+        return math.inf if value > 0 else -math.inf
+
+
+def exact_g(value: float) -> str:
+    """`value` as "%g" with the fewest significant digits (at most 17) that read back as `value`: the C++
+    checks' exact_g, digit for digit. f"{value:g}" printed 0.999999999999 as 1."""
+    if math.isnan(value):
+        return "nan"
+    for digits in range(1, 18):
+        text = f"{value:.{digits}g}"
+        if float(text) == value:
+            break
+    return text
+
+
+def _check_float32_scalar(name: str, value: float, in_range: Callable[[float], bool], rule: str) -> None:
+    """temperature_val, top_p_val, min_p_val: checked as the float32 the kernels run at, like an entry of
+    the [B] tensor. The message names the float32 when only the rounding puts the value out of range
+    (top_p_val 1e-50 is 0 as a float32)."""
+    value32 = as_float32(value)
+    if in_range(value32):
+        return
+    rounded = f" ({exact_g(value32)} as a float32)" if in_range(value) else ""
+    _fail(f"{name} must be {rule}, got {exact_g(value)}{rounded}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -78,9 +114,9 @@ def check_entropy_sample_args(logits: torch.Tensor, seed: torch.Tensor, offset: 
     _check_per_row_int64("offset", offset, batch, device)
     if temperature is not None:
         _check_per_row_tensor("temperature", temperature, torch.float32, "a float32", batch, device)
-    elif not 0.0 <= temperature_val <= FLOAT32_MAX:  # the kernels run at fp32(temperature_val)
-        _fail(f"temperature_val must be finite and >= 0 as a float32 (at most 3.4028235e+38), "
-              f"got {temperature_val:g}")
+    else:
+        _check_float32_scalar("temperature_val", temperature_val, lambda t: t >= 0 and math.isfinite(t),
+                              "finite and >= 0 as a float32 (at most 3.4028235e+38)")
     if compute_mask is not None:
         if compute_mask.dtype != torch.bool:
             _fail(f"compute_mask must be a bool tensor, got {_dtype_name(compute_mask.dtype)}")
@@ -102,12 +138,12 @@ def _check_filters(top_k, top_k_val, top_p, top_p_val, min_p, min_p_val, batch, 
         _fail(f"top_k_val must be >= 0 (0: off), got {top_k_val}")
     if top_p is not None:
         _check_per_row_tensor("top_p", top_p, torch.float32, "a float32", batch, device)
-    elif not 0.0 < top_p_val <= 1.0:
-        _fail(f"top_p_val must be in (0, 1] (1: off), got {top_p_val:g}")
+    else:
+        _check_float32_scalar("top_p_val", top_p_val, lambda p: 0 < p <= 1, "in (0, 1] as a float32 (1: off)")
     if min_p is not None:
         _check_per_row_tensor("min_p", min_p, torch.float32, "a float32", batch, device)
-    elif not 0.0 <= min_p_val < 1.0:
-        _fail(f"min_p_val must be in [0, 1) (0: off), got {min_p_val:g}")
+    else:
+        _check_float32_scalar("min_p_val", min_p_val, lambda p: 0 <= p < 1, "in [0, 1) as a float32 (0: off)")
 
 
 # Value checks of the per-row tensors: the oracle raises them, the Triton launcher asserts them on the

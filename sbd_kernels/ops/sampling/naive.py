@@ -63,6 +63,7 @@ from __future__ import annotations
 import torch
 
 from sbd_kernels.ops.sampling._checks import (
+    as_float32,
     check_entropy_sample_args,
     filters_requested,
     per_row_value_checks,
@@ -172,11 +173,13 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
     def per_row(t, value, dtype):
         return t if t is not None else torch.full((batch,), value, dtype=dtype, device=device)
 
-    temperature = per_row(temperature, temperature_val, torch.float32)
+    # Numbers are rounded first: torch.full refuses a double above the largest float32 (3.4028235e38)
+    # that rounds to it.
+    temperature = per_row(temperature, as_float32(temperature_val), torch.float32)
     filters = filters_requested(top_k, top_k_val, top_p, top_p_val, min_p, min_p_val)
     top_k = per_row(top_k, top_k_val, torch.int64)
-    top_p = per_row(top_p, top_p_val, torch.float32)
-    min_p = per_row(min_p, min_p_val, torch.float32)
+    top_p = per_row(top_p, as_float32(top_p_val), torch.float32)
+    min_p = per_row(min_p, as_float32(min_p_val), torch.float32)
     if compute_mask is None:
         compute_mask = torch.ones(batch, positions, dtype=torch.bool, device=device)
 
