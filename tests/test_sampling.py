@@ -525,6 +525,31 @@ def test_scalar_temperature_is_checked_as_the_float32_used(backend, value, as_fl
     assert torch.equal(tokens, naive.entropy_sample(logits, seed, offset, temperature=per_row)[0])
 
 
+def every_dtype_but_int64():
+    """Every dtype torch has (an ATen ScalarType each) but int64 and the quantized ones, whose tensors
+    dispatch to a quantized backend the op has no kernel for."""
+    dtypes = {d for d in vars(torch).values() if isinstance(d, torch.dtype)} - {torch.int64}
+    return sorted((d for d in dtypes if not str(d).startswith(("torch.qint", "torch.quint"))), key=str)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
+def test_dtype_names_are_aten_names_on_every_backend():
+    """Guards against the Python checks naming a dtype missing from their hand-written table as Python does
+    ("torch.float8_e4m3fn", "torch.uint64") where the C++ checks print ATen's name ("Float8_e4m3fn",
+    "UInt64"): a seed of any dtype gets the same message on every backend."""
+    logits, offset = torch.randn(2, 3, 10), torch.tensor([0, 0])
+    dtypes = every_dtype_but_int64()
+    assert {torch.float8_e4m3fn, torch.uint64, torch.complex32, torch.float64} <= set(dtypes)
+    for dtype in dtypes:
+        seed = torch.empty(2, dtype=dtype)
+        messages = set()
+        for backend in BACKENDS + ("naive",):
+            with pytest.raises(RuntimeError, match="seed must be an int64 tensor, got ") as info:
+                op_on_given_tensors(backend)(logits, seed, offset)
+            messages.add(str(info.value).splitlines()[0])
+        assert len(messages) == 1, (dtype, messages)
+
+
 # ------------------------------------------------------------------------------------------- bad inputs
 def _bad_cases():
     logits = torch.randn(2, 3, 10)

@@ -19,13 +19,6 @@ OP = "sbd.entropy_sample"
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
-# ATen's ScalarType names, as `TORCH_CHECK(..., t.scalar_type())` prints them.
-_ATEN_DTYPE_NAMES = {
-    torch.float64: "Double", torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16",
-    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
-    torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
-}
-
 
 class SampleDims(NamedTuple):
     batch: int
@@ -71,7 +64,10 @@ def _check_float32_scalar(name: str, value: float, in_range: Callable[[float], b
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return _ATEN_DTYPE_NAMES.get(dtype, str(dtype))
+    """ATen's name of `dtype` ("Double", "Long", "Float8_e4m3fn"), as `TORCH_CHECK(..., t.scalar_type())`
+    prints it: the JIT's tensor type names its ScalarType with c10::toString, for every dtype, with no
+    tensor made (the fake kernel calls this too)."""
+    return torch._C.TensorType.get().with_dtype(dtype).scalarType()
 
 
 def _check_per_row_int64(name: str, t: torch.Tensor, batch: int, device: torch.device) -> None:
