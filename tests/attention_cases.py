@@ -136,6 +136,82 @@ def make_case(B: int, C: int, K: int, L: int, Hq: int, Hkv: int, D: int, dtype: 
     return case if device == "cpu" else case.to(device)
 
 
+# Where `non_finite_case` puts its non-finite value (see there).
+NON_FINITE = ("nan_q", "nan_causal_k", "nan_block_k", "nan_cache", "inf_score", "neg_inf_score", "neg_inf_scores")
+# A finite input (fp32 and bf16) whose square overflows fp32 (1e40 > 3.4e38): the score of a query HUGE e_0
+# is +-inf for a key whose k_0 is +-HUGE, and finite (about 1e20 k_0 s) for every other key.
+HUGE = 1e20
+
+
+def non_finite_case(where: str, dtype: torch.dtype, L: int, C: int = 3, K: int = 2,
+                    device: str = "cpu") -> tuple[AttentionCase, torch.Tensor, torch.Tensor]:
+    """One sequence (B = 1, L cache slots, C causal rows all live, K block rows, Hq = 2 heads of one KV head,
+    D = 64) with one non-finite score source, and the [S, Hq] bool of the rows whose out and lse must be NaN
+    and of the rows that must have no keys (out 0, lse -inf); every other row must be finite.
+
+    Row r = C // 2, head 0 is the probed row; its probe key is cache slot L // 2 when L >= 2 (with L = 300 or
+    2100, inside a C++ key tile's vectorised part, and in one split only), else its own causal key r.
+    - nan_q: a NaN in q of row r, head 0: that row.
+    - nan_causal_k: a NaN in k of causal row r: causal rows r.. and the block rows, both heads.
+    - nan_block_k: a NaN in k of the last block row: the block rows.
+    - nan_cache: a NaN in cache slot L - 2 (in the last key tile and the last split): every row.
+    Scores (q[..., 0] = 0 except in row r, head 0, whose q is HUGE e_0, so that only its scores see k[..., 0]):
+    - inf_score: k_0 = HUGE at the probe key: one +inf score in that row, the others finite: NaN.
+    - neg_inf_score: k_0 = -HUGE at the probe key: one -inf score, weight 0: the row stays finite.
+    - neg_inf_scores: k_0 = -HUGE at every key: that row has no keys.
+    """
+    S, r = C + K, C // 2
+    case = make_case(B=1, C=C, K=K, L=L, Hq=2, Hkv=1, D=64, dtype=dtype)
+    nan_rows = torch.zeros(S, 2, dtype=torch.bool)
+    empty_rows = torch.zeros(S, 2, dtype=torch.bool)
+    probe = case.k_cache[0, L // 2, 0] if L >= 2 else case.k[0, r, 0]
+    if where == "nan_q":
+        case.q[0, r, 0, 3] = float("nan")
+        nan_rows[r, 0] = True
+    elif where == "nan_causal_k":
+        case.k[0, r, 0, 3] = float("nan")
+        nan_rows[r:] = True
+    elif where == "nan_block_k":
+        case.k[0, S - 1, 0, 3] = float("nan")
+        nan_rows[C:] = True
+    elif where == "nan_cache":
+        case.k_cache[0, L - 2, 0, 3] = float("nan")
+        nan_rows[:] = True
+    else:
+        case.q[..., 0] = 0.0
+        case.q[0, r, 0] = 0.0
+        case.q[0, r, 0, 0] = HUGE
+        if where == "inf_score":
+            probe[0] = HUGE
+            nan_rows[r, 0] = True
+        elif where == "neg_inf_score":
+            probe[0] = -HUGE
+        elif where == "neg_inf_scores":
+            case.k[0, :, 0, 0] = -HUGE
+            case.k_cache[0, :L, 0, 0] = -HUGE
+            empty_rows[r, 0] = True
+        else:
+            raise ValueError(f"unknown place {where!r}")
+    return (case if device == "cpu" else case.to(device)), nan_rows, empty_rows
+
+
+def assert_non_finite_rows(out: torch.Tensor, lse: torch.Tensor, nan_rows: torch.Tensor,
+                           empty_rows: torch.Tensor) -> None:
+    """out [1, S, Hq, D] and lse [1, Hq, S] of a `non_finite_case` call: out and lse NaN in `nan_rows`, out 0 and
+    lse -inf in `empty_rows`, finite elsewhere. On failure lists every row as N (NaN), 0 (no keys), f (finite)
+    or ? (anything else), against the expected table."""
+    out, lse = out[0].float().cpu(), lse[0].t().cpu()  # [S, Hq, D], [S, Hq]
+    is_nan = out.isnan().all(-1) & lse.isnan()
+    is_empty = (out == 0).all(-1) & (lse == float("-inf"))
+    is_finite = out.isfinite().all(-1) & lse.isfinite()
+    expected = torch.where(nan_rows, 0, torch.where(empty_rows, 1, 2))
+    got = torch.where(is_nan, 0, torch.where(is_empty, 1, torch.where(is_finite, 2, 3)))
+    if not torch.equal(got, expected):
+        table = ["".join("N0f?"[x] for x in row) for row in got.tolist()]
+        wanted = ["".join("N0f?"[x] for x in row) for row in expected.tolist()]
+        raise AssertionError(f"rows (query row: heads) {table}, expected {wanted}")
+
+
 def embed_caches_in_nan_buffers(case: AttentionCase) -> Callable[[], None]:
     """Replaces the case's caches by slices of larger NaN buffers (k_cache: one layer of three; v_cache:
     every other KV head), so outer strides differ from the sizes and between k_cache and v_cache. Returns a

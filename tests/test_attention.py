@@ -14,14 +14,17 @@ from attention_cases import (
     BASE,
     INDEX_LAYOUTS,
     INDEX_TENSORS,
+    NON_FINITE,
     aliasing_cases,
     assert_matches_oracle,
+    assert_non_finite_rows,
     axis_params,
     combine_caches,
     embed_caches_in_nan_buffers,
     fuse_qkv,
     index_view_case,
     make_case,
+    non_finite_case,
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -106,6 +109,19 @@ def test_padding_rows_and_poison():
         assert torch.equal(lse[b, :, c:6], torch.full_like(lse[b, :, c:6], float("-inf")))
         assert torch.isfinite(out[b, :c]).all() and torch.isfinite(out[b, 6:]).all()
         assert torch.isfinite(lse[b, :, :c]).all() and torch.isfinite(lse[b, :, 6:]).all()
+
+
+NON_FINITE_DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", NON_FINITE_DTYPES, ids=str)
+@pytest.mark.parametrize("where", NON_FINITE)
+def test_oracle_non_finite_scores(where, dtype):
+    """Guards against an oracle that reads non-finite scores against the contract: logsumexp gave lse +inf
+    for a +inf score (NaN wanted), and a row whose every score is -inf got out NaN from exp(-inf - -inf)
+    (out 0, lse -inf wanted: no keys)."""
+    case, nan_rows, empty_rows = non_finite_case(where, dtype, 5)
+    assert_non_finite_rows(*naive.block_attention_with_kvcache(*case.args()), nan_rows, empty_rows)
 
 
 def sbd_decode_mask(length: int, causal: int, causal_slots: int, block: int) -> torch.Tensor:

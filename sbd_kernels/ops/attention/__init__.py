@@ -26,6 +26,10 @@ def block_attention_with_kvcache(
         padding row  : no keys: out = 0, lse = -inf
         lse_i = log sum_j exp(s q_i . k_j),  out_i = sum_j exp(s q_i . k_j - lse_i) v_j,  s = softmax_scale
 
+    Non-finite scores (s q_i . k_j in fp32: a NaN or inf in q, k or a cache slot in use, or s q . k
+    overflowing): a NaN or +inf score among row i's keys makes out_i and lse_i NaN; a -inf score weighs
+    exp(-inf) = 0, and a row whose every score is -inf is read as having no keys: out = 0, lse = -inf.
+
     Query head h reads KV head h // (Hq / Hkv). Side effect: K/V of the causal rows are written to cache
     slots [L_b, L_b + c_b); block and padding K/V are never written. RoPE is the caller's: causal token i
     sits at position L_b + i, block token j at L_b + c_b + j.

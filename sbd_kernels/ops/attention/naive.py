@@ -9,6 +9,10 @@ For sequence b with L = cache_seqlens[b], c = num_causal[b], C = S - K causal sl
 
     lse = log sum_j exp(scale * q_i . k_j)   over the allowed j,   out_i = sum_j exp(scale q_i.k_j - lse) v_j
 
+Non-finite scores: a NaN or +inf score among a row's allowed keys makes its out and lse NaN; a -inf score
+weighs exp(-inf) = 0, and a row whose every allowed score is -inf has no keys, as a padding row (out = 0,
+lse = -inf).
+
 GQA: query head h reads KV head h // (Hq / Hkv). Afterwards the causal rows' K/V are written into cache
 slots [L, L + c) (contiguous cache, or the pages named by block_table); nothing else in the cache changes.
 """
@@ -54,9 +58,15 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     values = values.repeat_interleave(group, dim=1)
     scores = torch.einsum("shd,nhd->hsn", q, keys) * scale  # [Hq, S, N]
     scores = scores.masked_fill(~mask[None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [Hq, S]; -inf for rows with no key
-    probs = torch.where(mask[None], torch.exp(scores - lse[..., None]), torch.zeros_like(scores))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hq, S]; -inf for rows with no key (or only -inf scores)
+    lse = lse.masked_fill(lse == float("inf"), float("nan"))  # logsumexp gives +inf for a +inf score
+    no_keys = lse == float("-inf")
+    # Subtract 0 in rows without keys: exp(-inf - 0) = 0, where exp(-inf - lse) would be exp(NaN).
+    base = lse.masked_fill(no_keys, 0.0)
+    probs = torch.where(mask[None], torch.exp(scores - base[..., None]), torch.zeros_like(scores))
     out = torch.einsum("hsn,nhd->shd", probs, values)
+    # A row without keys is 0 even where a value is NaN (0 * NaN in the sum above).
+    out = out.masked_fill(no_keys.t()[..., None], 0.0)
     return out, lse
 
 
