@@ -124,6 +124,33 @@ def test_oracle_non_finite_scores(where, dtype):
     assert_non_finite_rows(*naive.block_attention_with_kvcache(*case.args()), nan_rows, empty_rows)
 
 
+@pytest.mark.parametrize("dtype", NON_FINITE_DTYPES, ids=str)
+@pytest.mark.parametrize("length", [5, 300, 2100], ids=lambda n: f"L={n}")
+@pytest.mark.parametrize("where", NON_FINITE)
+def test_non_finite_scores(where, length, dtype, cpu_isa):
+    """Guards against non-finite scores read as something else by the C++ kernel: a NaN or +inf score must
+    make the row's out and lse NaN, a -inf score weigh 0, a row of -inf scores have no keys (out 0, lse
+    -inf). It gave lse +inf when a NaN sat in the vectorised part of a later key tile (exp_u20(NaN) = +inf,
+    and std::max dropped the NaN from the max: L = 300 puts the new rows and slot L - 2 in the second
+    256-key tile) and out NaN for a row of -inf scores. L = 5 runs the scalar tails only, L = 2100 splits
+    the keys (3 splits, the NaN in one)."""
+    case, nan_rows, empty_rows = non_finite_case(where, dtype, length)
+    assert_non_finite_rows(*OP(*case.with_cache_copies().args()), nan_rows, empty_rows)
+    assert_matches_oracle(case, OP)
+
+
+@pytest.mark.parametrize("dtype", NON_FINITE_DTYPES, ids=str)
+@pytest.mark.parametrize("where", ["nan_q", "nan_causal_k", "inf_score", "neg_inf_scores"])
+@pytest.mark.parametrize("impl", ["cpu", "naive"])
+def test_non_finite_score_of_a_single_key(impl, where, dtype):
+    """Guards against a row whose only key scores NaN, +inf or -inf (L = 0, one causal row, no block) being
+    judged by its max: std::max drops a NaN, so the max stays -inf while the row must still come out NaN;
+    a lone -inf score must give no keys (out 0, lse -inf), not exp(-inf - -inf) = NaN."""
+    case, nan_rows, empty_rows = non_finite_case(where, dtype, L=0, C=1, K=0)
+    fn = OP if impl == "cpu" else naive.block_attention_with_kvcache
+    assert_non_finite_rows(*fn(*case.args()), nan_rows, empty_rows)
+
+
 def sbd_decode_mask(length: int, causal: int, causal_slots: int, block: int) -> torch.Tensor:
     """[S, L + C + K] bool over [cache ; all C causal slots ; block] for SDPA (padding rows see only
     padding key 0 so SDPA stays finite; they are not compared)."""

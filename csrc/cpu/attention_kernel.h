@@ -407,6 +407,17 @@ void pack_values(const HeadView<scalar_t>& view, int64_t j0, int64_t n, int64_t 
 // Online softmax of one row of a tile: scores[0, lim) are the row's visible keys. Writes probabilities
 // exp(scale s - new_max) into scores (and into probs for bf16), zero past lim up to n_pad; updates the
 // running max / sum; returns the factor by which the row's accumulator must be rescaled.
+//
+// Non-finite scores (the contract of naive.py): a NaN or +inf score makes the row's out and lse NaN, a -inf
+// score weighs 0, and a row of -inf scores only has no keys. The exponentials cannot carry a NaN there:
+// exp_u20 clamps its argument with min/max instructions that return the bound for a NaN, so exp_u20(NaN)
+// = +inf (AVX2 and AVX-512), and std::max(m, NaN) = m dropped the NaN from the max: a NaN in the
+// vectorised part of a later tile gave sum +inf, lse +inf. So the max propagates NaN (max_or_nan), and a
+// row whose max is NaN or +inf is set to max = sum = NaN here; the rescale by NaN carries it into acc.
+
+// max(a, b), NaN if either is NaN (std::max(a, NaN) is a).
+inline float max_or_nan(float a, float b) { return a > b || std::isnan(a) ? a : b; }
+
 template <typename op_t>
 float softmax_tile_row(float* scores, op_t* probs, int64_t lim, int64_t n_pad, float scale, float& row_max,
                        float& row_sum) {
@@ -417,17 +428,25 @@ float softmax_tile_row(float* scores, op_t* probs, int64_t lim, int64_t n_pad, f
   for (; i + W <= lim; i += W) {
     fVec x = fVec::loadu(scores + i) * vscale;
     x.store(scores + i);
-    vmax = at::vec::maximum(vmax, x);
+    vmax = at::vec::maximum(vmax, x);  // NaN-propagating
   }
   float tile_max = at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); },
                                                   vmax);
   for (; i < lim; ++i) {
     scores[i] *= scale;
-    tile_max = std::max(tile_max, scores[i]);
+    tile_max = max_or_nan(tile_max, scores[i]);
   }
-  const float new_max = std::max(row_max, tile_max);
-  const float rescale = std::exp(row_max - new_max);  // row_max = -inf on the first tile: 0
-  const fVec vnew(new_max);
+  const float new_max = max_or_nan(row_max, tile_max);
+  if (std::isnan(new_max) || new_max == std::numeric_limits<float>::infinity()) {
+    std::fill(scores, scores + n_pad, 0.0f);
+    if constexpr (kVnni<op_t>) std::fill(probs, probs + n_pad, op_t(0.0f));
+    row_max = row_sum = std::numeric_limits<float>::quiet_NaN();
+    return row_sum;
+  }
+  // Every score so far -inf: subtract 0 instead, so that exp(-inf - 0) = 0 rather than exp(NaN).
+  const float base = new_max == -std::numeric_limits<float>::infinity() ? 0.0f : new_max;
+  const float rescale = std::exp(row_max - base);  // row_max = -inf on the first tile: 0
+  const fVec vnew(base);
   fVec vsum(0.0f);
   for (i = 0; i + W <= lim; i += W) {
     fVec e = (fVec::loadu(scores + i) - vnew).exp_u20();
@@ -436,7 +455,7 @@ float softmax_tile_row(float* scores, op_t* probs, int64_t lim, int64_t n_pad, f
   }
   float tile_sum = at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, vsum);
   for (; i < lim; ++i) {
-    scores[i] = std::exp(scores[i] - new_max);
+    scores[i] = std::exp(scores[i] - base);
     tile_sum += scores[i];
   }
   std::fill(scores + lim, scores + n_pad, 0.0f);
@@ -484,9 +503,15 @@ void store_row(const BlockAttentionArgs& args, const Geometry& geo, int64_t b, i
   const int64_t s = token_row(m / geo.group, causal, geo.causal_slots);
   const int64_t h = g * geo.group + m % geo.group;
   scalar_t* out = args.out.data_ptr<scalar_t>() + ((b * geo.seq + s) * geo.q_heads + h) * geo.dim;
-  const float inv = 1.0f / row_sum;
+  float& lse = args.lse.data_ptr<float>()[(b * geo.q_heads + h) * geo.seq + s];
+  if (row_sum == 0.0f) {  // every score -inf: no keys, out 0 even where a value is NaN (0 * NaN in acc)
+    std::fill(out, out + geo.dim, static_cast<scalar_t>(0.0f));
+    lse = -std::numeric_limits<float>::infinity();
+    return;
+  }
+  const float inv = 1.0f / row_sum;  // NaN for a row with a NaN or +inf score: out and lse NaN
   for (int64_t d = 0; d < geo.dim; ++d) out[d] = static_cast<scalar_t>(acc[d] * inv);
-  args.lse.data_ptr<float>()[(b * geo.q_heads + h) * geo.seq + s] = row_max + std::log(row_sum);
+  lse = row_max + std::log(row_sum);
 }
 
 template <typename scalar_t>
@@ -557,7 +582,8 @@ void run_item(const BlockAttentionArgs& args, const Geometry& geo, int64_t item,
 }
 
 // Log-sum-exp merge of the splits of (b, g): max* = max_s max_s, sum = sum_s sum_s e^(max_s - max*),
-// acc = sum_s acc_s e^(max_s - max*). Empty splits have max -inf and weight 0.
+// acc = sum_s acc_s e^(max_s - max*). Empty splits (and splits of -inf scores only) have sum 0 and are
+// skipped; a split whose row saw a NaN or +inf score has max = sum = NaN, so its weight and the total are NaN.
 template <typename scalar_t>
 void merge_splits(const BlockAttentionArgs& args, const Geometry& geo, int64_t bg, const Partials& partials,
                   std::vector<float>& acc) {
