@@ -20,19 +20,23 @@ from attention_cases import (
     BASE,
     INDEX_LAYOUTS,
     INDEX_TENSORS,
+    NON_FINITE,
     aliasing_cases,
     assert_matches_oracle,
+    assert_non_finite_rows,
     axis_params,
     combine_caches,
     embed_caches_in_nan_buffers,
     fuse_qkv,
     index_view_case,
     make_case,
+    non_finite_case,
 )
 from test_attention import (
     DIM,
     HEAD,
     HKV,
+    NON_FINITE_DTYPES,
     error_cases,
     forward,
     full_recompute,
@@ -243,6 +247,48 @@ def test_padding_rows_and_poisoned_inputs():
         assert torch.equal(lse[b, :, n:6], torch.full_like(lse[b, :, n:6], float("-inf")))
         assert torch.isfinite(out[b, :n]).all() and torch.isfinite(out[b, 6:]).all()
         assert torch.isfinite(lse[b, :, :n]).all() and torch.isfinite(lse[b, :, 6:]).all()
+
+
+# The interpreter's numpy warns on what these tests feed it on purpose: HUGE * HUGE overflows, inf - inf, the
+# max of a tile of NaN scores.
+NUMPY_NON_FINITE_WARNINGS = pytest.mark.filterwarnings(
+    "ignore:(overflow|invalid value) encountered|All-NaN slice:RuntimeWarning")
+
+
+@NUMPY_NON_FINITE_WARNINGS
+@pytest.mark.parametrize("dtype", NON_FINITE_DTYPES, ids=str)
+@pytest.mark.parametrize("where", NON_FINITE)
+def test_non_finite_scores(where, dtype):
+    """Guards against a NaN or +inf score read as a row without keys: the combine decided `l > 0`, False for
+    the NaN l such a score leaves, and wrote out 0, lse -inf where the contract (and the oracle and the C++
+    kernel) give NaN. A -inf score must weigh 0, a row of -inf scores have no keys (out 0, lse -inf)."""
+    c, nan_rows, empty_rows = non_finite_case(where, dtype, 5, device=DEVICE)
+    assert_non_finite_rows(*triton_op(*c.with_cache_copies().args()), nan_rows, empty_rows)
+    assert_matches_oracle(c, triton_op)
+
+
+@NUMPY_NON_FINITE_WARNINGS
+@pytest.mark.parametrize("dtype", NON_FINITE_DTYPES, ids=str)
+@pytest.mark.parametrize("where", ["nan_q", "nan_cache", "inf_score", "neg_inf_scores"])
+def test_non_finite_scores_in_one_split(where, dtype):
+    """Guards against a NaN or +inf score lost in the combine of a split cache: slot L - 2 lies in the last
+    of several splits only, whose partial l is NaN (its m may be finite or -inf), and the rows must come
+    out NaN; -inf scores in every split (l = 0 in each) give no keys."""
+    c, nan_rows, empty_rows = non_finite_case(where, dtype, 2100, device=DEVICE)
+    assert num_splits(c) > 2
+    assert_non_finite_rows(*triton_op(*c.with_cache_copies().args()), nan_rows, empty_rows)
+    assert_matches_oracle(c, triton_op)
+
+
+@NUMPY_NON_FINITE_WARNINGS
+@pytest.mark.parametrize("dtype", NON_FINITE_DTYPES, ids=str)
+@pytest.mark.parametrize("where", ["nan_q", "nan_causal_k", "inf_score", "neg_inf_scores"])
+def test_non_finite_score_of_a_single_key(where, dtype):
+    """Guards against a row whose only key scores NaN (L = 0, one causal row, no block) coming out as a row
+    without keys: maxnum (GPU, and np.fmax / np.nanmax in the interpreter) drops the NaN, m stays -inf, and
+    only l carries the NaN; a lone +inf score must give NaN, a lone -inf score no keys."""
+    c, nan_rows, empty_rows = non_finite_case(where, dtype, L=0, C=1, K=0, device=DEVICE)
+    assert_non_finite_rows(*triton_op(*c.args()), nan_rows, empty_rows)
 
 
 @pytest.mark.parametrize("gqa", AXES["gqa"], ids=str)

@@ -22,7 +22,14 @@ scale folded into s log2(e) overflows fp32 from s = 2.36e38, which the op accept
 
 Stage 2, `_attention_combine_kernel`, grid (B * Hkv, combine tiles): merges the 1 + ceil(L / SPLIT_LEN)
 live splits with log-sum-exp, writes out = acc / l (dtype of q) and lse = m + ln l, or 0 / -inf for rows
-without keys.
+without keys (l = 0: padding rows, rows whose every score is -inf).
+
+Non-finite scores (the contract of naive.py: a NaN or +inf score makes the row's out and lse NaN) travel in
+l, not m: tl.maximum and tl.max compile to maxnum, which drops a NaN operand on a GPU (the interpreter does
+the same, np.fmax and np.nanmax), so a row whose only key scores NaN keeps m = -inf. Its exponential is
+taken against 0 (the base of a row without a finite max), 2^(NaN) = NaN, so l and acc are NaN in its split,
+and NaN * 0 = NaN keeps them NaN through every rescale of later tiles and of the combine. A +inf score makes
+m = +inf and its own term 2^(inf - inf) = NaN.
 
 Offsets into the tensors are int64: an index times a stride typed i32 (any stride below 2^31) passes 2^31
 elements in large tensors, e.g. KV head 31 of a head-major cache [B, 32, 600000, 128] (a Hugging Face
@@ -179,7 +186,8 @@ def _online_softmax_update(q, k, v, valid, m_i, l_i, acc, softmax_scale,
     t = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * softmax_scale
     t = tl.where(valid, t, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(t, 1))
-    # A row with no key so far keeps m = -inf; subtract 0 instead so that e^(-inf - base) = 0, not NaN.
+    # A row with no key so far (or only -inf or NaN scores: maxnum drops NaN) keeps m = -inf; subtract 0
+    # instead so that e^(-inf - base) = 0, not NaN, while a NaN score still gives a NaN term of l.
     m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2((t - m_base[:, None]) * _LOG2E)
     alpha = tl.exp2((m_i - m_base) * _LOG2E)
@@ -350,7 +358,9 @@ def _attention_combine_kernel(
         acc = acc * scale_run[:, None] + acc_s * scale_s[:, None]
         m_run = m_new
 
-    has_keys = l_run > 0.0
+    # l = 0: no key, or -inf scores only (out 0, lse -inf). A NaN or +inf score left l NaN (e^(t - m) is NaN
+    # for t = NaN, and for t = m = +inf), which must reach out and lse: `l > 0` is False for NaN, `l != 0` True.
+    has_keys = l_run != 0.0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_run, 1.0)[:, None], 0.0)
     lse = tl.where(has_keys, m_run + tl.log2(tl.where(has_keys, l_run, 1.0)) * _LN2, float("-inf"))
     row = (m_idx // G).to(tl.int64)
