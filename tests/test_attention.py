@@ -351,6 +351,33 @@ def error_cases():
     ]
 
 
+def two_value_errors():
+    """(id, shape for make_case, mutate(case), message): two bad values of different kinds in different
+    sequences, the kind checked later in the earlier sequence. The values are checked one condition at a
+    time over the whole batch (cache_seqlens >= 0, num_causal in range, capacity, page ids), so the message
+    is that of the first condition. BASE has L_b = 37, 0, 1, c_b = 4, 0, 2 and 44 slots (paged: 3 pages of
+    16, 11 in the pool)."""
+    paged = {**BASE, "paged": True}
+
+    def set_values(*changes):
+        """mutate(case) that sets getattr(case, name)[index] = value for each (name, index, value)."""
+        def mutate(case):
+            for name, index, value in changes:
+                getattr(case, name)[index] = value
+        return mutate
+
+    return [
+        ("num_causal_in_0_negative_length_in_1", BASE,
+         set_values(("num_causal", 0, BASE["C"] + 1), ("cache_seqlens", 1, -1)), "cache_seqlens must be >= 0"),
+        ("capacity_in_0_num_causal_in_2", BASE,
+         set_values(("cache_seqlens", 0, 44), ("num_causal", 2, -1)), "num_causal must be in"),
+        ("page_id_in_0_capacity_in_2", paged,
+         set_values(("block_table", (0, 0), 11), ("cache_seqlens", 2, 48)), "exceeds the cache capacity"),
+        ("page_id_in_0_negative_length_in_1", paged,
+         set_values(("block_table", (0, 1), -1), ("cache_seqlens", 1, -1)), "cache_seqlens must be >= 0"),
+    ]
+
+
 @pytest.mark.parametrize("impl", ["cpu", "naive"])
 @pytest.mark.parametrize("mutate,message", [e[1:] for e in error_cases()], ids=[e[0] for e in error_cases()])
 def test_bad_inputs_name_the_argument(impl, mutate, message):
@@ -366,15 +393,18 @@ def test_bad_inputs_name_the_argument(impl, mutate, message):
 
 
 def all_error_cases():
-    """(id, shape for make_case, mutate(case)) of every bad-input and aliasing case."""
+    """(id, shape for make_case, mutate(case)) of every bad-input, aliasing and two-bad-values case."""
     return ([(name, BASE, mutate) for name, mutate, _ in error_cases()]
-            + [(name, ALIASING_SHAPE, mutate) for name, mutate, _ in aliasing_cases()])
+            + [(name, ALIASING_SHAPE, mutate) for name, mutate, _ in aliasing_cases()]
+            + [(name, shape, mutate) for name, shape, mutate, _ in two_value_errors()])
 
 
 @pytest.mark.parametrize("shape,mutate", [e[1:] for e in all_error_cases()], ids=[e[0] for e in all_error_cases()])
 def test_cpu_and_python_checks_say_the_same(shape, mutate):
     """Guards against the C++ checks and the Python checks (oracle, Triton launcher, fake kernel) drifting
-    apart: for every bad input both raise the same message, word for word."""
+    apart: for every bad input both raise the same message, word for word. With two bad values in different
+    sequences the C++ kernel checked sequence by sequence and named the first sequence's problem, the
+    Python checks condition by condition over the batch."""
     messages = []
     for fn in (OP, naive.block_attention_with_kvcache):
         case = make_case(**shape)
@@ -383,6 +413,20 @@ def test_cpu_and_python_checks_say_the_same(shape, mutate):
             fn(*case.args())
         messages.append(str(error.value).splitlines()[0])
     assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("impl", ["cpu", "naive"])
+@pytest.mark.parametrize("shape,mutate,message", [e[1:] for e in two_value_errors()],
+                         ids=[e[0] for e in two_value_errors()])
+def test_two_bad_values_report_the_first_condition(impl, shape, mutate, message):
+    """Guards against the value checks' order depending on the backend: with two bad values of different
+    kinds in different sequences, each raises the error of the condition checked first (the C++ kernel
+    named the kind found in the earlier sequence)."""
+    case = make_case(**shape)
+    mutate(case)
+    fn = OP if impl == "cpu" else naive.block_attention_with_kvcache
+    with pytest.raises(RuntimeError, match=message):
+        fn(*case.args())
 
 
 @pytest.mark.parametrize("mutate,message", [e[1:] for e in error_cases() if e[0] not in VALUE_ERRORS],

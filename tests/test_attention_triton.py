@@ -42,6 +42,7 @@ from test_attention import (
     full_recompute,
     make_layers,
     sbd_decode_mask,
+    two_value_errors,
 )
 
 from sbd_kernels.ops.attention import naive
@@ -355,6 +356,17 @@ def test_bad_inputs_name_the_argument(mutate, message):
     with pytest.raises(RuntimeError, match=message):
         LAUNCH(*c.args())
     assert torch.equal(c.k_cache.isnan(), before.isnan())
+
+
+@pytest.mark.parametrize("shape,mutate,message", [e[1:] for e in two_value_errors()],
+                         ids=[e[0] for e in two_value_errors()])
+def test_two_bad_values_report_the_first_condition(shape, mutate, message):
+    """Guards against the launcher's value checks reporting another error than the C++ kernel's for the same
+    call: with two bad values of different kinds in different sequences, the condition checked first."""
+    c = make_case(**shape)
+    mutate(c)
+    with pytest.raises(RuntimeError, match=message):
+        LAUNCH(*c.args())
 
 
 @pytest.mark.parametrize("mutate,message", [e[1:] for e in aliasing_cases()], ids=[e[0] for e in aliasing_cases()])

@@ -157,18 +157,25 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   check_no_aliasing(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_table);
 }
 
-// Values (same wording as _checks.assert_block_attention_values): 0 <= c <= C, L >= 0, L + c <= capacity,
-// page ids of the pages holding slots [0, L + c) in [0, num_pages).
+// Values (same order and wording as _checks.assert_block_attention_values): L >= 0, 0 <= c <= C,
+// L + c <= capacity, page ids of the pages holding slots [0, L + c) in [0, num_pages). Each condition is
+// checked over the whole batch before the next, as the Python checks do (one torch._assert_async per
+// condition, which keeps them free of host syncs on CUDA), so that a call with two bad values in different
+// sequences raises the same error in both.
 void check_values(const int32_t* lengths, const int32_t* causal, const int32_t* table, int64_t table_stride,
                   int64_t batch, int64_t causal_slots, int64_t page_size, int64_t capacity, int64_t num_pages) {
+  for (int64_t b = 0; b < batch; ++b) TORCH_CHECK(lengths[b] >= 0, kOp, ": cache_seqlens must be >= 0");
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(lengths[b] >= 0, kOp, ": cache_seqlens must be >= 0");
     TORCH_CHECK(causal[b] >= 0 && causal[b] <= causal_slots, kOp, ": num_causal must be in [0, C=",
                 causal_slots, "]");
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(static_cast<int64_t>(lengths[b]) + causal[b] <= capacity, kOp,
+                ": cache_seqlens + num_causal exceeds the cache capacity (", capacity, " slots)");
+  }
+  if (table == nullptr) return;
+  for (int64_t b = 0; b < batch; ++b) {
     const int64_t end = static_cast<int64_t>(lengths[b]) + causal[b];
-    TORCH_CHECK(end <= capacity, kOp, ": cache_seqlens + num_causal exceeds the cache capacity (", capacity,
-                " slots)");
-    if (table == nullptr) continue;
     for (int64_t p = 0; p < (end + page_size - 1) / page_size; ++p) {
       const int32_t page = table[b * table_stride + p];
       TORCH_CHECK(page >= 0 && page < num_pages, kOp, ": block_table holds a page id outside [0, ", num_pages,

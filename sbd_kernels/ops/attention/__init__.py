@@ -82,7 +82,8 @@ def block_attention_with_kvcache(
         - softmax_scale NaN, infinite or <= 0, or a finite double that is infinite or 0 as a float32
           (>= 2^128 - 2^103 = 3.4028236e+38 or <= 2^-150 = 7.0e-46, e.g. 1e39 or 1e-50);
         - values: cache_seqlens < 0; num_causal outside [0, C]; L_b + c_b beyond the cache capacity
-          (S_max, or max_pages * page_size); a page id outside [0, num_pages) for a page in use. On CUDA
+          (S_max, or max_pages * page_size); a page id outside [0, num_pages) for a page in use (checked in
+          this order, each over the whole batch: the first condition that fails is reported). On CUDA
           these come from `torch._assert_async` (no host sync: reported as a device-side assert at the
           next synchronisation; the kernels clamp, so nothing is read or written out of bounds). Inside
           `sbd_kernels.ops.trusted_values()` these value checks are skipped (for a caller that built or

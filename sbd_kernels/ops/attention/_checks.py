@@ -220,8 +220,10 @@ def assert_block_attention_values(
     cache_seqlens: torch.Tensor, num_causal: torch.Tensor, dims: AttentionDims,
     block_table: torch.Tensor | None = None,
 ) -> None:
-    """Check values without a host sync: 0 <= num_causal <= C, cache_seqlens >= 0, L + c <= capacity,
-    and the pages holding slots [0, L + c) are in [0, num_pages). Raises RuntimeError on CPU tensors.
+    """Check values without a host sync: cache_seqlens >= 0, 0 <= num_causal <= C, L + c <= capacity, and
+    the pages holding slots [0, L + c) are in [0, num_pages). Raises RuntimeError on CPU tensors. One
+    condition at a time over the whole batch, in this order (so does the C++ kernel): with two bad values
+    the first condition's error is raised, whichever sequences hold them.
     Returns at once inside `trusted_values()`: 4-6 small kernels per call saved; the kernels clamp L to
     [0, capacity], c to [0, C] and mask page ids outside [0, num_pages), so nothing goes out of bounds."""
     if values_trusted():
