@@ -139,6 +139,16 @@ def test_non_finite_scores(where, length, dtype, cpu_isa):
     assert_matches_oracle(case, OP)
 
 
+def test_scores_overflowing_once_scaled():
+    """Guards against scores that overflow only when multiplied by the scale (softmax_scale = 1e38, which the
+    op accepts: s q . k is +-inf wherever |q . k| > 3.4): rows with a +inf score must come out NaN in the
+    oracle (logsumexp gave lse +inf) and in the C++ kernel, the others finite."""
+    case = make_case(B=1, C=2, K=2, L=6, Hq=2, Hkv=1, D=8, dtype=torch.float32, softmax_scale=1e38)
+    _, lse = naive.block_attention_with_kvcache(*case.with_cache_copies().args())
+    assert lse.isnan().any() and lse.isfinite().any() and not (lse == float("inf")).any()
+    assert_matches_oracle(case, OP)
+
+
 @pytest.mark.parametrize("dtype", NON_FINITE_DTYPES, ids=str)
 @pytest.mark.parametrize("where", ["nan_q", "nan_causal_k", "inf_score", "neg_inf_scores"])
 @pytest.mark.parametrize("impl", ["cpu", "naive"])

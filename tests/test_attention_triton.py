@@ -282,6 +282,17 @@ def test_non_finite_scores_in_one_split(where, dtype):
 
 
 @NUMPY_NON_FINITE_WARNINGS
+def test_scores_overflowing_once_scaled():
+    """Guards against scores that overflow only when multiplied by the scale (softmax_scale = 1e38, which the
+    op accepts: s q . k is +-inf wherever |q . k| > 3.4) read as rows without keys: rows with a +inf score
+    must come out NaN as in the oracle, the others finite."""
+    c = case(B=1, C=2, K=2, L=6, Hq=2, Hkv=1, D=8, dtype=torch.float32, softmax_scale=1e38)
+    _, lse = triton_op(*c.with_cache_copies().args())
+    assert lse.isnan().any() and lse.isfinite().any()
+    assert_matches_oracle(c, triton_op)
+
+
+@NUMPY_NON_FINITE_WARNINGS
 @pytest.mark.parametrize("dtype", NON_FINITE_DTYPES, ids=str)
 @pytest.mark.parametrize("where", ["nan_q", "nan_causal_k", "inf_score", "neg_inf_scores"])
 def test_non_finite_score_of_a_single_key(where, dtype):
