@@ -23,7 +23,7 @@ import pickle
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.nn.functional as F
@@ -438,14 +438,15 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     """(model in eval mode on map_location, meta) from a file written by `save_checkpoint`; needs no
     training code.
 
-    The file is read with `torch.load(weights_only=True)` (no code in it can run) and checked before any
-    module is built: a dict {config, state_dict, meta}; every config key known, sizes positive integers
+    The file is read with `torch.load(weights_only=True)` (no code in it can run), after every member of its
+    archive has matched its CRC-32 (a bit flipped on disk in a weight is an error, not a wrong weight), and
+    checked before any module is built: a dict {config, state_dict, meta}; every config key known, sizes positive integers
     within CHECKPOINT_LIMITS, at most CHECKPOINT_MAX_PARAMETERS parameters; exactly the weights of that
     config, each a floating-point tensor of its shape. The model is then built on the meta device and
     filled from the file, never initialised at full size.
 
     Raises CheckpointError (a ValueError) naming the file and the problem: missing path, a directory, an
-    empty, truncated or damaged file, not a torch.save archive, refused by weights_only, the wrong
+    empty, truncated or damaged file (a member failing its CRC-32 named), not a torch.save archive, refused by weights_only, the wrong
     structure, an unknown / missing / bad config key, missing / unexpected / misshapen weights.
     """
     name = os.fspath(path)
@@ -463,41 +464,64 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 def read_torch_file(path: str) -> Any:
     """torch.load(path, weights_only=True) on the CPU (a checkpoint, a training state), with each way a file
     can be unusable as a CheckpointError (torch itself says OSError('Invalid argument') for a truncated file, a bare EOFError
-    for an empty one)."""
+    for an empty one, and nothing at all for damaged bytes inside the archive: its zip reader skips the CRC-32
+    checks, so a flipped bit in a weight loaded as a wrong weight).
+
+    One open file: the archive's structure and every member's CRC-32 (`_check_archive`) are checked through it,
+    then torch.load reads it from the start. The CRC pass reads every byte once more; the alternative, the
+    whole file in memory for both, would double the peak memory of loading a large checkpoint."""
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file")
     if os.path.isdir(path):
         raise CheckpointError(f"{path}: is a directory, not a checkpoint file")
     try:
-        size = os.path.getsize(path)
         with open(path, "rb") as file:
-            head = file.read(4)
+            _check_archive(path, file)
+            file.seek(0)
+            return _load_weights_only(path, file)
     except OSError as err:
         raise CheckpointError(f"{path}: cannot read it ({err.strerror or err})") from err
-    if size == 0:
-        raise CheckpointError(f"{path}: empty file (0 bytes), not an sbd_kernels checkpoint")
-    if head != b"PK\x03\x04":        # torch.save writes a zip archive
-        raise CheckpointError(f"{path}: not an sbd_kernels checkpoint (not a torch.save archive)")
-    if not zipfile.is_zipfile(path):   # the central directory, at the very end of the file, is missing
-        raise CheckpointError(f"{path}: truncated ({size} bytes, the end of the archive is missing: an "
-                              "interrupted write or copy?)")
+
+
+def _load_weights_only(path: str, file: BinaryIO) -> Any:
+    """torch.load(file, weights_only=True) on the CPU, its failures as CheckpointErrors naming `path`."""
     try:
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-    except (zipfile.BadZipFile, OSError) as err:
-        raise CheckpointError(f"{path}: damaged zip archive ({err})") from err
-    top = names[0].split("/")[0] if names else ""
-    if f"{top}/data.pkl" not in names:
-        raise CheckpointError(f"{path}: not an sbd_kernels checkpoint (a zip archive, but not one written by "
-                              "torch.save)")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"{path}: refused by torch.load(weights_only=True), it holds more than tensors "
                               f"and plain values ({_unpickling_reason(err)})") from err
     except Exception as err:  # a damaged archive fails in many ways: RuntimeError, OSError, EOFError, ...
         detail = str(err).strip().splitlines()[0] if str(err).strip() else "no detail"
         raise CheckpointError(f"{path}: damaged ({type(err).__name__}: {detail})") from err
+
+
+def _check_archive(path: str, file: BinaryIO) -> None:
+    """CheckpointError unless `file` (open at its start) is a complete torch.save zip archive whose every
+    member matches the CRC-32 stored for it when it was written."""
+    head = file.read(4)
+    size = file.seek(0, os.SEEK_END)
+    if size == 0:
+        raise CheckpointError(f"{path}: empty file (0 bytes), not an sbd_kernels checkpoint")
+    if head != b"PK\x03\x04":        # torch.save writes a zip archive
+        raise CheckpointError(f"{path}: not an sbd_kernels checkpoint (not a torch.save archive)")
+    if not zipfile.is_zipfile(file):   # the central directory, at the very end of the file, is missing
+        raise CheckpointError(f"{path}: truncated ({size} bytes, the end of the archive is missing: an "
+                              "interrupted write or copy?)")
+    try:
+        with zipfile.ZipFile(file) as archive:
+            names = archive.namelist()
+            top = names[0].split("/")[0] if names else ""
+            if f"{top}/data.pkl" not in names:
+                raise CheckpointError(f"{path}: not an sbd_kernels checkpoint (a zip archive, but not one written "
+                                      "by torch.save)")
+            corrupt = archive.testzip()
+    except (CheckpointError, OSError):
+        raise
+    except Exception as err:  # BadZipFile, zlib.error for a compressed member, RuntimeError for an encrypted one
+        raise CheckpointError(f"{path}: damaged zip archive ({type(err).__name__}: {err})") from err
+    if corrupt is not None:
+        raise CheckpointError(f"{path}: damaged: the CRC-32 check failed for {corrupt} (its bytes changed after "
+                              "torch.save wrote them: a disk or copy error?)")
 
 
 def read_training_state(path: str, keys: tuple[str, ...], kind: str) -> dict[str, Any]:

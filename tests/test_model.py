@@ -264,6 +264,31 @@ def test_load_checkpoint_names_a_damaged_file(tmp_path, name):
     assert str(path) in str(info.value)
 
 
+def flip_weight_byte(path: Path) -> str:
+    """Flips one bit in the middle of the largest tensor's data inside the checkpoint archive at `path` (a bit
+    rot of the disk or a bad copy) and returns that member's name; the zip structure stays intact."""
+    with zipfile.ZipFile(path) as archive:
+        member = max((info for info in archive.infolist() if "/data/" in info.filename), key=lambda i: i.file_size)
+    raw = bytearray(path.read_bytes())
+    # Local file header: 30 fixed bytes, then the name and the extra field, then the stored (uncompressed) data.
+    name_len = int.from_bytes(raw[member.header_offset + 26: member.header_offset + 28], "little")
+    extra_len = int.from_bytes(raw[member.header_offset + 28: member.header_offset + 30], "little")
+    raw[member.header_offset + 30 + name_len + extra_len + member.file_size // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    return member.filename
+
+
+def test_load_checkpoint_refuses_a_bit_flipped_weight(tmp_path):
+    """Guards against a checkpoint whose weight bytes were damaged on disk loading silently with wrong weights:
+    torch.load does not check the archive's CRC-32s; load_checkpoint does and names the file and the member."""
+    path = tmp_path / "flipped.pt"
+    save_checkpoint(tiny_model(), path)
+    member = flip_weight_byte(path)
+    with pytest.raises(CheckpointError, match=f"CRC-32 check failed for {member}") as info:
+        load_checkpoint(path)
+    assert str(path) in str(info.value)
+
+
 def test_load_checkpoint_rejects_a_zip_that_is_not_a_torch_file(tmp_path):
     """Guards against torch's internal 'file in archive is not in a subdirectory' enforce message."""
     path = tmp_path / "notes.pt"
