@@ -471,6 +471,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def load_raw(raw_json: Path) -> dict:
+    """The pytest-benchmark JSON at `raw_json`; ValueError naming the file when it is not JSON."""
+    try:
+        return json.loads(raw_json.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{raw_json}: not JSON ({err})") from None
+
+
+def fresh_raw(raw_json: Path, status: int) -> dict:
+    """The JSON the benchmark run that exited with `status` just wrote (`run` removed any earlier one first);
+    exits with one line when it wrote none, or one without timings (every case skipped or deselected)."""
+    if not raw_json.exists():
+        raise SystemExit(f"sbd bench: the benchmark run (pytest exit status {status}) wrote no results in "
+                         f"{raw_json}; no report written")
+    raw = load_raw(raw_json)
+    if not raw.get("benchmarks"):
+        raise SystemExit(f"sbd bench: the benchmark run (pytest exit status {status}) recorded no timings in "
+                         f"{raw_json}; no report written")
+    return raw
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the selected benchmarks (or reads --from-json), writes the report; returns an exit status."""
     status = 0
@@ -479,17 +500,14 @@ def run(args: argparse.Namespace) -> int:
         out = args.out or bench_dir / "results"
         raw_json = out / "raw.json"
         out.mkdir(parents=True, exist_ok=True)
+        raw_json.unlink(missing_ok=True)  # an earlier run's timings must never be reported as this run's
         only = args.only.split(",") if args.only else []
         status = run_benchmarks(bench_dir, raw_json, only, args.keyword, args.rounds)
-        if not raw_json.exists():
-            return status or 1
+        raw = fresh_raw(raw_json, status)
     else:
         raw_json = args.from_json
         out = args.out or raw_json.parent
-    try:
-        raw = json.loads(raw_json.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{raw_json}: not JSON ({err})") from None
+        raw = load_raw(raw_json)
     header = stored_header(raw)
     ceilings = report_ceilings(header, raw)
     families = rows_from_raw(raw, ceilings)

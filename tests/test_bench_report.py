@@ -424,3 +424,32 @@ def test_gpu_static_section_without_triton_is_one_line(monkeypatch):
     monkeypatch.setattr(bench_report.subprocess, "run", lambda *a, **k: pytest.fail("ran the compile check"))
     section, status = bench_report.gpu_static_section()
     assert status == 0 and "triton is not installed" in section and "Traceback" not in section
+
+
+@pytest.mark.parametrize("written", ["nothing", "no timings"])
+def test_sbd_bench_never_reports_the_timings_of_an_earlier_run(tmp_path, monkeypatch, written):
+    """Guards against `sbd bench` reading the raw.json an earlier run left in the results folder when this run's
+    pytest wrote none (a collection error, a crash) and reporting those old timings as new: the old file is
+    removed before the run, and a run that wrote no file, or one without timings, is an error saying so."""
+    bench_dir = tmp_path / "bench"
+    bench_dir.mkdir()
+    (bench_dir / "bench_scatter.py").write_text("")
+    out = tmp_path / "results"
+    out.mkdir()
+    shape = grid.ScatterShape(1, 16)
+    stale = {"benchmarks": [raw_entry("scatter", shape, "sbd", "eager", 1e-5),
+                            raw_entry("scatter", shape, "eager", "eager", 1e-4)]}
+    write_raw(out / "raw.json", stale)
+
+    def run_benchmarks(bench, raw_json, *args):
+        if written == "no timings":
+            write_raw(raw_json, {"benchmarks": []})
+        return 2
+
+    monkeypatch.setattr(bench_report, "run_benchmarks", run_benchmarks)
+    with pytest.raises(SystemExit) as info:
+        bench_report.main(["--bench-dir", str(bench_dir), "--out", str(out), "--no-gpu-static"])
+    what = "wrote no results" if written == "nothing" else "recorded no timings"
+    assert str(info.value) == (f"sbd bench: the benchmark run (pytest exit status 2) {what} in "
+                               f"{out / 'raw.json'}; no report written")
+    assert not (out / "report.md").exists()
