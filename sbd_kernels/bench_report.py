@@ -472,11 +472,86 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def load_raw(raw_json: Path) -> dict:
-    """The pytest-benchmark JSON at `raw_json`; ValueError naming the file when it is not JSON."""
+    """The pytest-benchmark JSON at `raw_json`, checked to hold what the report reads (`raw_problem`); ValueError
+    naming the file and the problem otherwise."""
     try:
-        return json.loads(raw_json.read_text())
+        raw = json.loads(raw_json.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{raw_json}: not JSON ({err})") from None
+    problem = raw_problem(raw)
+    if problem:
+        raise ValueError(f"{raw_json}: not a pytest-benchmark JSON of `sbd bench`: {problem}")
+    return raw
+
+
+# What the report reads: of a stored header (`machine.machine_header`), of every entry the harness tagged
+# (`bench.harness.record`), and of the decode entries' extra_info["decode"] (`roofline.measured_cases`).
+HEADER_FIELDS = ("cpu", "cores", "torch_threads", "cpu_isa", "gpu", "torch", "triton", "python", "commit", "date",
+                 "copy_gbs", "matmul_gflops")
+TAGGED_FIELDS = ("case", "shape", "provider", "baseline")
+DECODE_FIELDS = ("config", "dtype", "batch", "kv_len", "k", "tokens")
+
+
+def _kind(value: object) -> str:
+    """"an object" for a JSON object, else "a list", "an int", ... by the Python type json.loads gave."""
+    name = "object" if isinstance(value, dict) else type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _missing(where: str, value: object, fields: tuple[str, ...]) -> str | None:
+    """"<where> is <kind>, expected an object" or "<where> has no '<field>'" for the first of `fields` that
+    `value` lacks, or None."""
+    if not isinstance(value, dict):
+        return f"{where} is {_kind(value)}, expected an object"
+    absent = next((name for name in fields if name not in value), None)
+    return None if absent is None else f"{where} has no {absent!r}"
+
+
+def raw_problem(raw: object) -> str | None:
+    """The first thing the report would miss in a pytest-benchmark JSON, in words, or None: an object with a
+    "benchmarks" list; a stored header (machine_info[HEADER_KEY]) with HEADER_FIELDS; each entry an object
+    whose stats hold a number "median" and, when extra_info names a family, a valid `entry_problem`."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("benchmarks"), list):
+        got = f"an object with keys {', '.join(raw)}" if isinstance(raw, dict) else _kind(raw)
+        return f'expected an object with a "benchmarks" list, got {got}'
+    machine = raw.get("machine_info") or {}
+    if not isinstance(machine, dict):
+        return f"machine_info is {_kind(machine)}, expected an object"
+    if HEADER_KEY in machine:
+        problem = _missing(f"machine_info.{HEADER_KEY}", machine[HEADER_KEY], HEADER_FIELDS)
+        if problem:
+            return problem
+    for index, bench in enumerate(raw["benchmarks"]):
+        problem = entry_problem(f"benchmarks[{index}]", bench)
+        if problem:
+            return problem
+    return None
+
+
+def entry_problem(where: str, bench: object) -> str | None:
+    """What the report would miss in one pytest-benchmark entry, or None (`raw_problem`)."""
+    if not isinstance(bench, dict):
+        return f"{where} is {_kind(bench)}, expected an object"
+    stats = bench.get("stats")
+    if not isinstance(stats, dict) or not isinstance(stats.get("median"), (int, float)):
+        return f"{where}.stats has no number 'median'"
+    info = bench.get("extra_info", {})
+    if not isinstance(info, dict):
+        return f"{where}.extra_info is {_kind(info)}, expected an object"
+    if "family" not in info:
+        return None     # an entry the harness did not tag: not in the report
+    if info["family"] not in GRIDS:
+        return f"{where}.extra_info.family {info['family']!r} is none of {', '.join(FAMILIES)}"
+    problem = _missing(f"{where}.extra_info", info, TAGGED_FIELDS)
+    if problem:
+        return problem
+    try:
+        shape_from_dict(info["family"], info["shape"])
+    except (TypeError, ValueError) as err:
+        return f"{where}.extra_info.shape is not a {info['family']} record ({err})"
+    if info["family"] == "decode" and info.get("decode") is not None:
+        return _missing(f"{where}.extra_info.decode", info["decode"], DECODE_FIELDS)
+    return None
 
 
 def fresh_raw(raw_json: Path, status: int) -> dict:

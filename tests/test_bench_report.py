@@ -453,3 +453,45 @@ def test_sbd_bench_never_reports_the_timings_of_an_earlier_run(tmp_path, monkeyp
     assert str(info.value) == (f"sbd bench: the benchmark run (pytest exit status 2) {what} in "
                                f"{out / 'raw.json'}; no report written")
     assert not (out / "report.md").exists()
+
+
+def _entry(family: str = "sampling", **changes) -> dict:
+    """A tagged entry of `family` with `changes` applied to its extra_info (a value None removes the key)."""
+    shape = grid.DecodeShape("small", 1, 512, 1) if family == "decode" else grid.SamplingShape(1, 16, 32000, "fp32")
+    entry = raw_entry(family, shape, shape.provider if family == "decode" else "sbd", "sbd t=1", 1e-5)
+    for key, value in changes.items():
+        entry["extra_info"].pop(key) if value is None else entry["extra_info"].update({key: value})
+    return entry
+
+
+# A JSON of the wrong shape, and what the error must say is missing or wrong.
+WRONG_SHAPES = {
+    "a list": ([], 'expected an object with a "benchmarks" list, got a list'),
+    "no benchmarks": ({"machine_info": {}},
+                      'expected an object with a "benchmarks" list, got an object with keys machine_info'),
+    "entry not an object": ({"benchmarks": [3]}, "benchmarks[0] is an int, expected an object"),
+    "no median": ({"benchmarks": [{**_entry(), "stats": {"mean": 1.0}}]},
+                  "benchmarks[0].stats has no number 'median'"),
+    "no provider": ({"benchmarks": [_entry(provider=None)]}, "benchmarks[0].extra_info has no 'provider'"),
+    "unknown family": ({"benchmarks": [_entry(family="matmul")]},
+                       "benchmarks[0].extra_info.family 'matmul' is none of attention, decode, hf, sampling, scatter"),
+    "bad shape": ({"benchmarks": [_entry(shape={"batch": 1})]},
+                  "benchmarks[0].extra_info.shape is not a sampling record (SamplingShape.__init__() missing 3"),
+    "bad decode": ({"benchmarks": [_entry("decode", decode={"batch": 1})]},
+                   "benchmarks[0].extra_info.decode has no 'config'"),
+    "partial header": ({"machine_info": {bench_report.HEADER_KEY: {"cpu": "x"}}, "benchmarks": [_entry()]},
+                       "machine_info.sbd has no 'cores'"),
+}
+
+
+@pytest.mark.parametrize("name", list(WRONG_SHAPES))
+def test_from_json_names_what_a_wrong_json_lacks(tmp_path, name):
+    """Guards against `sbd bench --from-json` on a JSON of another shape (not pytest-benchmark's, an entry the
+    harness did not tag, a header cut short) failing with a bare KeyError / AttributeError / TypeError: the
+    error names the file and what is missing, before any report is written."""
+    raw, words = WRONG_SHAPES[name]
+    path = write_raw(tmp_path / "wrong.json", raw)
+    with pytest.raises(ValueError) as info:
+        bench_report.main(["--from-json", str(path), "--no-gpu-static", "--out", str(tmp_path / "out")])
+    assert str(info.value).startswith(f"{path}: not a pytest-benchmark JSON of `sbd bench`: {words}")
+    assert not (tmp_path / "out").exists()
