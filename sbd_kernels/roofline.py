@@ -57,6 +57,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from sbd_kernels import argtypes
 from sbd_kernels.argtypes import UsageError, add_option
 from sbd_kernels.model import PRESETS, ModelConfig
@@ -75,9 +77,14 @@ class Hardware:
     source: str
 
     def peak(self, compute: str) -> float:
-        """FLOP/s for matmuls in `compute`; a dtype the machine has no units for runs at the bf16 rate
-        (A100 has no FP8 tensor cores: FP8 weights are upcast and multiplied in bf16)."""
-        return self.matmul_flops[compute] if compute in self.matmul_flops else self.matmul_flops["bf16"]
+        """FLOP/s for matmuls in `compute`. FP8 on a machine without FP8 units runs at the bf16 rate (A100 has
+        no FP8 tensor cores: FP8 weights are upcast and multiplied in bf16); any other dtype without a rate is
+        a ValueError rather than another dtype's rate (a CPU's fp16 GEMM is neither its fp32 nor its bf16 one)."""
+        if compute in self.matmul_flops:
+            return self.matmul_flops[compute]
+        if compute == "fp8" and "bf16" in self.matmul_flops:
+            return self.matmul_flops["bf16"]
+        raise ValueError(f"{self.name}: no {compute} matmul rate ({self.source})")
 
 
 # Datasheet numbers, dense (the datasheets print "with sparsity" figures, twice these). fp32 is the
@@ -98,19 +105,37 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 
-def cpu_hardware(ceilings: dict | None = None) -> Hardware:
-    """This CPU from measured ceilings (`sbd_kernels.machine.machine_ceilings()`, measured now if not given):
-    STREAM-convention copy bandwidth and torch.mm GFLOP/s in fp32 and bf16 (fp16 at the fp32 rate: CPU torch
-    has no fast fp16 GEMM)."""
-    if ceilings is None:
-        from sbd_kernels.machine import machine_ceilings
+# n of the fp16 torch.mm that measures a CPU's fp16 rate, below the n = 2048 of machine_ceilings' fp32 and bf16:
+# where CPU torch has no fast fp16 GEMM (0.2 GFLOP/s on the 2-core reference machine, sbd_kernels.machine) one
+# 2048^3 product takes 86 s and the measurement (6 products) 9 minutes, at n = 512 8 s. On a Xeon with
+# AVX512-FP16 at one thread, fp16 reached 190 GFLOP/s at n = 512 and 165 at n = 1024 (fp32: 197 and 194).
+CPU_FP16_GEMM_N = 512
 
-        ceilings = machine_ceilings()
+
+def cpu_hardware(ceilings: dict | None = None) -> Hardware:
+    """This CPU from its measured ceilings: `ceilings` as `sbd_kernels.machine.machine_ceilings()` returns them
+    (STREAM-convention copy bandwidth, torch.mm GFLOP/s in fp32 and bf16), or when not given those measured now
+    plus torch.mm's fp16 rate (n = CPU_FP16_GEMM_N). Given ceilings without an fp16 rate leave fp16 without one
+    (`Hardware.peak` raises): it is neither the fp32 nor the bf16 rate."""
+    if ceilings is None:
+        from sbd_kernels.machine import machine_ceilings, measure_matmul_peak_gflops
+
+        measured = machine_ceilings()
+        fp16 = measure_matmul_peak_gflops(torch.float16, n=CPU_FP16_GEMM_N)
+        ceilings = {**measured, "matmul_gflops": {**measured["matmul_gflops"], "fp16": fp16}}
+    return ceilings_hardware(ceilings, "this CPU (measured)")
+
+
+def ceilings_hardware(ceilings: dict, name: str | None = None) -> Hardware:
+    """The Hardware of ceilings in `machine_ceilings()` units: {"copy_gbs": GB/s, "matmul_gflops": {dtype:
+    GFLOP/s}, "source" (absent: "measured")}, a CPU's measured ones or a GPU's datasheet
+    (`bench_report.datasheet_ceilings`: fp16 and bf16 at the tensor-core rate); a rate for each dtype they
+    hold and none for the others. name: default the source."""
+    source = ceilings.get("source", "measured")
     gflops = ceilings["matmul_gflops"]
-    flops = {"fp32": gflops["fp32"] * 1e9, "fp16": gflops["fp32"] * 1e9, "bf16": gflops["bf16"] * 1e9}
-    return Hardware("this CPU (measured)", flops, ceilings["copy_gbs"] * 1e9,
-                    f"measured: copy {ceilings['copy_gbs']:.1f} GB/s, torch.mm fp32 {gflops['fp32']:.0f} / "
-                    f"bf16 {gflops['bf16']:.0f} GFLOP/s")
+    rates = " / ".join(f"{dtype} {rate:.3g}" for dtype, rate in gflops.items())
+    return Hardware(name or source, {dtype: rate * 1e9 for dtype, rate in gflops.items()}, ceilings["copy_gbs"] * 1e9,
+                    f"{source}: copy {ceilings['copy_gbs']:.1f} GB/s, matmul {rates} GFLOP/s")
 
 
 @dataclass(frozen=True)
@@ -737,11 +762,24 @@ def measured_cases(raw: dict) -> list[MeasuredCase]:
     return [c for c in cases.values() if {1, c.k, 2 * c.k} <= set(c.medians)]
 
 
+def case_ceilings(case: MeasuredCase, fallback: dict | None = None) -> dict:
+    """The ceilings a measured case is set against: those stored with it, else `fallback`; ValueError naming
+    the case when there are neither (a GPU without a datasheet entry, `bench_report.datasheet_key`): never the
+    ceilings of the CPU this runs on."""
+    found = case.ceilings or fallback
+    if found is None:
+        why = ("its GPU has no datasheet ceilings (no sbd_kernels.roofline.HARDWARE entry)" if case.device != "cpu"
+               else "the run stored no ceilings with it")
+        raise ValueError(f"case {case.label} ran on {case.device}, and {why}: there is nothing to set its timings "
+                         "against")
+    return found
+
+
 def compare_rows(cases: list[MeasuredCase], ceilings: dict | None = None) -> list[dict[str, Any]]:
     """Measured vs predicted time(k)/time(1) and time(2k)/time(1), from each case's `seconds` (CUDA-graph
     times on a GPU where all three were taken, else medians). The ceilings stored with each case (on the CPU
     measured during the benchmark run at its thread count, on a GPU its datasheet) are used; `ceilings` is
-    the fallback.
+    the fallback; a case with neither is a ValueError (`case_ceilings`).
 
     Two predictions: the roofline alone, and the roofline plus a fixed cost per forward that it cannot see
     (Python, op dispatch, norms and RoPE, thread start-up), taken as the measured time(1) minus the
@@ -749,7 +787,7 @@ def compare_rows(cases: list[MeasuredCase], ceilings: dict | None = None) -> lis
     """
     rows = []
     for c in cases:
-        hw = cpu_hardware(c.ceilings or ceilings)
+        hw = ceilings_hardware(case_ceilings(c, ceilings))
         cfg, prec = ModelConfig(**c.config), PRECISIONS[c.dtype]
         times = block_times(cfg, hw, prec, c.batch, c.k, c.kv_len)
         t1, tk, t2k = c.seconds[1], c.seconds[c.k], c.seconds[2 * c.k]
@@ -906,7 +944,10 @@ def _compare(path: str) -> dict[str, Any]:
         cases = measured_cases(_read_json(path))
     except (KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{path}: not a pytest-benchmark JSON ({type(err).__name__}: {err})") from None
-    rows = compare_rows(cases)
+    try:
+        rows = compare_rows(cases)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
     if not rows:
         raise ValueError(f"{path}: no complete decode cases (t = 1, k, 2k)")
     print(compare_markdown(rows))

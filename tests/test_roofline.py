@@ -453,3 +453,60 @@ def test_measured_comparison_on_a_gpu_uses_cuda_graph_times():
     mixed = rl.compare_markdown([graphed, eager])
     assert "(1) on the GPU of the run: the forwards replayed from CUDA graphs" in mixed and "| graphed (1) |" in mixed
     assert "(2) on the GPU of the run: medians of eager forwards" in mixed and "| eager (2) |" in mixed
+
+
+def decode_raw(device: str, dtype: str, ceilings: dict | None) -> dict:
+    """A pytest-benchmark JSON of one complete decode case (t = 1, 4, 8) of the tiny config."""
+    def entry(tokens, seconds):
+        shape = {"config": tiny_config().__dict__, "dtype": dtype, "batch": 2, "kv_len": 8, "k": 4, "tokens": tokens,
+                 "ceilings": ceilings}
+        return {"extra_info": {"family": "decode", "case": "c", "device": device, "decode": shape},
+                "stats": {"median": seconds}}
+
+    return {"benchmarks": [entry(1, 0.010), entry(4, 0.015), entry(8, 0.030)]}
+
+
+def test_measured_gpu_without_a_datasheet_entry_is_refused(tmp_path, monkeypatch):
+    """Guards against `sbd roofline --measured` setting a GPU run (an H100 PCIe, a GH200: no datasheet entry, so
+    the bench stored no ceilings) against the ceilings of the CPU it runs on, measured there and then: a
+    prediction for a GPU from the CPU's numbers. The comparison stops, naming the file and the case."""
+    def measure_here():
+        raise AssertionError("measured this CPU's ceilings for a GPU run")
+
+    monkeypatch.setattr("sbd_kernels.machine.machine_ceilings", measure_here)
+    with pytest.raises(ValueError, match="case c ran on cuda, and its GPU has no datasheet ceilings"):
+        rl.compare_rows(rl.measured_cases(decode_raw("cuda", "bf16", None)))
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(decode_raw("cuda", "bf16", None)))
+    with pytest.raises(ValueError, match=f"^{path}: case c ran on cuda"):
+        rl.main(parse(["--measured", str(path)]))
+
+
+def test_fp16_takes_the_fp16_rate():
+    """Guards against fp16 matmuls predicted at the fp32 rate: on a GPU's datasheet ceilings the non-tensor-core
+    fp32 rate is 15x below the fp16 tensor-core rate (H100: 66.9 vs 989.4 TFLOP/s). A CPU's stored ceilings hold
+    no fp16 rate (bf16 and fp32 differ there by up to 6x, and fp16 is neither): an fp16 op is then an error."""
+    from sbd_kernels.bench_report import datasheet_ceilings
+
+    h100 = rl.ceilings_hardware(datasheet_ceilings("NVIDIA H100 80GB HBM3"))
+    assert h100.peak("fp16") == pytest.approx(989.4e12) and h100.peak("fp32") == pytest.approx(66.9e12)
+    (row,) = rl.compare_rows(rl.measured_cases(decode_raw("cuda", "fp16", datasheet_ceilings("NVIDIA H100 80GB HBM3"))))
+    times = rl.block_times(tiny_config(), rl.HARDWARE["h100"], rl.PRECISIONS["fp16"], 2, 4, 8)
+    assert row["pred_t1_ms"] == pytest.approx(times.t1 * 1e3)
+    cpu = rl.cpu_hardware({"copy_gbs": 10.0, "matmul_gflops": {"fp32": 100.0, "bf16": 400.0}})
+    with pytest.raises(ValueError, match="no fp16 matmul rate"):
+        cpu.peak("fp16")
+    assert cpu.peak("fp8") == cpu.peak("bf16") == 400e9
+
+
+def test_cpu_roofline_measures_the_fp16_rate(monkeypatch):
+    """Guards against `sbd roofline --hardware cpu --precision fp16` predicting at the fp32 rate: torch.mm in fp16
+    runs at its own speed on a CPU (0.2 GFLOP/s without AVX512-FP16, about the fp32 rate with it), so it is
+    measured with the other ceilings."""
+    monkeypatch.setattr("sbd_kernels.machine.machine_ceilings",
+                        lambda: {"copy_gbs": 10.0, "matmul_gflops": {"fp32": 100.0, "bf16": 400.0}})
+    monkeypatch.setattr("sbd_kernels.machine.measure_matmul_peak_gflops",
+                        lambda dtype, n=2048: {"torch.float16": 0.2}[str(dtype)])
+    hw = rl.cpu_hardware()
+    assert hw.peak("fp16") == pytest.approx(0.2e9) and hw.peak("fp32") == pytest.approx(100e9)
+    assert hw.name == "this CPU (measured)" and "fp16 0.2" in hw.source
