@@ -852,18 +852,28 @@ PROJECT_MODELS = ("llama3.1-8b", "qwen3-8b")
 PROJECT_K = 16
 
 
+# The model-table flags (dest -> flag) and their defaults. They default to None in the parser, and `main` fills
+# these in, so that a mode that does not read a flag can refuse it when given.
+MODEL_FLAGS = {"model": "--model", "hardware": "--hardware", "precision": "--precision", "batch": "--batch",
+               "k": "--k", "kv_len": "--kv-len", "passes": "--passes"}
+FLAG_DEFAULTS = {"model": PROJECT_MODELS[0], "hardware": "h100", "precision": "bf16", "batch": [1, 4, 8, 16],
+                 "k": PROJECT_K, "kv_len": 4096}
+# The model-table flags --project reads; --paper and --measured read none of them.
+PROJECT_FLAGS = ("hardware", "precision", "batch", "kv_len")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    # --model and --k default to None so that --project can refuse them when given (main fills the defaults).
     parser.add_argument("--model", default=None, choices=list(PRESETS),
-                        help="ModelConfig preset (default llama3.1-8b)")
-    parser.add_argument("--hardware", default="h100", choices=[*HARDWARE, "cpu"],
-                        help="datasheet GPU, or this CPU from measured ceilings")
-    parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
-    parser.add_argument("--batch", default="1,4,8,16", type=argtypes.positive_int_list,
-                        help="comma-separated batch sizes")
-    parser.add_argument("--k", default=None, type=argtypes.positive_int, help="block size (default 16)")
-    add_option(parser, "--kv-len", default=4096, type=argtypes.non_negative_int,
-               help="tokens already in the KV cache")
+                        help=f"ModelConfig preset (default {FLAG_DEFAULTS['model']})")
+    parser.add_argument("--hardware", default=None, choices=[*HARDWARE, "cpu"],
+                        help=f"datasheet GPU, or this CPU from measured ceilings (default {FLAG_DEFAULTS['hardware']})")
+    parser.add_argument("--precision", default=None, choices=list(PRECISIONS),
+                        help=f"weights, activations and KV cache (default {FLAG_DEFAULTS['precision']})")
+    parser.add_argument("--batch", default=None, type=argtypes.positive_int_list,
+                        help="comma-separated batch sizes (default 1,4,8,16)")
+    parser.add_argument("--k", default=None, type=argtypes.positive_int, help=f"block size (default {PROJECT_K})")
+    add_option(parser, "--kv-len", default=None, type=argtypes.non_negative_int,
+               help=f"tokens already in the KV cache (default {FLAG_DEFAULTS['kv_len']})")
     parser.add_argument("--passes", type=_passes, default=None,
                         help="mean passes per block l (1 <= l <= k): also print the wall-clock speedup")
     mode = parser.add_mutually_exclusive_group()
@@ -913,15 +923,26 @@ def _model_table(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": args.model, "hardware": hw.name, "precision": args.precision, "rows": rows}
 
 
-def _check_project_flags(args: argparse.Namespace) -> None:
-    """UsageError for what --project cannot do: a CPU (no datasheet), another model, k or passes per block."""
-    if args.hardware not in HARDWARE:
+def _check_mode_flags(args: argparse.Namespace) -> None:
+    """UsageError for a model-table flag the chosen mode would ignore: --paper and --measured read none of them
+    (the paper's setting is fixed; each measured case carries its own), --project reads PROJECT_FLAGS and
+    projects for a datasheet GPU only."""
+    paper = (f"it compares the paper's Table 3 in the paper's own setting (its batches, block sizes and KV "
+             f"lengths; ours as {OURS[0]}, {OURS[2]} weights on the {OURS[1]} datasheet)")
+    measured = "each decode case of the JSON carries its model, dtype, batch, cache length, block size and ceilings"
+    project = (f"it projects {' and '.join(PROJECT_MODELS)} at k = {PROJECT_K}, passes per block from each NFE "
+               "statistic")
+    readers = {"--paper": (args.paper, (), paper), "--measured": (args.measured, (), measured),
+               "--project": (args.project, PROJECT_FLAGS, project)}
+    for mode, (chosen, reads, why) in readers.items():
+        if not chosen:
+            continue
+        ignored = [flag for dest, flag in MODEL_FLAGS.items() if dest not in reads and getattr(args, dest) is not None]
+        if ignored:
+            raise UsageError(f"{mode} does not take {', '.join(ignored)}: {why} (drop {' '.join(ignored)})")
+    if args.project and args.hardware is not None and args.hardware not in HARDWARE:
         raise UsageError(f"--project projects for a datasheet GPU (--hardware {', '.join(HARDWARE)}), "
                          f"not --hardware {args.hardware}")
-    for flag, value in (("--model", args.model), ("--k", args.k), ("--passes", args.passes)):
-        if value is not None:
-            raise UsageError(f"--project does not take {flag}: it projects {' and '.join(PROJECT_MODELS)} at "
-                             f"k = {PROJECT_K}, passes per block from each NFE statistic (drop {flag})")
 
 
 def _project(args: argparse.Namespace) -> dict[str, Any]:
@@ -956,10 +977,10 @@ def _compare(path: str) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Runs one mode and returns what it printed as data (also written to --json)."""
-    if args.project:
-        _check_project_flags(args)
-    args.model = args.model or PROJECT_MODELS[0]
-    args.k = args.k or PROJECT_K
+    _check_mode_flags(args)
+    for dest, default in FLAG_DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
     if args.passes is not None and args.passes > args.k:
         raise UsageError(f"--passes ({args.passes}) must be <= --k ({args.k}): a pass reveals at least one token")
     if args.demo_json and not args.project:
