@@ -63,7 +63,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                help="drop tokens below min-p x the most probable token's probability (0: off)")
     add_option(parser, "--max-new-tokens", type=argtypes.positive_int, default=None,
                help="answer budget, EOS included (default: the task's answer length, or 64)")
-    parser.add_argument("--seed", type=argtypes.seed, default=0)
+    parser.add_argument("--seed", type=argtypes.seed, default=0, help="prompt i samples with seed + i (default 0)")
     add_option(parser, "--batch-size", type=argtypes.positive_int, default=None,
                help="prompts per batch (default: all)")
     parser.add_argument("--ops", choices=("fused", "naive"), default="fused")
@@ -81,6 +81,7 @@ def run_generate(args: argparse.Namespace) -> None:
     from sbd_kernels.model import load_checkpoint
     from sbd_kernels.tasks import TOKENIZER, exact_match, get_task, make_examples
 
+    argtypes.require_seeds_fit("--seed", args.seed, len(args.prompt) if args.prompt else args.num_prompts)
     argtypes.require_device(args.device)
     torch.set_num_threads(args.threads)
     checkpoint = args.checkpoint or SBD_CHECKPOINT

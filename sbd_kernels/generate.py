@@ -72,6 +72,15 @@ def real(owner: str, name: str, value: object) -> float:
     raise TypeError(f"{owner}: {name} must be a real number, got {value!r} ({type(value).__name__})")
 
 
+def check_seeds(caller: str, seed: int, count: int) -> None:
+    """ValueError naming `caller` and the seed when the seeds seed + i of `count` sequences leave int64 (the
+    sampler's seed dtype): seed + count - 1 must be at most 2**63 - 1."""
+    last = seed + count - 1
+    if count > 0 and last > INT64_MAX:
+        raise ValueError(f"{caller}: seed {seed}: prompt i samples with seed + i, and with {count} prompts the last "
+                         f"seed, {last}, does not fit in int64 (use seed <= {INT64_MAX - count + 1})")
+
+
 def token_ids(caller: str, eos_id: object) -> tuple[int, ...]:
     """`generate`'s eos_id as a tuple of ints: one id (an integer, see `integer`) or a non-empty sequence of them,
     each within int64 (the dtype the decode compares tokens in). A negative id matches no token (no EOS)."""
@@ -109,7 +118,8 @@ class DecodeConfig:
         at T = 0. top_p in (0, 1] and min_p in [0, 1) as float32s, as the sampler checks them.
     max_new_tokens: answer budget per sequence, EOS included; SBD block positions past it are never
         revealed (they stay mask tokens in the model input).
-    seed: sequence i of a `generate` call samples with seed `seed + i`, whatever its batch.
+    seed: sequence i of a `generate` call samples with seed `seed + i`, whatever its batch; within int64, and so
+        must seed + i be for every prompt (`check_seeds`).
     """
 
     method: str = "sbd"
@@ -143,6 +153,8 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig: rule must be one of {RULES}, got {self.rule!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"DecodeConfig: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not INT64_MIN <= self.seed <= INT64_MAX:                # the dtype of the sampler's seed tensor
+            raise ValueError(f"DecodeConfig: seed must be within int64 [-2**63, 2**63 - 1], got {self.seed}")
         if self.top_k < 0:
             raise ValueError(f"DecodeConfig: top_k must be >= 0, got {self.top_k}")
         if not 0.0 < as_float32(self.top_p) <= 1.0:
@@ -705,6 +717,7 @@ def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eo
     if batch_size is not None and not batch_size >= 1:
         raise ValueError(f"generate: batch_size must be >= 1 (or None: one batch), got {batch_size}")
     check_prompts(model, prompts, sp.pad_id, "generate")
+    check_seeds("generate", cfg.seed, len(prompts))
     if not prompts:
         return DecodeResult.empty(sp.block_size)
     batch_size = batch_size or len(prompts)
@@ -712,7 +725,9 @@ def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eo
     parts = []
     for first in range(0, len(prompts), batch_size):
         chunk = prompts[first: first + batch_size]
-        seed = torch.arange(cfg.seed + first, cfg.seed + first + len(chunk), dtype=torch.int64, device=device)
+        # seeds seed + first + i; arange(seed + first, seed + first + len) would overflow on its exclusive end
+        # when the last seed is 2**63 - 1.
+        seed = torch.arange(len(chunk), dtype=torch.int64, device=device) + (cfg.seed + first)
         parts.append(decode_batch(model, chunk, seed, ops, sp, _graphed(steps) if cuda_graph else steps))
     return DecodeResult.concat(parts)
 
@@ -881,6 +896,7 @@ def oracle_decode(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, 
     ops = ops or naive_ops()
     sp = DecodeConstants.of(model.mask_token_id, cfg, eos_id, pad_id, "oracle_decode")
     check_prompts(model, prompts, sp.pad_id, "oracle_decode")
+    check_seeds("oracle_decode", cfg.seed, len(prompts))
     decode_one = _oracle_sbd if cfg.method == "sbd" else _oracle_ntp
     answers, all_tokens, nfes, generated, stopped = [], [], [], [], []
     hist = torch.zeros(sp.block_size + 1, dtype=torch.int64)

@@ -158,6 +158,10 @@ BAD_ARGUMENTS = [
     ([*GENERATE, "--temperature", "inf"], "argument --temperature: "),
     ([*GENERATE, "--max-new-tokens", "0"], "argument --max-new-tokens: "),
     ([*GENERATE, "--seed", "-1"], "argument --seed: "),
+    ([*GENERATE, "--seed", "9223372036854775808"], "argument --seed: must be an integer in [0, 2**63)"),
+    ([*GENERATE, "--num-prompts", "3", "--seed", "9223372036854775806"],
+     ("--seed 9223372036854775806: prompt i samples with seed + i, and with 3 prompts the last seed, "
+     "9223372036854775808, does not fit in int64 (use --seed <= 9223372036854775805)")),
     ([*GENERATE, "--batch-size", "0"], "argument --batch-size: "),
     ([*GENERATE, "--ops", "fast"], "argument --ops: invalid choice"),
     ([*GENERATE, "--device", "gpu"], "argument --device: expected cpu, cuda or cuda:N"),
@@ -258,6 +262,16 @@ def test_bad_argument_exits_2_naming_it(paths, capsys, argv, words):
     assert info.value.code == 2
     line = error_line(capsys.readouterr().err, argv[0])
     assert words.format(**paths) in line
+
+
+def test_sampling_flags_take_every_value_the_sampler_takes(tiny_checkpoint, capsys):
+    """Guards against the float32 / int64 bounds of --temperature, --top-k, --top-p, --min-p and --seed refusing
+    values the sampler runs with: the largest seeds (the last prompt's seed 2^63 - 1), the largest top-k, a
+    temperature that rounds to the largest float32, top-p 1 and min-p just below 1 as a float32."""
+    cli.main(["generate", "--checkpoint", str(tiny_checkpoint), "--num-prompts", "2", "--max-new-tokens", "4",
+              "--seed", str(2**63 - 2), "--temperature", "3.40282356e38", "--top-k", str(2**63 - 1), "--top-p", "1",
+              "--min-p", "0.99999994"])
+    assert capsys.readouterr().out.count(" -> ") == 2
 
 
 # The bad arguments that a user reported ending in a traceback or running with a nonsensical meaning, one per

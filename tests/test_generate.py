@@ -279,6 +279,41 @@ def test_bad_config_names_the_field(field, value):
         DecodeConfig(**{field: value})
 
 
+INT64_MAX = 2**63 - 1
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 10**30])
+def test_seed_outside_int64_names_the_seed(seed):
+    """Guards against a seed that no int64 seed tensor can hold passing the config and failing mid-decode
+    with torch's "value cannot be converted to type int64_t without overflow", which names nothing."""
+    with pytest.raises(ValueError, match=f"DecodeConfig: seed must be within int64 .*got {seed}"):
+        DecodeConfig(seed=seed)
+
+
+def test_seeds_up_to_the_int64_maximum_decode(model, prompts):
+    """Guards against the seeds seed + i of the last prompts overflowing: with seed = 2^63 - 2 and two prompts
+    the seeds are 2^63 - 2 and 2^63 - 1, both int64s, but torch.arange(seed, seed + 2) failed on its exclusive
+    end 2^63. Sequence i still samples with seed + i (the second prompt decodes as alone with 2^63 - 1)."""
+    cfg = DecodeConfig(method="sbd", block_size=BLOCK, gamma=0.5, temperature=1.0, max_new_tokens=BUDGET,
+                       seed=INT64_MAX - 1)
+    both = generate(model, prompts[:2], cfg, eos_id=EOS, pad_id=PAD)
+    alone = generate(model, prompts[1:2], dataclasses.replace(cfg, seed=INT64_MAX), eos_id=EOS, pad_id=PAD)
+    assert both.tokens[1] == alone.tokens[0]
+    assert oracle_decode(model, prompts[:2], cfg, eos_id=EOS, pad_id=PAD).tokens == both.tokens
+
+
+@pytest.mark.parametrize("decode", ["generate", "oracle_decode"])
+def test_seed_whose_last_prompt_leaves_int64_names_the_seed(model, prompts, decode):
+    """Guards against seed + i leaving int64 for the last prompts (an OverflowError, or a silent wrap to a
+    negative seed): the error names the seed, the prompt count and the largest seed that fits."""
+    fn = generate if decode == "generate" else oracle_decode
+    cfg = DecodeConfig(block_size=BLOCK, max_new_tokens=BUDGET, seed=INT64_MAX - 1)
+    with pytest.raises(ValueError, match=re.escape(
+            f"{decode}: seed {INT64_MAX - 1}: prompt i samples with seed + i, and with 3 prompts the last seed, "
+            f"{INT64_MAX + 1}, does not fit in int64 (use seed <= {INT64_MAX - 2})")):
+        fn(model, prompts, cfg, eos_id=EOS, pad_id=PAD)
+
+
 @pytest.mark.parametrize("field,value", [("max_new_tokens", 4.5), ("block_size", 2.5), ("block_size", True),
                                          ("seed", "1"), ("top_k", 2.0), ("gamma", "0.1"), ("temperature", False),
                                          ("top_p", None)])
