@@ -16,6 +16,8 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from sbd_kernels.ops.sampling._checks import FLOAT32_MAX, as_float32, exact_g
+
 __all__ = [
     "UsageError",
     "add_option",
@@ -24,7 +26,9 @@ __all__ = [
     "device",
     "existing_file",
     "existing_file_or_none",
+    "float32_number",
     "fraction",
+    "min_p",
     "non_negative_float",
     "non_negative_float_list",
     "non_negative_int",
@@ -36,6 +40,9 @@ __all__ = [
     "require_device",
     "require_seeds_fit",
     "seed",
+    "temperature",
+    "top_k",
+    "top_p",
 ]
 
 
@@ -93,6 +100,32 @@ def require_seeds_fit(flag: str, first: int, count: int) -> None:
                          f"{last}, does not fit in int64 (use {flag} <= {2**63 - count})")
 
 
+def top_k(text: str) -> int:
+    """A top-k count: an integer in [0, 2**63), the op's int64 (0: off)."""
+    return checked_number(text, int, lambda n: 0 <= n < 2**63, "an integer in [0, 2**63) (0: off)")
+
+
+def float32_number(text: str, accept: Callable[[float], bool], what: str) -> float:
+    """float(text) if `accept` takes it as the float32 the sampler runs at (`DecodeConfig`, the op's checks),
+    else ArgumentTypeError "must be <what>", naming the float32 when only the rounding rejects it (1e39 is inf,
+    1e-50 is 0, 0.99999999999 is 1 as a float32)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value32 = as_float32(value)
+    if accept(value32):
+        return value
+    rounded = f" ({exact_g(value32)} as a float32)" if accept(value) else ""
+    raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}{rounded}")
+
+
+def temperature(text: str) -> float:
+    """A sampling temperature: finite and >= 0 as a float32 (0: greedy)."""
+    return float32_number(text, lambda t: 0 <= t <= FLOAT32_MAX,
+                          f"finite and >= 0 as a float32 (at most {FLOAT32_MAX:.8g})")
+
+
 def positive_float(text: str) -> float:
     return checked_number(text, float, lambda x: math.isfinite(x) and x > 0, "a finite number > 0")
 
@@ -106,13 +139,13 @@ def fraction(text: str) -> float:
 
 
 def top_p(text: str) -> float:
-    """A top-p mass: in (0, 1], 1 = off."""
-    return checked_number(text, float, lambda x: 0 < x <= 1, "a number in (0, 1]")
+    """A top-p mass: in (0, 1] as a float32, 1 = off."""
+    return float32_number(text, lambda x: 0 < x <= 1, "in (0, 1] as a float32 (1: off)")
 
 
 def min_p(text: str) -> float:
-    """A min-p ratio: in [0, 1), 0 = off."""
-    return checked_number(text, float, lambda x: 0 <= x < 1, "a number in [0, 1)")
+    """A min-p ratio: in [0, 1) as a float32, 0 = off."""
+    return float32_number(text, lambda x: 0 <= x < 1, "in [0, 1) as a float32 (0: off)")
 
 
 def _items(text: str) -> list[str]:

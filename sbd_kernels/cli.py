@@ -54,8 +54,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--method", choices=("ntp", "sbd"), default="sbd")
     parser.add_argument("--gamma", type=argtypes.non_negative_float, default=0.1, help="EB entropy budget (SBD)")
     add_option(parser, "--block-size", type=argtypes.positive_int, default=16)
-    parser.add_argument("--temperature", type=argtypes.non_negative_float, default=0.0)
-    add_option(parser, "--top-k", type=argtypes.non_negative_int, default=0,
+    parser.add_argument("--temperature", type=argtypes.temperature, default=0.0,
+                        help="0: greedy; T > 0 samples from softmax(logits / T) (finite as a float32)")
+    add_option(parser, "--top-k", type=argtypes.top_k, default=0,
                help="sample among the k most probable tokens only (0: off; ignored at temperature 0)")
     add_option(parser, "--top-p", type=argtypes.top_p, default=1.0,
                help="sample among the most probable tokens holding this mass (1: off)")

@@ -162,6 +162,16 @@ BAD_ARGUMENTS = [
     ([*GENERATE, "--num-prompts", "3", "--seed", "9223372036854775806"],
      ("--seed 9223372036854775806: prompt i samples with seed + i, and with 3 prompts the last seed, "
      "9223372036854775808, does not fit in int64 (use --seed <= 9223372036854775805)")),
+    ([*GENERATE, "--top-k", "9223372036854775808"],
+     "argument --top-k: must be an integer in [0, 2**63) (0: off), got '9223372036854775808'"),
+    ([*GENERATE, "--temperature", "1e39"],
+     "argument --temperature: must be finite and >= 0 as a float32 (at most 3.4028235e+38), got '1e39'"),
+    ([*GENERATE, "--top-p", "1e-50"], ("argument --top-p: must be in (0, 1] as a float32 (1: off), got '1e-50' "
+     "(0 as a float32)")),
+    ([*GENERATE, "--top-p", "nan"], "argument --top-p: must be in (0, 1] as a float32 (1: off), got 'nan'"),
+    ([*GENERATE, "--min-p", "x"], "argument --min-p: expected a number, got 'x'"),
+    ([*GENERATE, "--min-p", "0.99999999999"], ("argument --min-p: must be in [0, 1) as a float32 (0: off), got "
+     "'0.99999999999' (1 as a float32)")),
     ([*GENERATE, "--batch-size", "0"], "argument --batch-size: "),
     ([*GENERATE, "--ops", "fast"], "argument --ops: invalid choice"),
     ([*GENERATE, "--device", "gpu"], "argument --device: expected cpu, cuda or cuda:N"),
