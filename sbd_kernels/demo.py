@@ -366,7 +366,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--gammas", type=argtypes.non_negative_float_list, default=",".join(str(g) for g in GAMMAS),
                         help="comma-separated SBD gamma values")
     add_option(parser, "--timing-runs", type=argtypes.positive_int, default=None,
-               help="most identical runs per row, the median reported (default 5, 1 with --quick)")
+               help=f"at most this many identical decodes per table row, fewer once they add up to {TIMING_MIN_S:g} "
+               "s of decoding; the row reports the run of median wall time (default 5; 1 with --quick or --preset)")
     add_option(parser, "--kv-prompts", type=argtypes.positive_int, default=3, help="prompts of the exact-KV check")
     parser.add_argument("--ops", choices=("fused", "naive"), default="fused",
                         help="decode with the fused torch.ops.sbd kernels or their pure-PyTorch oracles")

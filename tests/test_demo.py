@@ -176,6 +176,26 @@ def test_help_states_the_code_task_prompt_counts():
     assert f"code: {demo.CODE_PROMPTS}" in " ".join(text.split()) and "code: 2" in " ".join(text.split())
 
 
+def test_help_says_what_timing_runs_does(monkeypatch):
+    """Guards against --timing-runs help that hides when the runs stop: "most identical runs per row" read as
+    a fixed count, where `timed_decode` stops once the runs add up to TIMING_MIN_S, and "1 with --quick" left out
+    --preset, which also defaults it to 1. The help states both; the stop is checked on a decode of known times."""
+    parser = demo.add_arguments(argparse.ArgumentParser())
+    text = " ".join(next(a for a in parser._actions if "--timing-runs" in a.option_strings).help.split())
+    assert text == (f"at most this many identical decodes per table row, fewer once they add up to "
+                    f"{demo.TIMING_MIN_S:g} s of decoding; the row reports the run of median wall time "
+                    "(default 5; 1 with --quick or --preset)")
+    runs = []
+
+    def decode(*args, **kwargs):
+        runs.append(argparse.Namespace(wall_s=0.9 - 0.1 * len(runs), require_complete=lambda what: None))
+        return runs[-1]
+
+    monkeypatch.setattr(demo, "decode", decode)
+    chosen = demo.timed_decode(None, [], "ntp", None, 4, 1, None, max_runs=5)
+    assert len(runs) == 3 and chosen is runs[1]     # 0.9 + 0.8 + 0.7 s >= 2 s: the median of the three
+
+
 @pytest.mark.parametrize("preset", ["llama3.1-8b", "qwen3-8b"])
 def test_demo_refuses_presets_it_cannot_run(preset, capsys):
     """Guards against `sbd demo --preset llama3.1-8b` building two random ~8B fp32 models (~64 GB) for the
