@@ -2,6 +2,7 @@
 op against its oracle, and writes the report (ratios against the baseline of the same run, ceilings of this
 machine, plots); the bench files' own inputs."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -495,3 +496,31 @@ def test_from_json_names_what_a_wrong_json_lacks(tmp_path, name):
         bench_report.main(["--from-json", str(path), "--no-gpu-static", "--out", str(tmp_path / "out")])
     assert str(info.value).startswith(f"{path}: not a pytest-benchmark JSON of `sbd bench`: {words}")
     assert not (tmp_path / "out").exists()
+
+
+def test_hf_bench_checks_the_sbd_decode_it_times(monkeypatch):
+    """Guards against the HF bench's SBD correctness gate checking another decode than the one it times: the
+    exact-KV check ran at gamma 0.1, one position per pass on the random weights (32 passes for 32 tokens),
+    while the timed decode runs at GAMMA_IN_ENTROPIES x log V (3 per pass). The check runs at the timed gamma,
+    and its verdict is the row's oracle flag."""
+    pytest.importorskip("transformers")
+    from bench import bench_hf
+
+    calls = []
+
+    def check(model, prompts, **kwargs):
+        calls.append(kwargs)
+        return types.SimpleNamespace(passed=False)
+
+    def measure(benchmark, call, **kwargs):
+        benchmark.extra_info["correct"] = kwargs["correct"]
+        return types.SimpleNamespace(nfe=torch.tensor([12]), generated=torch.tensor([64]))
+
+    monkeypatch.setattr(bench_hf.hf, "check", check)
+    monkeypatch.setattr(bench_hf, "measure", measure)
+    monkeypatch.setattr(bench_hf, "_CHECKED", {})
+    benchmark = FakeBenchmark()
+    bench_hf.test_hf_decode(benchmark, grid.HfDecodeShape("small", 1), "sbd ops")
+    vocab = grid.HF_MODELS["small"]["vocab_size"]
+    assert calls == [{"max_new_tokens": 32, "block_size": 16, "gamma": bench_hf.GAMMA_IN_ENTROPIES * math.log(vocab)}]
+    assert benchmark.extra_info["correct"] is False
