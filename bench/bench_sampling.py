@@ -12,7 +12,8 @@ sample at temperature 1, the case that needs the random numbers.
 
 Filtered cases (top-k 50, top-p 0.9): `sbd` runs the filter, `sbd plain` the same call without it (what the
 filter costs), and `eager` filters as Hugging Face's warpers do (top-k: torch.topk; top-p: sort, softmax,
-cumsum, mask) before the draw.
+cumsum, mask) before the draw. `sbd` and `sbd plain` are checked against the oracle with their own filters
+(none for `sbd plain`) on the benchmark inputs; a failed check withholds the row's speedup.
 
 GB/s = bytes_moved / time with bytes_moved = logits bytes read once (B K V x dtype size) + outputs
 (B K x (8 + 4 + 4 + 1)); the report sets it against this machine's measured copy bandwidth, on CUDA against
@@ -78,14 +79,20 @@ def make_inputs(shape: SamplingShape, device: str = "cpu"):
     return logits.to(device), seed.to(device), offset.to(device)
 
 
+def provider_filters(provider: str, shape: SamplingShape) -> dict:
+    """The filters a provider's call applies, as entropy_sample's keyword arguments: none for `sbd plain` (the
+    filtered case's call without them), the case's for the others."""
+    if provider == "sbd plain":
+        return {"top_k_val": 0, "top_p_val": 1.0}
+    return {"top_k_val": shape.top_k, "top_p_val": shape.top_p}
+
+
 def provider_fn(provider: str, shape: SamplingShape):
     """The function of (logits, seed, offset) of one provider (it runs where its inputs are)."""
     t = shape.temperature
-    filters = {"top_k_val": shape.top_k, "top_p_val": shape.top_p}
-    if provider == "sbd":
+    filters = provider_filters(provider, shape)
+    if provider in ("sbd", "sbd plain"):
         return lambda x, s, o: torch.ops.sbd.entropy_sample(x, s, o, None, t, **filters)
-    if provider == "sbd plain":
-        return lambda x, s, o: torch.ops.sbd.entropy_sample(x, s, o, None, t)
     if provider == "naive":
         return lambda x, s, o: naive.entropy_sample(x, s, o, temperature_val=t, **filters)
     if provider == "eager":
@@ -94,12 +101,12 @@ def provider_fn(provider: str, shape: SamplingShape):
     return lambda x, s, o: fn(x, t, shape.top_k, shape.top_p)
 
 
-def matches_oracle(fn, logits, seed, offset, shape: SamplingShape) -> bool:
-    """Whether `fn` gives the oracle's outputs at the first CHECKED_POSITIONS positions of batch row 0 (the
-    oracle runs where the inputs are)."""
+def matches_oracle(fn, logits, seed, offset, shape: SamplingShape, filters: dict) -> bool:
+    """Whether `fn` gives the outputs of the oracle with `filters` (`provider_filters`) at the first
+    CHECKED_POSITIONS positions of batch row 0 (the oracle runs where the inputs are)."""
     got = fn(logits, seed, offset)
     ref = naive.entropy_sample(logits[:1, :CHECKED_POSITIONS], seed[:1], offset[:1],
-                               temperature_val=shape.temperature, top_k_val=shape.top_k, top_p_val=shape.top_p)
+                               temperature_val=shape.temperature, **filters)
     ref = [t.cpu() for t in ref]
     tokens, entropy, logprob, valid = (t[:1, :CHECKED_POSITIONS].cpu() for t in got)
     atol = rtol = 1e-4  # fp32 sums over up to 151936 entries; tokens and valid must match exactly
@@ -119,7 +126,8 @@ def set_up(provider: str, shape: SamplingShape):
     fn = provider_fn(provider, shape)
     inputs = make_inputs(shape, DEVICE)
     # eager / compile draw from torch's generator: same distribution, other tokens; not checked.
-    correct = matches_oracle(fn, *inputs, shape) if provider == "sbd" else None
+    checked = provider in ("sbd", "sbd plain")
+    correct = matches_oracle(fn, *inputs, shape, provider_filters(provider, shape)) if checked else None
     return fn, inputs, correct
 
 

@@ -524,3 +524,18 @@ def test_hf_bench_checks_the_sbd_decode_it_times(monkeypatch):
     vocab = grid.HF_MODELS["small"]["vocab_size"]
     assert calls == [{"max_new_tokens": 32, "block_size": 16, "gamma": bench_hf.GAMMA_IN_ENTROPIES * math.log(vocab)}]
     assert benchmark.extra_info["correct"] is False
+
+
+def test_sampling_bench_checks_the_plain_call_it_sets_a_speedup_on(monkeypatch):
+    """Guards against the sampling bench's `sbd plain` row (the filtered case's call without its filter) getting a
+    speedup against eager with no oracle check of its outputs (correct None): it is checked against the oracle
+    without filters, and a plain call that still filtered fails that check."""
+    from bench import bench_sampling
+
+    monkeypatch.setattr(bench_sampling, "DEVICE", "cpu")
+    shape = grid.SamplingShape(1, 4, 1000, "fp32", top_k=1)
+    _, inputs, correct = bench_sampling.set_up("sbd plain", shape)
+    assert correct is True
+    filtered = bench_sampling.provider_fn("sbd", shape)
+    assert not bench_sampling.matches_oracle(filtered, *inputs, shape, bench_sampling.provider_filters("sbd plain",
+                                                                                                       shape))
