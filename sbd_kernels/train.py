@@ -14,7 +14,8 @@ With `--objective ntp` the loss is the NTP term alone over the clean sequence (t
 Run: `sbd train --objective ntp --steps 1500 --out ntp.pt`, then
 `sbd train --objective sbd --init-from ntp.pt --lr 5e-4 --out sbd.pt` (or `python -m sbd_kernels.train ...`).
 Data parallel: `torchrun --nproc-per-node 2 -m sbd_kernels.train ...` (gloo on CPU, nccl on CUDA);
-each rank draws its own batch, gradients are averaged (so the loss is a mean of per-rank means); with
+each rank draws its own batch, and the loss is one mean over the targets of every rank's batch
+(`global_mean_loss`: one all_reduce of the CE sums and target counts per step); with
 --max-minutes, rank 0's clock decides for every rank when to stop and how far the cosine has run.
 """
 from __future__ import annotations
@@ -64,14 +65,18 @@ __all__ = [
     "add_arguments",
     "add_noise",
     "evaluate",
+    "global_mean_loss",
     "lr_at",
     "main",
     "ntp_labels",
     "ntp_loss",
+    "ntp_loss_terms",
     "sbd_attention_mask",
     "sbd_labels",
     "sbd_loss",
+    "sbd_loss_terms",
     "sbd_objective",
+    "sbd_term_sums",
     "train",
 ]
 
@@ -165,35 +170,86 @@ def _summed_cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tenso
     return loss, (labels != IGNORE).sum()
 
 
+def sbd_term_sums(logits: Tensor, labels: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+    """The two terms of the SBD loss (docs/algorithm.md §2.5) of the logits `[B, 2n, V]` of `[clean ; noisy]` and
+    their `sbd_labels` `[B, 2n]`: {"ntp": (CE sum, target count), "matp": (CE sum, target count)} over the clean
+    and the noisy half (sums fp32 scalars, counts int64 scalars)."""
+    n = labels.shape[1] // 2
+    return {"ntp": _summed_cross_entropy(logits[:, :n], labels[:, :n]),
+            "matp": _summed_cross_entropy(logits[:, n:], labels[:, n:])}
+
+
 def sbd_objective(logits: Tensor, labels: Tensor, num_items: Tensor | int | None = None
                   ) -> tuple[Tensor, dict[str, Tensor]]:
     """SBD loss (docs/algorithm.md §2.5) of the logits `[B, 2n, V]` of `[clean ; noisy]` and their `sbd_labels`
     `[B, 2n]`: the sum of CE over the NTP targets (clean half) and MATP targets (noisy half), divided by their
     count, or by `num_items` (a count taken over more than this batch: gradient-accumulation steps, ranks).
     Returns (loss, detached per-term means)."""
-    n = labels.shape[1] // 2
-    ntp_sum, ntp_count = _summed_cross_entropy(logits[:, :n], labels[:, :n])
-    matp_sum, matp_count = _summed_cross_entropy(logits[:, n:], labels[:, n:])
+    (ntp_sum, ntp_count), (matp_sum, matp_count) = sbd_term_sums(logits, labels).values()
     count = (ntp_count + matp_count).clamp(min=1) if num_items is None else num_items
     stats = {"ntp": ntp_sum.detach() / ntp_count.clamp(min=1),
              "matp": matp_sum.detach() / matp_count.clamp(min=1)}
     return (ntp_sum + matp_sum) / count, stats
 
 
+def _sbd_forward(model: nn.Module, tokens: Tensor, target_mask: Tensor, block_size: int, mask_token_id: int,
+                 generator: torch.Generator, attn_mask: Any = None) -> tuple[Tensor, Tensor]:
+    """(logits `[B, 2n, V]`, `sbd_labels` `[B, 2n]`) of one noisy copy of tokens `[B, n]`."""
+    noisy, _ = add_noise(tokens, mask_token_id, generator)
+    labels = sbd_labels(tokens, target_mask, noisy, mask_token_id)
+    return model(*sbd_train_inputs(tokens, noisy, block_size, attn_mask)), labels
+
+
 def sbd_loss(model: nn.Module, tokens: Tensor, target_mask: Tensor, block_size: int, mask_token_id: int,
              generator: torch.Generator, attn_mask: Any = None) -> tuple[Tensor, dict[str, Tensor]]:
     """SBD loss (docs/algorithm.md §2.5): one mean of CE over NTP targets (clean half) and MATP targets (noisy
     half). model: a Transformer or its DDP wrapper. Returns (loss, detached per-term means)."""
-    noisy, _ = add_noise(tokens, mask_token_id, generator)
-    labels = sbd_labels(tokens, target_mask, noisy, mask_token_id)
-    return sbd_objective(model(*sbd_train_inputs(tokens, noisy, block_size, attn_mask)), labels)
+    return sbd_objective(*_sbd_forward(model, tokens, target_mask, block_size, mask_token_id, generator, attn_mask))
+
+
+def sbd_loss_terms(model: nn.Module, tokens: Tensor, target_mask: Tensor, block_size: int, mask_token_id: int,
+                   generator: torch.Generator, attn_mask: Any = None) -> dict[str, tuple[Tensor, Tensor]]:
+    """The terms (`sbd_term_sums`) of the SBD loss of one batch, unreduced: `global_mean_loss` divides them by
+    the target count of every rank's batch."""
+    return sbd_term_sums(*_sbd_forward(model, tokens, target_mask, block_size, mask_token_id, generator, attn_mask))
+
+
+def ntp_loss_terms(model: nn.Module, tokens: Tensor, target_mask: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+    """{"ntp": (CE sum, count)} of the causal forward of tokens `[B, n]` over answer + EOS targets."""
+    return {"ntp": _summed_cross_entropy(model(tokens), ntp_labels(tokens, target_mask))}
 
 
 def ntp_loss(model: nn.Module, tokens: Tensor, target_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """NTP-only loss: mean CE of the causal forward over answer + EOS targets."""
-    total, count = _summed_cross_entropy(model(tokens), ntp_labels(tokens, target_mask))
+    total, count = ntp_loss_terms(model, tokens, target_mask)["ntp"]
     loss = total / count.clamp(min=1)
     return loss, {"ntp": loss.detach()}
+
+
+def global_mean_loss(terms: dict[str, tuple[Tensor, Tensor]], world: int, device: torch.device
+                     ) -> tuple[Tensor, dict[str, Tensor]]:
+    """One mean over the targets of every data-parallel rank (docs/algorithm.md §2.5) from this rank's `terms`
+    {name: (CE sum, target count)} (`sbd_loss_terms`, `ntp_loss_terms`). Returns (loss, stats):
+
+    loss = world * sum(this rank's CE sums) / N, N = the target count summed over the ranks, so that the gradient
+    DDP averages over the world ranks is that of sum(every rank's CE sums) / N;
+    stats (detached): "loss" = sum(every rank's CE sums) / N, and each term's CE sum / count over the ranks
+    (NaN for a term without a target on any rank).
+
+    One all_reduce per call of a `[2 * len(terms)]` fp64 tensor (sums, then counts: fp64 counts are exact to
+    2**53) on `device` (`collective_device`); none when world == 1."""
+    sums = torch.stack([total for total, _ in terms.values()])                    # [T] fp32, with grad
+    counts = torch.stack([count for _, count in terms.values()])                  # [T] int64
+    totals = torch.cat([sums.detach().double(), counts.double()])                 # [2T]
+    if world > 1:
+        reduced = totals.to(device)            # a host copy only where the backend takes CPU tensors (gloo)
+        dist.all_reduce(reduced)
+        totals = reduced.to(sums.device)
+    global_sums, global_counts = totals.split(len(terms))
+    count = global_counts.sum().clamp(min=1)
+    stats = {"loss": global_sums.sum() / count,
+             **{name: global_sums[i] / global_counts[i] for i, name in enumerate(terms)}}
+    return sums.sum() * (world / count).to(sums.dtype), stats
 
 
 def flex_block_mask(n: int, block_size: int, device: torch.device) -> Any:
@@ -303,14 +359,15 @@ class Progress:
         self.tty = sys.stderr.isatty()
         self.t0, self.step0 = time.time(), start
 
-    def update(self, step: int, tokens_per_step: int, values: dict[str, float]) -> None:
+    def update(self, step: int, tokens_per_step: int, values: dict[str, float | Tensor]) -> None:
+        """values: numbers or 0-d tensors, read (a host sync for a GPU tensor) only when a line is printed."""
         done = step + 1
         if not self.enabled or (not self.tty and done % self.every and done != self.total):
             return
         elapsed = time.time() - self.t0
         rate = (done - self.step0) / max(elapsed, 1e-9)
         filled = int(30 * done / self.total)
-        terms = " ".join(f"{k} {v:.4g}" for k, v in values.items())
+        terms = " ".join(f"{k} {float(v):.4g}" for k, v in values.items())
         eta_s = (self.total - done) / max(rate, 1e-9)
         line = (f"[{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} {terms} "
                 f"tok/s {rate * tokens_per_step:,.0f} elapsed {elapsed / 60:.1f}m eta {eta_s / 60:.1f}m")
@@ -486,9 +543,10 @@ def train(cfg: TrainConfig) -> Transformer:
                 if k not in flex_masks:
                     flex_masks[k] = flex_block_mask(n, k, device)
                 attn_mask = flex_masks[k]
-            loss, stats = sbd_loss(ddp, tokens, target_mask, k, mask_id, gen, attn_mask)
+            terms = sbd_loss_terms(ddp, tokens, target_mask, k, mask_id, gen, attn_mask)
         else:
-            loss, stats = ntp_loss(ddp, tokens, target_mask)
+            terms = ntp_loss_terms(ddp, tokens, target_mask)
+        loss, stats = global_mean_loss(terms, world, sync_device)
 
         lr = lr_at(step, cfg, used)
         for group in opt.param_groups:
@@ -497,8 +555,7 @@ def train(cfg: TrainConfig) -> Transformer:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        terms = {name: float(v) for name, v in stats.items()}
-        progress.update(step, tokens_per_step, {"loss": float(loss.detach()), **terms, "lr": lr})
+        progress.update(step, tokens_per_step, {**stats, "lr": lr})
     else:
         step = cfg.steps
     if rank == 0:
