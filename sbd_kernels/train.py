@@ -78,6 +78,7 @@ __all__ = [
     "sbd_objective",
     "sbd_term_sums",
     "train",
+    "warmup_share",
 ]
 
 IGNORE = -100  # cross-entropy ignore_index for positions that are not counted
@@ -264,12 +265,20 @@ def flex_block_mask(n: int, block_size: int, device: torch.device) -> Any:
 
 # ---------------------------------------------------------------- schedule
 
-def lr_at(step: int, cfg: TrainConfig, time_fraction: float = 0.0) -> float:
-    """Linear warm-up over warmup_steps, then cosine from lr down to lr * min_lr_ratio at cfg.steps (or
-    when time_fraction, the share of max_minutes used, reaches 1, if that comes first)."""
+def lr_at(step: int, cfg: TrainConfig, time_fraction: float = 0.0, warmup_fraction: float = 0.0) -> float:
+    """Linear warm-up over warmup_steps, then cosine from lr down to lr * min_lr_ratio at cfg.steps, or when
+    time_fraction, the share of max_minutes used, reaches 1, if that comes first.
+
+    The cosine's progress is the larger of (step - warmup_steps) / (steps - warmup_steps) and
+    (time_fraction - warmup_fraction) / (1 - warmup_fraction), the share of the time left after the warm-up
+    that has been used, where warmup_fraction is the share used when the warm-up ended (`warmup_share`). Both
+    are 0 at the first step after the warm-up, so the rate goes on from lr there; a cosine placed by
+    time_fraction alone started at cos(pi * warmup_fraction), 19% below lr after a warm-up of 30% of the time."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, max(time_fraction, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)))
+    step_progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    time_progress = (time_fraction - warmup_fraction) / (1.0 - warmup_fraction) if warmup_fraction < 1.0 else 1.0
+    progress = min(1.0, max(step_progress, time_progress))
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
@@ -416,12 +425,13 @@ def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def _save(model: Transformer, opt: torch.optim.Optimizer, cfg: TrainConfig, step: int, seconds: float,
-          history: list[dict[str, Any]]) -> None:
+          history: list[dict[str, Any]], warmup_seconds: float | None) -> None:
     meta = {"train_config": dataclasses.asdict(cfg), "steps_done": step, "train_seconds": round(seconds, 1),
             "eval": history, "torch": str(torch.__version__)}
     save_checkpoint(model, cfg.out, **meta)
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                "seconds": seconds, "eval": history, "config": dataclasses.asdict(cfg)}, f"{cfg.out}.state.tmp")
+                "seconds": seconds, "eval": history, "config": dataclasses.asdict(cfg),
+                "warmup_seconds": warmup_seconds}, f"{cfg.out}.state.tmp")
     os.replace(f"{cfg.out}.state.tmp", f"{cfg.out}.state")
 
 
@@ -436,6 +446,17 @@ def time_share(t0: float, seconds_before: float, max_minutes: float, world: int,
     return float(share)
 
 
+def warmup_share(warmup_seconds: float | None, max_minutes: float) -> float:
+    """The share of max_minutes that the warm-up used (`lr_at`'s warmup_fraction), from the seconds trained when
+    it ended, kept in seconds because a resume may change max_minutes. 0 without a time budget, before the
+    warm-up has ended, and for a training state that does not record it (one written before it was recorded:
+    its run placed the cosine from 0, and goes on so)."""
+    if max_minutes <= 0 or warmup_seconds is None:
+        return 0.0
+    return warmup_seconds / (60 * max_minutes)
+
+
+# A training state also holds "warmup_seconds" (`warmup_share`), absent from the states written before it was.
 RESUME_KEYS = ("model", "optimizer", "step", "seconds", "eval", "config")
 
 # The TrainConfig fields a resumed run may change: its budgets (steps, max_minutes; the cosine then runs over the
@@ -461,11 +482,11 @@ def check_resume_config(path: str, saved: dict[str, Any], step: int, cfg: TrainC
 
 
 def _resume_state(path: str, model: Transformer, opt: torch.optim.Optimizer, cfg: TrainConfig
-                  ) -> tuple[int, float, list]:
+                  ) -> tuple[int, float, list, float | None]:
     """Loads the training state `path` (written beside a checkpoint by `train`) into model and opt; returns
-    (step, seconds trained, eval history). Raises CheckpointError naming the file when it is damaged, is not
-    a training state (RESUME_KEYS), or holds the weights or optimizer of another model; ValueError when cfg
-    contradicts the run (`check_resume_config`)."""
+    (step, seconds trained, eval history, seconds trained when the warm-up ended or None). Raises
+    CheckpointError naming the file when it is damaged, is not a training state (RESUME_KEYS), or holds the
+    weights or optimizer of another model; ValueError when cfg contradicts the run (`check_resume_config`)."""
     state = read_training_state(path, RESUME_KEYS, "sbd train")
     check_resume_config(path, state["config"], state["step"], cfg)
     try:
@@ -474,7 +495,7 @@ def _resume_state(path: str, model: Transformer, opt: torch.optim.Optimizer, cfg
     except (RuntimeError, ValueError, KeyError) as err:
         raise CheckpointError(f"{path}: the training state of another model ({_first_line(err)}); resume "
                               "with the run's own config, or start again with --overwrite") from err
-    return state["step"], state["seconds"], state["eval"]
+    return state["step"], state["seconds"], state["eval"], state.get("warmup_seconds")
 
 
 def _first_line(err: Exception) -> str:
@@ -506,9 +527,9 @@ def train(cfg: TrainConfig) -> Transformer:
     model, cfg = _build_model(cfg, device)
     mask_id = model.config.mask_token_id
     opt = _optimizer(model, cfg)
-    start, seconds_before, history = 0, 0.0, []
+    start, seconds_before, history, warmup_seconds = 0, 0.0, [], None
     if cfg.resume and os.path.exists(f"{cfg.out}.state"):
-        start, seconds_before, history = _resume_state(f"{cfg.out}.state", model, opt, cfg)
+        start, seconds_before, history, warmup_seconds = _resume_state(f"{cfg.out}.state", model, opt, cfg)
         _log(rank, f"resumed from {cfg.out}.state at step {start}")
     ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     _log(rank, f"model {cfg.preset if not cfg.init_from else cfg.init_from}: {model.num_parameters():,} "
@@ -526,11 +547,15 @@ def train(cfg: TrainConfig) -> Transformer:
             used = time_share(t0, seconds_before, cfg.max_minutes, world, sync_device)
             if used >= 1.0:
                 break
+        if step == cfg.warmup_steps and warmup_seconds is None:
+            # Under a time budget, rank 0's clock (`used`), so that every rank places the cosine alike.
+            warmup_seconds = (used * 60 * cfg.max_minutes if cfg.max_minutes > 0
+                              else seconds_before + time.time() - t0)
         if rank == 0 and step > start and step % cfg.eval_every == 0:
             history.append({"step": step, **evaluate(model, tasks, cfg.eval_examples, cfg.seed)})
             _log(rank, "eval " + _format_eval(history[-1]))
         if rank == 0 and step > start and step % cfg.checkpoint_every == 0:
-            _save(model, opt, cfg, step, seconds_before + time.time() - t0, history)
+            _save(model, opt, cfg, step, seconds_before + time.time() - t0, history, warmup_seconds)
 
         data_seed = zlib.crc32(f"data/{cfg.seed}/{rank}/{step}".encode())
         examples = TrainStream(tasks, data_seed).next_batch(cfg.batch_size)
@@ -548,7 +573,7 @@ def train(cfg: TrainConfig) -> Transformer:
             terms = ntp_loss_terms(ddp, tokens, target_mask)
         loss, stats = global_mean_loss(terms, world, sync_device)
 
-        lr = lr_at(step, cfg, used)
+        lr = lr_at(step, cfg, used, warmup_share(warmup_seconds, cfg.max_minutes))
         for group in opt.param_groups:
             group["lr"] = lr
         opt.zero_grad(set_to_none=True)
@@ -561,7 +586,7 @@ def train(cfg: TrainConfig) -> Transformer:
     if rank == 0:
         history.append({"step": step, **evaluate(model, tasks, cfg.eval_examples, cfg.seed)})
         _log(rank, "\nfinal eval " + _format_eval(history[-1]))
-        _save(model, opt, cfg, step, seconds_before + time.time() - t0, history)
+        _save(model, opt, cfg, step, seconds_before + time.time() - t0, history, warmup_seconds)
     if world > 1:
         dist.destroy_process_group()
     return model

@@ -143,14 +143,16 @@ def test_ntp_loss_counts_answer_targets_only():
 
 
 def test_lr_schedule():
-    """Guards against a schedule without warm-up, one that does not end at the floor, or a time budget
-    that does not shorten the cosine."""
+    """Guards against a schedule without warm-up, one that does not end at the floor, a time budget that does
+    not shorten the cosine, or one whose cosine does not start at lr after a warm-up that took 30% of the time."""
     cfg = TrainConfig(lr=1e-3, warmup_steps=10, steps=110, min_lr_ratio=0.1)
     assert lr_at(0, cfg) == pytest.approx(1e-4)
     assert lr_at(9, cfg) == pytest.approx(1e-3)
     assert lr_at(60, cfg) == pytest.approx(0.55e-3)
     assert lr_at(110, cfg) == pytest.approx(1e-4)
     assert lr_at(20, cfg, time_fraction=1.0) == pytest.approx(1e-4)
+    assert lr_at(9, cfg, 0.3) == lr_at(10, cfg, 0.3, warmup_fraction=0.3) == pytest.approx(1e-3)
+    assert lr_at(20, cfg, 0.65, warmup_fraction=0.3) == pytest.approx(0.55e-3)
 
 
 def test_tiny_model_overfits_one_batch():
@@ -244,12 +246,73 @@ def _recording_lr_at(monkeypatch) -> list[float]:
     """Replaces train's lr_at by one that records the time share of every call."""
     shares = []
 
-    def recording(step, cfg, time_fraction=0.0):
+    def recording(step, cfg, time_fraction=0.0, warmup_fraction=0.0):
         shares.append(time_fraction)
-        return lr_at(step, cfg, time_fraction)
+        return lr_at(step, cfg, time_fraction, warmup_fraction)
 
     monkeypatch.setattr(train_module, "lr_at", recording)
     return shares
+
+
+def _recording_lrs(monkeypatch) -> list[float]:
+    """Replaces train's lr_at by one that records the learning rate of every step."""
+    lrs = []
+
+    def recording(*args, **kwargs):
+        lrs.append(lr_at(*args, **kwargs))
+        return lrs[-1]
+
+    monkeypatch.setattr(train_module, "lr_at", recording)
+    return lrs
+
+
+def _clock_of_shares(monkeypatch, per_step: float) -> None:
+    """Replaces train's time_share by a clock on which each step uses `per_step` of the time budget: step s of a
+    fresh run starts at the share per_step * (s + 1)."""
+    calls = []
+
+    def share(t0, seconds_before, max_minutes, world, device):
+        calls.append(None)
+        return seconds_before / (60 * max_minutes) + per_step * len(calls)
+
+    monkeypatch.setattr(train_module, "time_share", share)
+
+
+def test_time_budgeted_schedule_is_continuous_at_the_end_of_warmup(tmp_path, monkeypatch):
+    """Guards against a --max-minutes cosine that starts at the share of time the warm-up used: with a warm-up of 3
+    steps that took 20% of the budget, the learning rate fell from lr at the last warm-up step to 0.91 lr at the
+    next (19% lower after a warm-up of 30%). It must go on from lr and decrease from there, down to the floor when
+    the budget is used, on the time left after the warm-up."""
+    _clock_of_shares(monkeypatch, 0.05)
+    lrs = _recording_lrs(monkeypatch)
+    cfg = TrainConfig(preset="tiny", steps=1000, max_minutes=10.0, lr=1e-3, min_lr_ratio=0.1, warmup_steps=3,
+                      batch_size=1, eval_examples=1, log_every=100, out=str(tmp_path / "m.pt"))
+    train(cfg)
+    assert len(lrs) == 19
+    assert lrs[:3] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3])
+    # Step s >= 3 starts at the share 0.05 (s + 1), of which the warm-up took 0.2: the cosine has run
+    # (0.05 (s + 1) - 0.2) / (1 - 0.2) = (s - 3) / 16 of the time left after it.
+    assert lrs[3:] == pytest.approx([1e-4 + 0.45e-3 * (1 + math.cos(math.pi * (s - 3) / 16)) for s in range(3, 19)])
+
+
+def test_resumed_schedule_keeps_the_share_of_the_warmup(tmp_path, monkeypatch):
+    """Guards against a resume that forgets how much of the time budget the warm-up used (the training state must
+    keep it): a run stopped after 6 steps and resumed must set the learning rates of the same run unbroken, on
+    the same clock (0.05 of the budget per step, the warm-up 0.2)."""
+    base = {"preset": "tiny", "steps": 1000, "max_minutes": 10.0, "warmup_steps": 3, "batch_size": 1,
+            "eval_examples": 1, "log_every": 100}
+    _clock_of_shares(monkeypatch, 0.05)
+    unbroken = _recording_lrs(monkeypatch)
+    train(TrainConfig(**base, out=str(tmp_path / "unbroken.pt")))
+    out = str(tmp_path / "m.pt")
+    _clock_of_shares(monkeypatch, 0.05)
+    first = _recording_lrs(monkeypatch)
+    train(TrainConfig(**{**base, "steps": 6}, out=out))
+    _set_seconds_trained(f"{out}.state", 6 * 0.05 * 600)
+    _clock_of_shares(monkeypatch, 0.05)
+    resumed = _recording_lrs(monkeypatch)
+    train(TrainConfig(**base, out=out, resume=True))
+    assert len(unbroken) == 19 and len(first) == 6 and resumed == pytest.approx(unbroken[6:])
 
 
 def _set_seconds_trained(path: str, seconds: float) -> None:
