@@ -498,6 +498,16 @@ def _resume_state(path: str, model: Transformer, opt: torch.optim.Optimizer, cfg
     return state["step"], state["seconds"], state["eval"], state.get("warmup_seconds")
 
 
+def _why_complete(cfg: TrainConfig, step: int, used: float) -> str:
+    """The message of a resumed run that has no step left at `step`: which budget is spent (`used`: the share
+    of max_minutes used, on rank 0's clock), and which flag to raise."""
+    if step >= cfg.steps:
+        return (f"the run is complete ({step} of --steps {cfg.steps} done); nothing to train: raise --steps to "
+                "continue")
+    return (f"the run is complete ({used * cfg.max_minutes:.1f} of --max-minutes {cfg.max_minutes} used); nothing "
+            "to train: raise --max-minutes to continue")
+
+
 def _first_line(err: Exception) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
@@ -583,7 +593,10 @@ def train(cfg: TrainConfig) -> Transformer:
         progress.update(step, tokens_per_step, {**stats, "lr": lr})
     else:
         step = cfg.steps
-    if rank == 0:
+    if step == start > 0:
+        # A resume with no step left: the checkpoint and its state stay as they are (no second final evaluation).
+        _log(rank, f"{cfg.out}.state: {_why_complete(cfg, start, used)}")
+    elif rank == 0:
         history.append({"step": step, **evaluate(model, tasks, cfg.eval_examples, cfg.seed)})
         _log(rank, "\nfinal eval " + _format_eval(history[-1]))
         _save(model, opt, cfg, step, seconds_before + time.time() - t0, history, warmup_seconds)

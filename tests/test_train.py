@@ -242,6 +242,31 @@ def test_resume_refuses_a_config_that_contradicts_the_run(tmp_path):
     assert meta["steps_done"] == 3 and meta["train_config"]["seed"] == 0
 
 
+def _file_states(*paths: str) -> list[tuple[int, bytes]]:
+    return [(os.stat(path).st_mtime_ns, open(path, "rb").read()) for path in paths]
+
+
+def test_resuming_a_complete_run_changes_nothing(tmp_path, capsys):
+    """Guards against a resume with no step left (its --steps done, or its --max-minutes used) that evaluated
+    again, appended that duplicate entry to the eval history and rewrote the checkpoint and its state: both files
+    must stay as they were, and the run say that it is complete and which budget to raise."""
+    out = str(tmp_path / "m.pt")
+    base = {"preset": "tiny", "steps": 2, "batch_size": 2, "eval_examples": 1, "log_every": 100, "out": out}
+    train(TrainConfig(**base))
+    files = _file_states(out, f"{out}.state")
+    capsys.readouterr()
+    train(TrainConfig(**base, resume=True))
+    assert _file_states(out, f"{out}.state") == files
+    assert "the run is complete (2 of --steps 2 done); nothing to train: raise --steps" in capsys.readouterr().err
+    _set_seconds_trained(f"{out}.state", 600.0)
+    files = _file_states(out, f"{out}.state")
+    train(TrainConfig(**{**base, "steps": 4, "max_minutes": 10.0, "resume": True}))
+    assert _file_states(out, f"{out}.state") == files
+    assert ("the run is complete (10.0 of --max-minutes 10.0 used); nothing to train: raise --max-minutes"
+            in capsys.readouterr().err)
+    assert [h["step"] for h in load_checkpoint(out)[1]["eval"]] == [2]
+
+
 def _recording_lr_at(monkeypatch) -> list[float]:
     """Replaces train's lr_at by one that records the time share of every call."""
     shares = []
