@@ -297,13 +297,14 @@ def greedy_ntp_answers(model: Transformer, prompts: Tensor, answer_tokens: int) 
 
 @torch.no_grad()
 def evaluate(model: Transformer, tasks: list[str], count: int, seed: int = 0, block_size: int = 16
-             ) -> dict[str, float]:
+             ) -> dict[str, float | int]:
     """Held-out metrics per task: NTP loss, greedy NTP exact match (no cache), and MATP loss / token
-    accuracy at masked answer positions (eta ~ U(0,1) from a fixed seed, k = block_size)."""
+    accuracy at masked answer positions (eta ~ U(0,1) from a fixed seed, k = block_size) with their count,
+    `<task>/matp_targets`. Without a masked answer position both MATP numbers are NaN (a mean over nothing)."""
     model.eval()
     device = next(model.parameters()).device
     mask_id = model.config.mask_token_id
-    out: dict[str, float] = {}
+    out: dict[str, float | int] = {}
     for name in tasks:
         task, examples = get_task(name), make_examples(name, "held_out", count, seed)
         length = task.prompt_tokens + task.answer_tokens
@@ -315,8 +316,12 @@ def evaluate(model: Transformer, tasks: list[str], count: int, seed: int = 0, bl
         logits = model.sbd_train_forward(tokens, noisy, block_size)[:, tokens.shape[1]:]
         matp_sum, matp_count = _summed_cross_entropy(logits, labels)
         counted = labels != IGNORE
-        out[f"{name}/matp_loss"] = float(matp_sum / matp_count.clamp(min=1))
-        out[f"{name}/matp_acc"] = float((logits.argmax(-1) == labels)[counted].float().mean())
+        # A few held-out examples at small eta can mask no answer position: both MATP numbers are then NaN
+        # (a loss of 0 would read as a perfect score), and matp_targets says why.
+        matp_hits = (logits.argmax(-1) == labels)[counted]
+        out[f"{name}/matp_loss"] = float(matp_sum / matp_count) if matp_count else math.nan
+        out[f"{name}/matp_acc"] = float(matp_hits.float().mean()) if matp_count else math.nan
+        out[f"{name}/matp_targets"] = int(matp_count)
         answers = greedy_ntp_answers(model, tokens[:, : task.prompt_tokens], task.answer_tokens)
         hits = [exact_match(pred, TOKENIZER.encode_answer(ex.answer)) for pred, ex in zip(answers, examples)]
         out[f"{name}/ntp_exact_match"] = sum(hits) / len(hits)

@@ -155,6 +155,30 @@ def test_lr_schedule():
     assert lr_at(20, cfg, 0.65, warmup_fraction=0.3) == pytest.approx(0.55e-3)
 
 
+def _noise_that_masks_nothing(tokens, mask_token_id, generator):
+    return tokens.clone(), torch.zeros(len(tokens))
+
+
+def test_evaluation_without_masked_targets_reports_no_matp_numbers(tmp_path, monkeypatch, capsys):
+    """Guards against a held-out evaluation whose noise masked no answer position reporting a MATP loss of 0.0 (a
+    perfect score) beside an accuracy of NaN: both must be NaN, with the count of MATP targets (0) beside them, in
+    the returned metrics, the log line and the checkpoint's eval history; with masked targets, their count."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny"))
+    metrics = train_module.evaluate(model, ["add"], 3)
+    assert metrics["add/matp_targets"] > 0 and math.isfinite(metrics["add/matp_loss"])
+    assert 0.0 <= metrics["add/matp_acc"] <= 1.0
+    monkeypatch.setattr(train_module, "add_noise", _noise_that_masks_nothing)
+    metrics = train_module.evaluate(model, ["add"], 3)
+    assert metrics["add/matp_targets"] == 0
+    assert math.isnan(metrics["add/matp_loss"]) and math.isnan(metrics["add/matp_acc"])
+    out = str(tmp_path / "m.pt")
+    train(TrainConfig(preset="tiny", tasks="add", steps=1, batch_size=1, eval_examples=1, log_every=1, out=out))
+    history = load_checkpoint(out)[1]["eval"]
+    assert history[-1]["add/matp_targets"] == 0 and math.isnan(history[-1]["add/matp_loss"])
+    assert "add/matp_loss nan add/matp_acc nan add/matp_targets 0 " in capsys.readouterr().err
+
+
 def test_tiny_model_overfits_one_batch():
     """Guards against an objective or optimiser step that cannot learn: 250 SBD steps on one fixed batch
     must bring the loss, averaged over every k in 2..16 with fixed noise, from ~3.7 below 0.3."""
