@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from sbd_kernels import argtypes
 from sbd_kernels.argtypes import UsageError, add_option
+from sbd_kernels.generate import integer, real
 from sbd_kernels.model import (
     PRESETS,
     CheckpointError,
@@ -86,8 +87,9 @@ IGNORE = -100  # cross-entropy ignore_index for positions that are not counted
 
 @dataclass
 class TrainConfig:
-    """Every training option; each field is also a command-line flag (`batch_size`: `--batch-size`), and
-    takes the values its flag takes (`FLAG_TYPES`): ValueError naming the field otherwise."""
+    """Every training option; each field is also a command-line flag (`batch_size`: `--batch-size`), of the type
+    it is annotated with (`_typed_field`: TypeError naming the field otherwise), and takes the values its flag
+    takes (`FLAG_TYPES`): ValueError naming the field otherwise."""
 
     preset: str = "small"               # with init_from: replaced by the preset of that checkpoint's model
     tasks: str = "add,rot13"            # comma-separated task names (sbd_kernels.tasks.TASKS)
@@ -117,6 +119,11 @@ class TrainConfig:
     attention: str = "auto"             # "sdpa", "flex", or "auto": FlexAttention on CUDA, SDPA elsewhere
 
     def __post_init__(self) -> None:
+        # Types first, field by field as annotated: the value checks below parse str(value) as the flag's text,
+        # so "5" passed as steps and stayed a string, a NumPy integer stayed one in the checkpoint's train_config
+        # (which torch.load(weights_only=True) then refuses), and resume="no" resumed.
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, _typed_field(field.name, field.type, getattr(self, field.name)))
         for name, flag in FLAG_TYPES.items():
             value = getattr(self, name)
             if "choices" in flag and value not in flag["choices"]:
@@ -131,6 +138,30 @@ class TrainConfig:
 
     def task_list(self) -> list[str]:
         return [t for t in self.tasks.split(",") if t]
+
+
+_PATH_FIELDS = ("out", "init_from")  # of TrainConfig: also take an os.PathLike, kept as its str
+
+
+def _typed_field(name: str, annotation: str, value: object) -> object:
+    """`value` of the TrainConfig field `name`, annotated `annotation` ("int", "float", "bool" or "str"), as that
+    type: an int from Python, NumPy or one-element tensor integers, not bools (`generate.integer`); a float from
+    Python or NumPy reals, not bools (`generate.real`); a bool only from True or False; a str (or, for a file,
+    an os.PathLike). TypeError naming the field otherwise."""
+    if annotation == "int":
+        return integer("TrainConfig", name, value)
+    if annotation == "float":
+        return real("TrainConfig", name, value)
+    if annotation == "bool":
+        if isinstance(value, bool):
+            return value
+        raise TypeError(f"TrainConfig: {name} must be True or False, got {value!r} ({type(value).__name__})")
+    if name in _PATH_FIELDS and isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str):
+        return value
+    kind = "a str or an os.PathLike" if name in _PATH_FIELDS else "a str"
+    raise TypeError(f"TrainConfig: {name} must be {kind}, got {value!r} ({type(value).__name__})")
 
 
 # ---------------------------------------------------------------- SBD objective (docs/algorithm.md §2)

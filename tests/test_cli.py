@@ -337,7 +337,7 @@ def test_every_flag_that_takes_a_value_is_checked():
 def test_train_config_checks_its_values():
     """Guards against TrainConfig taking values the command line rejects when built from Python."""
     for bad in ({"steps": -5}, {"checkpoint_every": 0}, {"lr": float("nan")}, {"preset": "huge"},
-                {"tasks": "mul"}, {"min_lr_ratio": 2.0}, {"batch_size": 1.5}, {"block_min": 5, "block_max": 3}):
+                {"tasks": "mul"}, {"min_lr_ratio": 2.0}, {"batch_size": 0}, {"block_min": 5, "block_max": 3}):
         with pytest.raises(ValueError, match=f"TrainConfig: {next(iter(bad))}"):
             TrainConfig(**bad)
 

@@ -1,10 +1,13 @@
 """SBD training objective (docs/algorithm.md §2): mask, noise, labels, loss, schedule, loop, data parallel."""
 import argparse
+import dataclasses
 import math
 import os
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -456,6 +459,87 @@ def test_bad_options_name_the_problem():
         train(TrainConfig(objective="matp"))
     with pytest.raises(ValueError, match="attention"):
         train(TrainConfig(attention="dense"))
+
+
+TRAIN_INTEGER_FIELDS = ("steps", "batch_size", "warmup_steps", "block_min", "block_max", "eval_every",
+                        "eval_examples", "checkpoint_every", "log_every", "seed", "threads")
+TRAIN_REAL_FIELDS = ("max_minutes", "lr", "min_lr_ratio", "weight_decay", "grad_clip")
+TRAIN_TEXT_FIELDS = ("preset", "tasks", "objective", "out", "init_from", "device", "attention")
+
+
+def test_config_fields_of_each_kind_are_listed():
+    """Guards against a TrainConfig field that the type tests below leave out."""
+    listed = {*TRAIN_INTEGER_FIELDS, *TRAIN_REAL_FIELDS, *TRAIN_TEXT_FIELDS, "resume"}
+    assert listed == {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+@pytest.mark.parametrize("name", TRAIN_INTEGER_FIELDS)
+@pytest.mark.parametrize("value", [3.0, 2.5, True, "3", None], ids=repr)
+def test_config_integer_of_the_wrong_type_names_the_field(name, value):
+    """Guards against an integer field taking a float, a bool or a string: "3" passed the check (made on the
+    text) and stayed a string, 2.5 and True failed with a ValueError as if the value were out of range."""
+    with pytest.raises(TypeError, match=f"TrainConfig: {name} must be an integer, got {value!r}"):
+        TrainConfig(**{name: value})
+
+
+@pytest.mark.parametrize("name", TRAIN_INTEGER_FIELDS)
+@pytest.mark.parametrize("value", [np.int64(3), np.int32(3), torch.tensor(3)], ids=["int64", "int32", "tensor"])
+def test_config_takes_numpy_and_tensor_integers_as_ints(name, value):
+    """Guards against rejecting a NumPy integer or a one-element tensor (a tensor failed as the text 'tensor(3)'),
+    and against keeping one: the checkpoint's train_config is read back with weights_only, which refuses NumPy
+    scalars."""
+    cfg = TrainConfig(**{name: value})
+    assert getattr(cfg, name) == 3 and type(getattr(cfg, name)) is int
+
+
+@pytest.mark.parametrize("name", TRAIN_REAL_FIELDS)
+@pytest.mark.parametrize("value", ["0.5", True, None, torch.tensor(0.5)], ids=repr)
+def test_config_real_of_the_wrong_type_names_the_field(name, value):
+    """Guards against a real field taking a string ("0.5" passed and stayed a string), a bool or a tensor."""
+    with pytest.raises(TypeError, match=f"TrainConfig: {name} must be a real number"):
+        TrainConfig(**{name: value})
+
+
+@pytest.mark.parametrize("name", TRAIN_REAL_FIELDS)
+@pytest.mark.parametrize("value", [np.float32(0.5), np.float64(0.5), 1], ids=["float32", "float64", "int"])
+def test_config_takes_numpy_reals_and_ints_as_floats(name, value):
+    """Guards against rejecting NumPy reals or Python ints for a real field, and against keeping them unconverted."""
+    cfg = TrainConfig(**{name: value})
+    assert getattr(cfg, name) == float(value) and type(getattr(cfg, name)) is float
+
+
+@pytest.mark.parametrize("name", TRAIN_TEXT_FIELDS)
+@pytest.mark.parametrize("value", [5, None, b"add"], ids=repr)
+def test_config_text_of_the_wrong_type_names_the_field(name, value):
+    """Guards against a text field taking a number, None or bytes (None passed as init_from: "no file")."""
+    with pytest.raises(TypeError, match=f"TrainConfig: {name} must be a str"):
+        TrainConfig(**{name: value})
+
+
+def test_config_takes_paths_as_file_names(tmp_path):
+    """Guards against a pathlib.Path kept in out / init_from: the checkpoint's train_config, read back with
+    weights_only, must hold plain strings."""
+    init = tmp_path / "init.pt"
+    cfg = TrainConfig(out=tmp_path / "m.pt", init_from=init)
+    assert (cfg.out, cfg.init_from) == (str(tmp_path / "m.pt"), str(init))
+
+
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, None, np.bool_(True)], ids=repr)
+def test_config_resume_takes_only_true_or_false(value):
+    """Guards against resume="no" (or any other truthy value) resuming a run: resume is True or False."""
+    with pytest.raises(TypeError, match=f"TrainConfig: resume must be True or False, got {value!r}"):
+        TrainConfig(resume=value)
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("steps", 0, "a positive integer"), ("warmup_steps", -1, "an integer >= 0"), ("seed", -1, "an integer in"),
+    ("threads", np.int64(0), "a positive integer"), ("lr", -1e-3, "a finite number >= 0"),
+    ("max_minutes", math.inf, "a finite number >= 0"), ("grad_clip", 0.0, "a finite number > 0"),
+    ("min_lr_ratio", 1.5, "a number in [0, 1]"), ("weight_decay", math.nan, "a finite number >= 0")])
+def test_config_value_out_of_range_names_the_field(name, value, words):
+    """Guards against a number of the right type but out of its flag's range being accepted."""
+    with pytest.raises(ValueError, match=f"TrainConfig: {name} must be {re.escape(words)}"):
+        TrainConfig(**{name: value})
 
 
 def test_command_line_flags_cover_the_config():
