@@ -110,7 +110,8 @@ class TrainConfig:
     checkpoint_every: int = 100
     log_every: int = 10
     out: str = "model.pt"
-    init_from: str = ""                 # start from these weights (e.g. SBD after NTP), fresh optimizer
+    init_from: str = ""                 # start from these weights (e.g. SBD after NTP), fresh optimizer; a
+                                        # resume takes its weights from <out>.state and does not read the file
     resume: bool = False                # continue from <out>.state (weights, optimizer, step, time used); the
                                         # fields outside RESUME_MAY_CHANGE must be the run's own
     seed: int = 0
@@ -430,16 +431,20 @@ def _log(rank: int, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _build_model(cfg: TrainConfig, device: torch.device) -> tuple[Transformer, TrainConfig]:
+def _build_model(cfg: TrainConfig, device: torch.device, resumed: dict[str, Any] | None
+                 ) -> tuple[Transformer, TrainConfig]:
     """(model in training mode on device, cfg): the preset's model with fresh weights, or the checkpoint
-    cfg.init_from, whose shape decides the preset that cfg (and so the checkpoint's train_config) records."""
-    if cfg.init_from:
+    cfg.init_from, whose shape decides the preset that cfg (and so the checkpoint's train_config) records.
+    `resumed`: the TrainConfig (as a dict) of the run whose training state will be loaded, or None. A resumed
+    run started from cfg.init_from does not read that file (the state holds its weights; the file may be gone):
+    it takes the preset its run recorded, the init file's."""
+    if cfg.init_from and resumed is None:
         model, _ = load_checkpoint(cfg.init_from)
-        cfg = dataclasses.replace(cfg, preset=_preset_of(model.config, cfg.init_from))
-    else:
-        torch.manual_seed(cfg.seed)
-        model = Transformer(ModelConfig.preset(cfg.preset))
-    return model.to(device).train(), cfg
+        return model.to(device).train(), dataclasses.replace(cfg, preset=_preset_of(model.config, cfg.init_from))
+    if cfg.init_from:
+        cfg = dataclasses.replace(cfg, preset=resumed.get("preset", cfg.preset))
+    torch.manual_seed(cfg.seed)
+    return Transformer(ModelConfig.preset(cfg.preset)).to(device).train(), cfg
 
 
 def _preset_of(config: ModelConfig, path: str) -> str:
@@ -517,13 +522,19 @@ def check_resume_config(path: str, saved: dict[str, Any], step: int, cfg: TrainC
                          f"pass --steps {step} or more")
 
 
-def _resume_state(path: str, model: Transformer, opt: torch.optim.Optimizer, cfg: TrainConfig
-                  ) -> tuple[int, float, list, float | None]:
-    """Loads the training state `path` (written beside a checkpoint by `train`) into model and opt; returns
-    (step, seconds trained, eval history, seconds trained when the warm-up ended or None). Raises
-    CheckpointError naming the file when it is damaged, is not a training state (RESUME_KEYS), or holds the
-    weights or optimizer of another model; ValueError when cfg contradicts the run (`check_resume_config`)."""
-    state = read_training_state(path, RESUME_KEYS, "sbd train")
+def resume_path(cfg: TrainConfig) -> str | None:
+    """The training state a run of cfg continues from: <out>.state when cfg.resume and it exists, else None (a
+    fresh start)."""
+    path = f"{cfg.out}.state"
+    return path if cfg.resume and os.path.exists(path) else None
+
+
+def _resume_state(path: str, state: dict[str, Any], model: Transformer, opt: torch.optim.Optimizer,
+                  cfg: TrainConfig) -> tuple[int, float, list, float | None]:
+    """Loads the training `state` read from `path` (`read_training_state`; written beside a checkpoint by
+    `train`) into model and opt; returns (step, seconds trained, eval history, seconds trained when the warm-up
+    ended or None). Raises CheckpointError naming the file when it holds the weights or optimizer of another
+    model; ValueError when cfg contradicts the run (`check_resume_config`)."""
     check_resume_config(path, state["config"], state["step"], cfg)
     try:
         model.load_state_dict(state["model"])
@@ -569,14 +580,17 @@ def train(cfg: TrainConfig) -> Transformer:
     tasks = cfg.task_list()
     n = sequence_length(tasks)
 
-    # model
-    model, cfg = _build_model(cfg, device)
+    # model (CheckpointError naming the file when a training state is damaged or is none: RESUME_KEYS)
+    state_path = resume_path(cfg)
+    state = read_training_state(state_path, RESUME_KEYS, "sbd train") if state_path else None
+    model, cfg = _build_model(cfg, device, state["config"] if state else None)
     mask_id = model.config.mask_token_id
     opt = _optimizer(model, cfg)
     start, seconds_before, history, warmup_seconds = 0, 0.0, [], None
-    if cfg.resume and os.path.exists(f"{cfg.out}.state"):
-        start, seconds_before, history, warmup_seconds = _resume_state(f"{cfg.out}.state", model, opt, cfg)
-        _log(rank, f"resumed from {cfg.out}.state at step {start}")
+    if state is not None:
+        start, seconds_before, history, warmup_seconds = _resume_state(state_path, state, model, opt, cfg)
+        del state  # its copy of the weights and of the optimizer's moments, loaded into model and opt
+        _log(rank, f"resumed from {state_path} at step {start}")
     ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     _log(rank, f"model {cfg.preset if not cfg.init_from else cfg.init_from}: {model.num_parameters():,} "
                f"parameters; objective {cfg.objective}; tasks {tasks}; n = {n}; world {world}")
@@ -643,6 +657,12 @@ def train(cfg: TrainConfig) -> Transformer:
 
 # ---------------------------------------------------------------- command line
 
+def _init_file(text: str) -> str:
+    """--init-from's type: a file name, or "" for none. Whether the file must exist depends on --resume, so
+    `check_init_from` checks it after the parse."""
+    return text
+
+
 # What each flag (and TrainConfig field) accepts: add_argument keywords. The types also check TrainConfig
 # values, but for the files (_FILE_TYPES), which are checked when they are read or written.
 FLAG_TYPES: dict[str, dict[str, Any]] = {
@@ -664,7 +684,7 @@ FLAG_TYPES: dict[str, dict[str, Any]] = {
     "checkpoint_every": {"type": argtypes.positive_int},
     "log_every": {"type": argtypes.positive_int},
     "out": {"type": argtypes.output_file},
-    "init_from": {"type": argtypes.existing_file_or_none},
+    "init_from": {"type": _init_file},
     "resume": {"action": argparse.BooleanOptionalAction,
                "help": "continue from <out>.state (weights, optimizer, step, time used) if it exists; only "
                        "the budgets, evaluation, logging, file and device flags may differ from the run's"},
@@ -673,7 +693,7 @@ FLAG_TYPES: dict[str, dict[str, Any]] = {
     "device": {"type": argtypes.device},
     "attention": {"choices": ("auto", "sdpa", "flex")},
 }
-_FILE_TYPES = (argtypes.output_file, argtypes.existing_file_or_none)
+_FILE_TYPES = (argtypes.output_file, _init_file)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -696,6 +716,7 @@ def main(args: argparse.Namespace) -> None:
                          "--attention sdpa (or auto)")
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     check_out(cfg, args.overwrite)
+    check_init_from(cfg)
     argtypes.require_device(cfg.device)
     train(cfg)
     if launched_world_size() > 1:
@@ -732,10 +753,21 @@ def check_out(cfg: TrainConfig, overwrite: bool) -> None:
     <out>.state of its run is given: a typo must not replace a bundled checkpoint or a day of training."""
     if overwrite or not os.path.exists(cfg.out):
         return
-    if cfg.resume and os.path.exists(f"{cfg.out}.state"):
+    if resume_path(cfg):
         return
     hint = f"--resume found no {cfg.out}.state to continue from; " if cfg.resume else ""
     raise UsageError(f"--out {cfg.out} exists: {hint}pass --overwrite to replace it")
+
+
+def check_init_from(cfg: TrainConfig) -> None:
+    """UsageError, worded as argparse's, when cfg.init_from names no readable file and the run reads it: a
+    fresh start. A resume takes its weights from <out>.state (`resume_path`) and does not need the file."""
+    if not cfg.init_from or resume_path(cfg):
+        return
+    try:
+        argtypes.existing_file(cfg.init_from)
+    except argparse.ArgumentTypeError as err:
+        raise UsageError(f"argument --init-from: {err}") from None
 
 
 if __name__ == "__main__":

@@ -250,6 +250,37 @@ def test_init_from_records_the_preset_of_its_checkpoint(tmp_path):
         train(TrainConfig(init_from=init, steps=1, batch_size=2, eval_examples=1, out=out))
 
 
+def _train_argv(out: str, *extra: str) -> list[str]:
+    return ["train", "--steps", "2", "--batch-size", "2", "--eval-examples", "1", "--log-every", "100", "--out", out,
+            *extra]
+
+
+def test_resume_does_not_need_the_init_from_file(tmp_path, capsys):
+    """Guards against a run started with --init-from that cannot be resumed once that file is gone (the weights
+    come from <out>.state; the file was read again, and `sbd train` refused the flag as "no such file" while the
+    resume check demands the run's own value): from Python and from the command line, the resume goes on from
+    the state, keeping the init file's preset (tiny, not --preset's default). A run that starts from it still
+    needs it."""
+    from sbd_kernels import cli
+
+    init = str(tmp_path / "init.pt")
+    save_checkpoint(Transformer(ModelConfig.preset("tiny")), init)
+    out = str(tmp_path / "m.pt")
+    base = {"init_from": init, "steps": 2, "batch_size": 2, "eval_examples": 1, "log_every": 100, "out": out}
+    train(TrainConfig(**base))
+    os.remove(init)
+    train(TrainConfig(**{**base, "steps": 3, "resume": True}))
+    _, meta = load_checkpoint(out)
+    assert meta["steps_done"] == 3 and meta["train_config"]["preset"] == "tiny"
+    assert meta["train_config"]["init_from"] == init
+    cli.main(_train_argv(out, "--init-from", init, "--steps", "4", "--resume"))
+    assert load_checkpoint(out)[1]["steps_done"] == 4
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli.main(_train_argv(str(tmp_path / "new.pt"), "--init-from", init, "--resume"))
+    assert info.value.code == 2 and f"argument --init-from: no such file: {init!r}" in capsys.readouterr().err
+
+
 def test_resume_refuses_a_config_that_contradicts_the_run(tmp_path):
     """Guards against a resume that silently continues another run than the saved one: --steps below the steps
     done (a wrong step count was recorded), or another --seed, --tasks or --objective (the checkpoint's
