@@ -155,8 +155,8 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig: max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not INT64_MIN <= self.seed <= INT64_MAX:                # the dtype of the sampler's seed tensor
             raise ValueError(f"DecodeConfig: seed must be within int64 [-2**63, 2**63 - 1], got {self.seed}")
-        if self.top_k < 0:
-            raise ValueError(f"DecodeConfig: top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= INT64_MAX:                       # the op's top_k_val is an int64
+            raise ValueError(f"DecodeConfig: top_k must be within [0, 2**63 - 1], got {self.top_k}")
         if not 0.0 < as_float32(self.top_p) <= 1.0:
             raise ValueError(f"DecodeConfig: top_p must be in (0, 1] as a float32, got {self.top_p}")
         if not 0.0 <= as_float32(self.min_p) < 1.0:

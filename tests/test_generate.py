@@ -472,11 +472,12 @@ def test_extreme_legal_settings_are_accepted():
     DecodeConfig(temperature=3.4028235e38, top_p=1 + 2.0**-24, min_p=-(2.0**-150))
 
 
-@pytest.mark.parametrize("field,value", [("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.0),
+@pytest.mark.parametrize("field,value", [("top_k", -1), ("top_k", 2**63), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.0),
                                          ("top_p", 1e-50), ("min_p", 1 - 1e-12)])
 def test_bad_filter_settings_name_the_field(field, value):
-    """Guards against a filter value the sampler would reject mid-decode (or silently misread), including
-    doubles out of range only as float32s, which the sampler checks them as (top_p 1e-50 is 0, min_p
+    """Guards against a filter value the sampler would reject mid-decode (or silently misread), including a
+    top_k beyond the op's int64 (torch's "Expected a value of type 'int'", naming nothing) and doubles out of
+    range only as float32s, which the sampler checks them as (top_p 1e-50 is 0, min_p
     1 - 1e-12 is 1)."""
     with pytest.raises(ValueError, match=field):
         DecodeConfig(**{field: value})
