@@ -11,6 +11,7 @@ import torch
 import sbd_kernels
 from sbd_kernels import testing
 from sbd_kernels.ops.scatter import naive
+from sbd_kernels.ops.scatter import triton as scatter_triton
 from sbd_kernels.testing import noncontiguous, poison_
 
 INF = float("inf")
@@ -262,6 +263,15 @@ def test_triton_rejects_blocks_beyond_its_limit():
     tokens, masked, sampled, entropy, gamma, _ = random_inputs(1, 257, 0, True, True)
     with pytest.raises(RuntimeError, match="block_tokens has K = 257 positions"):
         op_on_given_tensors("triton")(tokens, masked, sampled, entropy, gamma)
+
+
+def test_triton_rejects_more_rows_than_its_grid_takes():
+    """Guards against a launch of more programs than CUDA's grid axis 0 takes (2^31 - 1, one per row), which
+    fails with a launch error instead of naming the argument; META tensors (no memory)."""
+    assert len(scatter_triton.meta_launches(2**31 - 1, 16)) == 1
+    with pytest.raises(RuntimeError, match="block_tokens has B = 2147483648 rows; the Triton kernel supports "
+                                           "B <= 2\\^31 - 1"):
+        scatter_triton.meta_launches(2**31, 16)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -87,7 +87,7 @@ def mask_scatter_(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampled: 
           the tensor's entries is skipped (for a caller that validated gamma once); gamma only enters
           comparisons, never an address, so nothing is written out of bounds: a NaN or negative entry accepts
           the first-ranked candidate of its row only (entropies >= 0). The C++ CPU kernel checks it on the host regardless;
-        - on CUDA (Triton): K > 256, or Triton not installed.
+        - on CUDA (Triton): K > 256, B > 2^31 - 1, or Triton not installed.
 
         Under ``torch.compile`` and on meta tensors the fake kernel raises the same errors at trace time,
         except those that need data: aliasing between arguments (fake tensors have no data pointers) and

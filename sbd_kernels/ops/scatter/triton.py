@@ -10,6 +10,9 @@ Ranking without a sort: the EB loop peels the candidates off in rank order, one 
 smallest remaining entropy (`tl.min`), then the lowest position holding it (`tl.min` over positions).
 That is two K-wide reductions per candidate, O(K^2 / 32) work per row with one warp, and it yields the
 entropies in exactly the order the fp32 sum must use. The threshold rule needs only the first candidate.
+
+Addresses are int64: a row or position index times a stride typed i32 (any stride below 2^31) passes 2^31
+elements in large or strided tensors, e.g. position 255 of a row whose positions lie 2^24 elements apart.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 import triton.language as tl
 
 from sbd_kernels.ops._aot import (
+    MAX_GRID_X,
     KernelLaunch,
     KernelSpec,
     launch,
@@ -51,13 +55,16 @@ def _scatter_accept_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     in_row = offs < K
+    # Positions as int64 for the addresses only: the ranking below stays on int32 lanes (int64 reductions
+    # would take two warp shuffles each).
+    pos = offs.to(tl.int64)
 
-    masked = tl.load(masked_ptr + row * stride_masked_b + offs * stride_masked_k, mask=in_row, other=0) != 0
+    masked = tl.load(masked_ptr + row * stride_masked_b + pos * stride_masked_k, mask=in_row, other=0) != 0
     candidate = masked
     if HAS_VALID:
-        valid = tl.load(valid_ptr + row * stride_valid_b + offs * stride_valid_k, mask=in_row, other=0)
+        valid = tl.load(valid_ptr + row * stride_valid_b + pos * stride_valid_k, mask=in_row, other=0)
         candidate = candidate & (valid != 0)
-    entropy = tl.load(entropy_ptr + row * stride_entropy_b + offs * stride_entropy_k, mask=in_row,
+    entropy = tl.load(entropy_ptr + row * stride_entropy_b + pos * stride_entropy_k, mask=in_row,
                       other=float("inf")).to(tl.float32)
     is_nan = entropy != entropy  # noqa: PLR0124 (the one value unequal to itself)
     entropy = tl.where(is_nan, float("inf"), entropy)  # NaN ranks as +inf
@@ -83,10 +90,10 @@ def _scatter_accept_kernel(
         first = tl.min(tl.where(candidate & (entropy == smallest), offs, BLOCK_K), axis=0)
         accepted = candidate & ((entropy < gamma) | (offs == first))
 
-    sampled = tl.load(sampled_ptr + row * stride_sampled_b + offs * stride_sampled_k, mask=accepted, other=0)
-    tl.store(tokens_ptr + row * stride_tokens_b + offs * stride_tokens_k, sampled, mask=accepted)
-    tl.store(masked_ptr + row * stride_masked_b + offs * stride_masked_k, offs < 0, mask=accepted)
-    tl.store(accepted_ptr + row * K + offs, accepted, mask=in_row)
+    sampled = tl.load(sampled_ptr + row * stride_sampled_b + pos * stride_sampled_k, mask=accepted, other=0)
+    tl.store(tokens_ptr + row * stride_tokens_b + pos * stride_tokens_k, sampled, mask=accepted)
+    tl.store(masked_ptr + row * stride_masked_b + pos * stride_masked_k, offs < 0, mask=accepted)
+    tl.store(accepted_ptr + row * K + pos, accepted, mask=in_row)
     tl.store(num_accepted_ptr + row, tl.sum(accepted.to(tl.int32), axis=0))
     still_masked = tl.sum((masked & ~accepted).to(tl.int32), axis=0)
     tl.store(done_ptr + row, still_masked == 0)
@@ -107,6 +114,9 @@ def _scatter_launches(block_tokens: torch.Tensor, is_masked: torch.Tensor, sampl
     if k > MAX_BLOCK_K:
         raise RuntimeError(f"sbd.mask_scatter_: block_tokens has K = {k} positions; the Triton kernel "
                            f"supports K <= {MAX_BLOCK_K}")
+    if batch > MAX_GRID_X:
+        raise RuntimeError(f"sbd.mask_scatter_: block_tokens has B = {batch} rows; the Triton kernel supports "
+                           f"B <= 2^31 - 1 (one program per row)")
     device = block_tokens.device
     accepted = torch.empty(batch, k, dtype=torch.bool, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int32, device=device)
