@@ -9,6 +9,7 @@ import torch
 
 from sbd_kernels import testing
 from sbd_kernels.ops.sampling import naive
+from sbd_kernels.ops.sampling import triton as sampling_triton
 from sbd_kernels.testing import FLOAT_DTYPES, assert_close, noncontiguous
 
 BACKENDS = ("cpu", "triton")
@@ -424,6 +425,15 @@ def test_empty_batch(backend):
         seed, offset = make_seeds(shape[0])
         tokens, entropy, logprob, valid = backend_op(backend)(logits, seed, offset)
         assert tokens.shape == entropy.shape == logprob.shape == valid.shape == shape[:2]
+
+
+def test_triton_rejects_more_rows_than_its_grid_takes():
+    """Guards against a launch of more programs than CUDA's grid axis 0 takes (2^31 - 1, one per row of
+    logits), which fails with a launch error instead of naming the argument; META tensors (no memory)."""
+    assert len(sampling_triton.meta_launches(2**31 - 1, 1, 2, torch.bfloat16)) == 2
+    with pytest.raises(RuntimeError, match="logits has B \\* K = 2147483648 rows; this backend takes at most "
+                                           "2\\^31 - 1"):
+        sampling_triton.meta_launches(2**16, 2**15, 2, torch.bfloat16)
 
 
 # Where a run of huge-negative logits sits in the row: whole tiles and vocabulary chunks of both backends

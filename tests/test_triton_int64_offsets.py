@@ -21,13 +21,19 @@ from typing import NamedTuple
 
 import pytest
 
+from sbd_kernels.ops.sampling import triton as sampling_triton
 from sbd_kernels.ops.scatter import triton as scatter_triton
 
 REPO = Path(__file__).resolve().parents[1]
 
 # Offsets the kernels keep in int32, by a pattern of the source line that computes them, with the bound
 # that keeps them below 2^31 (vector offsets in int64 take two registers an entry).
-I32_OFFSETS: dict[str, str] = {}
+I32_OFFSETS = {
+    r"\brow_ptr \+ (v|token)\b": "an entry of a row of logits, below V + 8192 <= MAX_VOCAB + 8192 (checked by "
+                                 "the sampling launcher)",
+    r"\bcand_ptr \+ (\d \* )?(BLOCK \+ )?lane\b": "an entry of a row's candidates, below 8 x 1024",
+    r"\bs \* _PARTIAL_(FLOATS|INTS)\b": "a split's entry in a row's partials, below 64 x 7",
+}
 
 # The configurations compiled, per family: every kernel with each optional tensor read (temperature,
 # compute_mask, filters, gamma, valid, a paged cache) and both alignments, so that every address
@@ -37,8 +43,14 @@ CONFIGURATIONS = {
         "mask_scatter_/accept BLOCK_K=16 rule=eb gamma=tensor valid=yes",
         "mask_scatter_/accept BLOCK_K=16 rule=threshold gamma=tensor valid=yes",
     ],
+    "sampling": [
+        "entropy_sample/threshold fp32 temperature=tensor mask=True filters=tensor BLOCK=1024 PIVOTS=16",
+        "entropy_sample/partial fp32 temperature=tensor mask=True filtered BLOCK=1024 aligned",
+        "entropy_sample/partial fp32 temperature=tensor mask=True filtered BLOCK=128 unaligned",
+        "entropy_sample/combine fp32 temperature=tensor mask=True SPLITS=64",
+    ],
 }
-MODULES = {"scatter": scatter_triton}
+MODULES = {"scatter": scatter_triton, "sampling": sampling_triton}
 
 # Prints {spec name: TTIR} of the named configurations of one family, compiled for sm_90: the stages of
 # `triton.compile` up to TTIR (its make_ir and the backend's "ttir" stage), in a process without
@@ -172,8 +184,10 @@ def test_the_compiled_configurations_are_listed():
 @pytest.mark.parametrize("family", sorted(CONFIGURATIONS))
 def test_offsets_are_int64_unless_bounded(family):
     """Guards against int32 addresses on the GPU: a position times its stride in mask_scatter_ (position 255
-    of positions 2^24 elements apart lands 4.3e9 elements in). The interpreter cannot show these (they need
-    tensors of 2^31 elements or more); the compiled IR types them."""
+    of positions 2^24 elements apart lands 4.3e9 elements in); in entropy_sample the sequence index times the
+    stride of a strided seed, offset, temperature or filter view, or a row's partials at row x splits x 7
+    (past 306M rows). The kernel tests cannot reach these (they need tensors of 2^31 elements or more); the
+    compiled IR types them."""
     report = []
     for name, ttir in compile_ttir(family, CONFIGURATIONS[family]).items():
         count, offsets = addptr_offsets(ttir)

@@ -87,7 +87,8 @@ def entropy_sample(logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tenso
     non-contiguous ``compute_mask``) is copied once. No argument is ever written.
 
     Errors (RuntimeError naming the argument, the same words on every backend):
-        - ``logits`` not 3-D, not float32 / float16 / bfloat16, or with V == 0 (on CUDA also V > 2^31 - 2^16);
+        - ``logits`` not 3-D, not float32 / float16 / bfloat16, or with V == 0 (on CUDA also V > 2^31 - 2^16, or
+          B * K > 2^31 - 1 rows);
         - ``seed`` / ``offset`` not int64, not on the device of logits, or not of shape [B], [] or [1];
         - ``temperature`` not float32, not on the device of logits, or not of shape [B];
         - a ``temperature`` entry that is negative, NaN or infinite (on CUDA checked without a host sync,

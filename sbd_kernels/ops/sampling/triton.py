@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from sbd_kernels.ops._aot import (
+    MAX_GRID_X,
     KernelLaunch,
     KernelSpec,
     cdiv,
@@ -121,6 +122,16 @@ _NEG_INF_KEY = tl.constexpr(-2139095041)
 # without the clamp, while sum * shift stays finite (sums over a run of finfo.min logits shift by -3.4e38
 # when ordinary logits follow: 128 * -3.4e38 = -inf, and -inf * 0 = NaN).
 _EXP_FLOOR = tl.constexpr(-128.0)
+
+
+@triton.jit
+def _sampling_row_coordinates(positions):
+    """(row, b, j) of this program's row of logits, row = b * positions + j (grid axis 0): row and b int64,
+    j int32. Every address is taken in int64 but an entry's index in a row (below MAX_VOCAB) or a lane's in a
+    tile: an int32 product wraps once it passes 2^31, e.g. row * splits * 7 floats of the partials past 306M
+    rows, or b times the stride of a strided seed, offset or filter view (a stride typed i32 below 2^31)."""
+    row = tl.program_id(0)
+    return row.to(tl.int64), (row // positions).to(tl.int64), row % positions
 
 
 @triton.jit
@@ -495,9 +506,7 @@ def _sampling_threshold_kernel(
     where one lane holds more than CANDIDATES of the entries the filter keeps (a flat row's top-p set, a
     top-k of thousands)."""
     tl.static_assert((CANDIDATES == 0) | (CANDIDATES == 8), "the first pass keeps 8 candidates a lane, or none")
-    row = tl.program_id(0)
-    b = row // positions
-    j = row % positions
+    row, b, j = _sampling_row_coordinates(positions)
     if HAS_TEMPERATURE:
         temperature = tl.load(temperature_ptr + b * temperature_stride)
     else:
@@ -515,7 +524,7 @@ def _sampling_threshold_kernel(
         computed = tl.load(compute_mask_ptr + row) != 0
     top_k_on = (top_k > 0) & (top_k < vocab)
     wanted = computed & (temperature > 0) & (top_k_on | (top_p < 1) | (min_p > 0))
-    row_ptr = logits_ptr + b.to(tl.int64) * stride_b + j.to(tl.int64) * stride_k
+    row_ptr = logits_ptr + b * stride_b + j.to(tl.int64) * stride_k
     # Candidates for a search (top-k above 1, top-p); the row's mass, when top-p has no top-k set to take
     # its fraction of (the fraction of a top-k set is measured over the candidates, which hold that set).
     keep_candidates = wanted & ((top_k_on & (top_k > 1)) | (top_p < 1))
@@ -526,7 +535,7 @@ def _sampling_threshold_kernel(
     # row's answer when that answer lies above floor, which the counts and mass of the candidates above floor
     # tell before it runs.
     end = tl.where(wanted, vocab, 0)
-    cand_ptr = candidates_ptr + row.to(tl.int64) * (CANDIDATES * BLOCK)
+    cand_ptr = candidates_ptr + row * (CANDIDATES * BLOCK)
     m, low, bad, live, floor, live_cand, above_floor, mass, mass_above_floor = _sampling_first_pass(
         row_ptr, cand_ptr, end, vocab, mask_token_id, temperature, keep_candidates & (CANDIDATES > 0),
         keep_mass & (CANDIDATES > 0), CANDIDATES > 0, _FIRST_PASS_TILES, BLOCK)
@@ -595,10 +604,8 @@ def _sampling_partial_kernel(
     HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
     BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row, b, j = _sampling_row_coordinates(positions)
     split = tl.program_id(1)
-    b = row // positions
-    j = row % positions
     # The last split stops at the row's last tile ((V - 1) // BLOCK; splits x tiles_per_split can pass it), so
     # that no tile starts at 2^31 or beyond, where int32 entry indices wrap to -2^31 and pass `v < vocab`.
     num_tiles = tl.minimum(tiles_per_split, (vocab - 1) // BLOCK + 1 - split * tiles_per_split)
@@ -616,7 +623,7 @@ def _sampling_partial_kernel(
     c1 = j.to(tl.uint32)
     c2 = (offset & 0xFFFFFFFF).to(tl.uint32)
     c3 = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    row_ptr = logits_ptr + b.to(tl.int64) * stride_b + j.to(tl.int64) * stride_k
+    row_ptr = logits_ptr + b * stride_b + j.to(tl.int64) * stride_k
 
     ROWS: tl.constexpr = BLOCK // 64
     local = (tl.arange(0, ROWS)[:, None, None] * 64 + tl.arange(0, 4)[None, :, None] * 16
@@ -685,9 +692,7 @@ def _sampling_combine_kernel(
     positions, vocab, mask_token_id, num_splits,
     HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    b = row // positions
-    j = row % positions
+    row, b, j = _sampling_row_coordinates(positions)
     computed = True
     if HAS_COMPUTE_MASK:
         computed = tl.load(compute_mask_ptr + row) != 0
@@ -698,8 +703,8 @@ def _sampling_combine_kernel(
 
     s = tl.arange(0, SPLITS)
     live = s < num_splits
-    part_f = partial_f_ptr + (row * num_splits + s) * _PARTIAL_FLOATS
-    part_i = partial_i_ptr + (row * num_splits + s) * _PARTIAL_INTS
+    part_f = partial_f_ptr + row * num_splits * _PARTIAL_FLOATS + s * _PARTIAL_FLOATS
+    part_i = partial_i_ptr + row * num_splits * _PARTIAL_INTS + s * _PARTIAL_INTS
     m = tl.load(part_f + 0, mask=live, other=-float("inf"))
     sum_exp = tl.load(part_f + 1, mask=live, other=0.0)
     sum_xexp = tl.load(part_f + 2, mask=live, other=0.0)
@@ -726,7 +731,7 @@ def _sampling_combine_kernel(
 
     # Overflow rule (naive.py): a sampled row whose best score is +-inf races again over its kept entries
     # on (x - m) / T + g; the loop has no trip for any other row.
-    row_ptr = logits_ptr + b.to(tl.int64) * stride_b + j.to(tl.int64) * stride_k
+    row_ptr = logits_ptr + b * stride_b + j.to(tl.int64) * stride_k
     rerun = valid & (temperature > 0) & ((best_max == float("inf")) | (best_max == -float("inf")))
     threshold = tl.load(partial_f_ptr + row * num_splits * _PARTIAL_FLOATS + 6)
     seed = tl.load(seed_ptr + b * seed_stride)
@@ -836,6 +841,9 @@ def _sampling_launches(logits: torch.Tensor, seed: torch.Tensor, offset: torch.T
     if vocab > MAX_VOCAB:
         raise RuntimeError(f"sbd.entropy_sample: logits vocabulary V = {vocab} must be at most 2^31 - 2^16 = "
                            f"{MAX_VOCAB} on this backend (int32 entry indices)")
+    if batch * positions > MAX_GRID_X:
+        raise RuntimeError(f"sbd.entropy_sample: logits has B * K = {batch * positions} rows; this backend takes "
+                           f"at most 2^31 - 1 (one program per row)")
     device = logits.device
     tokens = torch.empty(batch, positions, dtype=torch.int64, device=device)
     entropy = torch.empty(batch, positions, dtype=torch.float32, device=device)
