@@ -117,6 +117,40 @@ def test_splits_past_the_length_exit_unread(L):
     assert_matches_oracle(c, triton_op)
 
 
+def test_tiles_pairs_and_splits_of_the_folded_grid():
+    """Guards against a wrong decomposition of grid axis 0 into (sequence, KV head) pair and M tile (swapped,
+    or off by a tile): 2 x 2 pairs, 3 M tiles of 16 rows (12 rows x G = 4) and 2 cache splits, every
+    program's state checked through the oracle (unwritten partial states are NaN)."""
+    c = case(B=2, C=5, K=7, L=600, Hq=8, Hkv=2, D=16, dtype=torch.float32)
+    _, _, (split, combine) = attention_triton._attention_launches(*c.args())
+    assert split.grid == (2 * 2 * 3, 3) and combine.grid == (2 * 2 * 3,)
+    assert_matches_oracle(c, triton_op)
+
+
+# Long prefills: B = 1, S = 131072 query rows, Hq = 64 with Hkv = 8 (65536 M tiles of 16 rows) or 1 (524288).
+LONG_PREFILLS = [(hkv, dtype, head_dim) for hkv in (8, 1) for dtype in (torch.float32, torch.bfloat16)
+                 for head_dim in (128, 127)]
+
+
+@pytest.mark.parametrize("hkv,dtype,head_dim", LONG_PREFILLS,
+                         ids=[f"hkv{h}-{str(d)[6:]}-D{D}" for h, d, D in LONG_PREFILLS])
+def test_launch_grids_of_long_prefills_fit_cuda(hkv, dtype, head_dim):
+    """Guards against a launch grid past CUDA's limits (2^31 - 1 programs along axis 0, 65535 along axes 1
+    and 2), which fails on the GPU: the M tiles of a long prefill on axis 1 passed 65535 with 16-row tiles
+    (fp32, or unaligned rows: D = 127), and so did the combine's. The launches as a GPU call builds them, on
+    META tensors (no memory)."""
+    for kl in attention_triton.meta_launches(1, 131072 + 1024, 64, hkv, head_dim, 131072 - 16, 16, dtype):
+        x, *yz = kl.grid
+        assert len(kl.grid) <= 3 and 0 < x <= 2**31 - 1 and all(0 < n <= 65535 for n in yz), kl.grid
+
+
+def test_more_programs_than_cuda_launches_name_q():
+    """Guards against a launch of more programs than CUDA's grid axis 0 takes (2^31 - 1), which fails with a
+    launch error instead of naming the argument: 64 pairs x 2^26 combine tiles of 16 rows."""
+    with pytest.raises(RuntimeError, match="q \\[B=1, S=1073741824, Hq=64\\] needs 4294967296 programs"):
+        attention_triton.meta_launches(1, 1024, 64, 64, 16, 2**30 - 16, 16, torch.bfloat16)
+
+
 @pytest.mark.parametrize("D", [256, 80, 33])
 @pytest.mark.parametrize("dtype", AXES["dtype"], ids=str)
 def test_head_dims(D, dtype):

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import pytest
 
+from sbd_kernels.ops.attention import triton as attention_triton
 from sbd_kernels.ops.sampling import triton as sampling_triton
 from sbd_kernels.ops.scatter import triton as scatter_triton
 
@@ -49,8 +50,15 @@ CONFIGURATIONS = {
         "entropy_sample/partial fp32 temperature=tensor mask=True filtered BLOCK=128 unaligned",
         "entropy_sample/combine fp32 temperature=tensor mask=True SPLITS=64",
     ],
+    "attention": [
+        "attention/split fp32 M16 N32 D16 paged aligned",
+        "attention/split fp32 M16 N16 D16 contig unaligned",
+        "attention/split fp32 M16 N16 D16 paged unaligned",
+        "attention/combine fp32 D16 aligned",
+        "attention/combine fp32 D16 unaligned",
+    ],
 }
-MODULES = {"scatter": scatter_triton, "sampling": sampling_triton}
+MODULES = {"scatter": scatter_triton, "sampling": sampling_triton, "attention": attention_triton}
 
 # Prints {spec name: TTIR} of the named configurations of one family, compiled for sm_90: the stages of
 # `triton.compile` up to TTIR (its make_ir and the backend's "ttir" stage), in a process without
@@ -186,7 +194,9 @@ def test_offsets_are_int64_unless_bounded(family):
     """Guards against int32 addresses on the GPU: a position times its stride in mask_scatter_ (position 255
     of positions 2^24 elements apart lands 4.3e9 elements in); in entropy_sample the sequence index times the
     stride of a strided seed, offset, temperature or filter view, or a row's partials at row x splits x 7
-    (past 306M rows). The kernel tests cannot reach these (they need tensors of 2^31 elements or more); the
+    (past 306M rows); in the attention kernels any q, k, v, cache, out, lse or partial state offset (a
+    head-major cache [B, 32, 600000, 128] passes 2^31 elements from KV head 28 on). The kernel tests cannot
+    reach these (they need tensors of 2^31 elements or more); the
     compiled IR types them."""
     report = []
     for name, ttir in compile_ttir(family, CONFIGURATIONS[family]).items():

@@ -10,9 +10,10 @@ L = cache_seqlens[b], c = num_causal[b], C = S - K, scale s = softmax_scale:
     lse[b, hG+g, i] = log sum_{j in keys(i)} exp(s q_i . k_j)
     out[b, i, hG+g] = sum_{j in keys(i)} exp(s q_i . k_j - lse) v_j
 
-Stage 1, `_attention_split_kernel`, grid (B * Hkv, M tiles, 1 + cache splits). The M tile packs the query
-rows AND the G heads of one KV group (row m = i * G + g), so each K/V tile is loaded once for the whole
-group. Split 0 attends to the S new rows and, in M tile 0, appends the causal rows' K/V to cache slots
+Stage 1, `_attention_split_kernel`, grid (B * Hkv * M tiles, 1 + cache splits): axis 0 enumerates the
+(sequence, KV head, M tile) triples, (sequence, KV head) fastest (`_launch_grids`). The M tile packs the
+query rows AND the G heads of one KV group (row m = i * G + g), so each K/V tile is loaded once for the
+whole group. Split 0 attends to the S new rows and, in M tile 0, appends the causal rows' K/V to cache slots
 [L, L + c) (the only cache writes). Split n >= 1 attends to the cache slots [(n-1) * SPLIT_LEN, n * SPLIT_LEN)
 below L; splits starting at or past L exit at once (the number of splits comes from the cache capacity,
 a shape, so the host never reads L). Each split writes a partial online-softmax state: m = max_j t_j,
@@ -20,7 +21,7 @@ l = sum_j e^(t_j - m), acc = sum_j e^(t_j - m) v_j with t = s q . k, the exponen
 2^((t_j - m) log2(e)). The scores stay in natural units, log2(e) applied only after the max is subtracted: a
 scale folded into s log2(e) overflows fp32 from s = 2.36e38, which the op accepts (up to 3.4e38).
 
-Stage 2, `_attention_combine_kernel`, grid (B * Hkv, combine tiles): merges the 1 + ceil(L / SPLIT_LEN)
+Stage 2, `_attention_combine_kernel`, grid (B * Hkv * combine tiles): merges the 1 + ceil(L / SPLIT_LEN)
 live splits with log-sum-exp, writes out = acc / l (dtype of q) and lse = m + ln l, or 0 / -inf for rows
 without keys (l = 0: padding rows, rows whose every score is -inf).
 
@@ -59,6 +60,7 @@ import triton
 import triton.language as tl
 
 from sbd_kernels.ops._aot import (
+    MAX_GRID_X,
     KernelLaunch,
     KernelSpec,
     cdiv,
@@ -199,6 +201,14 @@ def _online_softmax_update(q, k, v, valid, m_i, l_i, acc, softmax_scale,
 
 
 @triton.jit
+def _pair_and_tile(pairs):
+    """((sequence, KV head) pair, M tile) of this program: grid axis 0 enumerates tile * pairs + pair
+    (`_launch_grids`)."""
+    pid = tl.program_id(0)
+    return pid % pairs, pid // pairs
+
+
+@triton.jit
 def _cache_rows(slots, live, b, block_table_ptr, stride_btb, stride_btp, page_size, num_pages,
                 PAGED: tl.constexpr):
     """(page, offset in page, in range) of cache slots [BN], page and offset int64 (offset * stride passes 2^31
@@ -222,16 +232,15 @@ def _attention_split_kernel(
     stride_kcp, stride_kcs, stride_kch,
     stride_vcp, stride_vcs, stride_vch,
     stride_len, stride_nc, stride_btb, stride_btp,
-    S, C, Hkv, G, D, M, capacity, page_size, num_pages, split_len, num_splits,
+    S, C, Hkv, G, D, M, pairs, capacity, page_size, num_pages, split_len, num_splits,
     softmax_scale,
     PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HALF_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """Partial softmax state of one (sequence, KV head, M tile, split); split 0 = new rows + cache append.
     M = 0 (no query head) runs split 0 of one M tile: the cache append alone."""
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    split = tl.program_id(2)
+    pid_bh, pid_m = _pair_and_tile(pairs)
+    split = tl.program_id(1)
     b = pid_bh // Hkv
     h = pid_bh % Hkv
     # Compiled, a float argument is fp32 (the launcher rounds it); interpreted, it stays a Python float that
@@ -327,12 +336,11 @@ def _attention_split_kernel(
 def _attention_combine_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, cache_seqlens_ptr, out_ptr, lse_ptr,
     stride_len, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-    Hkv, G, D, M, capacity, split_len, num_splits,
+    Hkv, G, D, M, pairs, capacity, split_len, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """Log-sum-exp merge of the live splits of one (sequence, KV head, row tile); writes out and lse."""
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_bh, pid_m = _pair_and_tile(pairs)
     b = pid_bh // Hkv
     h = (pid_bh % Hkv).to(tl.int64)
     length = tl.minimum(tl.maximum(tl.load(cache_seqlens_ptr + b.to(tl.int64) * stride_len), 0), capacity)
@@ -423,6 +431,20 @@ def _plan_splits(dims: AttentionDims, config: _Config, target_programs: int) -> 
     return _SplitPlan(m_tiles, split_len, 1 + cache_splits)
 
 
+def _launch_grids(pairs: int, plan: _SplitPlan, rows: int) -> tuple[tuple[int, int], tuple[int]]:
+    """Grids of the split and the combine launch for `pairs` = B * Hkv (sequence, KV head) pairs of `rows` =
+    S * G query rows each: (pairs * M tiles, 1 + cache splits) and (pairs * combine tiles,), program
+    tile * pairs + pair along axis 0 (`_pair_and_tile`).
+
+    Why one axis: CUDA launches up to 2^31 - 1 programs along axis 0 but 65535 along axes 1 and 2
+    (MAX_GRID_YZ), fewer than the M tiles of a long prefill (B = 1, S = 131072, Hq = 64, Hkv = 8: 65536 tiles
+    of 16 rows, as fp32 or unaligned rows take; 524288 with Hkv = 1), whose launch then failed. The pairs
+    numbered fastest keep the programs and their order those of the grids (pairs, M tiles, splits) and
+    (pairs, combine tiles) this replaces, for one integer division more per program. The splits (at most
+    1 + PROGRAMS_PER_SM x SMs) stay on axis 1."""
+    return (pairs * plan.m_tiles, plan.num_splits), (pairs * cdiv(rows, COMBINE_BLOCK_M),)
+
+
 def _attention_launches(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor, num_causal: torch.Tensor, block_size: int,
@@ -449,6 +471,11 @@ def _attention_launches(
     aligned = rows_aligned(q, k, v, k_cache, v_cache, out) and dims.head_dim % 4 == 0
     config = _pick_config(dims.head_dim, rows, q.dtype, dims.paged, aligned, compiles_for_gpu(q.device))
     plan = _plan_splits(dims, config, PROGRAMS_PER_SM * sm_count(q.device))
+    split_grid, combine_grid = _launch_grids(bh, plan, rows)
+    if max(split_grid[0], combine_grid[0]) > MAX_GRID_X:
+        raise RuntimeError(f"sbd.block_attention_with_kvcache: q [B={dims.batch}, S={dims.seq}, Hq={dims.q_heads}] "
+                           f"needs {max(split_grid[0], combine_grid[0])} programs (B x Hkv x ceil(S x Hq / Hkv / "
+                           f"{COMBINE_BLOCK_M})); the Triton kernels launch at most 2^31 - 1")
     part_m = torch.empty((bh, plan.num_splits, rows), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((bh, plan.num_splits, rows, dims.head_dim), dtype=torch.float32, device=q.device)
@@ -459,7 +486,7 @@ def _attention_launches(
     stride_vb, stride_vs, stride_vh, stride_vd = v.stride()
     stride_kcp, stride_kcs, stride_kch, _ = k_cache.stride()
     stride_vcp, stride_vcs, stride_vch, _ = v_cache.stride()
-    split = KernelLaunch(_attention_split_kernel, (bh, plan.m_tiles, plan.num_splits), {
+    split = KernelLaunch(_attention_split_kernel, split_grid, {
         "q_ptr": q, "k_ptr": k, "v_ptr": v, "k_cache_ptr": k_cache, "v_cache_ptr": v_cache,
         "cache_seqlens_ptr": cache_seqlens, "num_causal_ptr": num_causal, "block_table_ptr": table,
         "part_acc_ptr": part_acc, "part_m_ptr": part_m, "part_l_ptr": part_l,
@@ -472,18 +499,19 @@ def _attention_launches(
         "stride_btb": stride_btb, "stride_btp": stride_btp,
         # G = 1 when Hq = 0: the kernel divides row indices by G; M = 0 masks every row.
         "S": dims.seq, "C": dims.num_causal_slots, "Hkv": dims.kv_heads, "G": max(group, 1), "D": dims.head_dim,
-        "M": rows, "capacity": dims.capacity, "page_size": dims.page_size, "num_pages": dims.num_pages,
+        "M": rows, "pairs": bh, "capacity": dims.capacity, "page_size": dims.page_size,
+        "num_pages": dims.num_pages,
         "split_len": plan.split_len, "num_splits": plan.num_splits, "softmax_scale": scale,
     }, {
         "PAGED": config.paged, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": config.block_d,
         "HALF_DOT": config.half_dot, "INPUT_PRECISION": config.input_precision, "ALIGNED": config.aligned,
     }, config.num_warps, config.num_stages)
-    combine = KernelLaunch(_attention_combine_kernel, (bh, cdiv(rows, COMBINE_BLOCK_M)), {
+    combine = KernelLaunch(_attention_combine_kernel, combine_grid, {
         "part_acc_ptr": part_acc, "part_m_ptr": part_m, "part_l_ptr": part_l, "cache_seqlens_ptr": cache_seqlens,
         "out_ptr": out, "lse_ptr": lse, "stride_len": cache_seqlens.stride(0),
         "stride_ob": out.stride(0), "stride_os": out.stride(1), "stride_oh": out.stride(2),
         "stride_lb": lse.stride(0), "stride_lh": lse.stride(1),
-        "Hkv": dims.kv_heads, "G": group, "D": dims.head_dim, "M": rows, "capacity": dims.capacity,
+        "Hkv": dims.kv_heads, "G": group, "D": dims.head_dim, "M": rows, "pairs": bh, "capacity": dims.capacity,
         "split_len": plan.split_len, "num_splits": plan.num_splits,
     }, {"BLOCK_M": COMBINE_BLOCK_M, "BLOCK_D": config.block_d, "ALIGNED": config.aligned},
         COMBINE_WARPS[config.aligned])
