@@ -151,6 +151,26 @@ def test_more_programs_than_cuda_launches_name_q():
         attention_triton.meta_launches(1, 1024, 64, 64, 16, 2**30 - 16, 16, torch.bfloat16)
 
 
+def test_int32_index_limits_name_the_argument():
+    """Guards against int32 slot and row indices wrapping at 2^31 (a loop's counter or a tile's indices go one
+    tile past the capacity or the rows; the append's slot L + j, for an L clamped to the capacity, passes it
+    by up to C): a cache capacity + C or S x G query rows per KV head above MAX_INDEX (2^31 - 2^16) is
+    rejected naming k_cache, block_table or q; MAX_INDEX itself launches (META tensors)."""
+    limit = attention_triton.MAX_INDEX
+    bf16 = torch.bfloat16
+    assert len(attention_triton.meta_launches(1, limit - 16, 8, 8, 16, 16, 16, bf16)) == 2
+    with pytest.raises(RuntimeError, match=f"k_cache holds {limit - 15} cache slots per sequence and q C = 16 "
+                                           "causal rows; the Triton kernels take capacity \\+ C at most "
+                                           "2\\^31 - 2\\^16"):
+        attention_triton.meta_launches(1, limit - 15, 8, 8, 16, 16, 16, bf16)
+    with pytest.raises(RuntimeError, match="block_table \\(32768 pages of 65536 slots\\) holds 2147483648"):
+        attention_triton.meta_launches(1, limit + 1, 8, 8, 16, 0, 16, bf16, paged=True, page_size=2**16)
+    rows = limit // 8
+    assert len(attention_triton.meta_launches(1, 1024, 8, 1, 16, rows - 16, 16, bf16)) == 2
+    with pytest.raises(RuntimeError, match=f"q has S x Hq / Hkv = {8 * (rows + 1)} query rows per KV head"):
+        attention_triton.meta_launches(1, 1024, 8, 1, 16, rows - 15, 16, bf16)
+
+
 @pytest.mark.parametrize("D", [256, 80, 33])
 @pytest.mark.parametrize("dtype", AXES["dtype"], ids=str)
 def test_head_dims(D, dtype):

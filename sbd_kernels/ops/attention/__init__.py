@@ -89,7 +89,9 @@ def block_attention_with_kvcache(
           `sbd_kernels.ops.trusted_values()` these value checks are skipped (for a caller that built or
           validated the lengths, e.g. once per decode); the kernels still clamp every index (L_b to the
           capacity, c_b to [0, C], page ids to the pool), so nothing is written out of bounds: a bad value
-          gives wrong results instead of an error. The C++ CPU kernel checks values on the host regardless.
+          gives wrong results instead of an error. The C++ CPU kernel checks values on the host regardless;
+        - on CUDA (Triton): a cache capacity + C above 2^31 - 2^16 slots per sequence, more than 2^31 - 2^16 query
+          rows per KV head (S x Hq / Hkv), or more than 2^31 - 1 programs (B x Hkv x ceil(S x Hq / Hkv / 16)).
         The fake kernel (torch.compile) raises every error above except the values, memory shared between
         two arguments (fake tensors have no data pointers) and, with symbolic shapes, a cache's own
         overlap; the compiled call raises those when it runs.

@@ -144,6 +144,11 @@ PROGRAMS_PER_SM = 2
 COMBINE_BLOCK_M = 16
 # Warps of the combine by ALIGNED: unaligned at D = 64, 4 warps spill 4 bytes on sm_90, 8 warps none.
 COMBINE_WARPS = {True: 4, False: 8}
+# Most cache slots per sequence plus causal slots C (capacity + C: the append's slot L + j, L clamped to the
+# capacity, stays below it whatever L), and query rows per KV head (S x G), the kernels take: slot, key and row
+# indices are int32, and a tile's indices or a loop's counter go one tile (at most 64) past them; 2^16 of
+# headroom.
+MAX_INDEX = 2**31 - 2**16
 _LN2 = tl.constexpr(math.log(2.0))
 _LOG2E = tl.constexpr(1.0 / math.log(2.0))
 
@@ -307,7 +312,8 @@ def _attention_split_kernel(
             m_i, l_i, acc = _online_softmax_update(q, k_tile, v_tile, valid, m_i, l_i, acc, scale,
                                                    HALF_DOT, INPUT_PRECISION)
     else:
-        end = tl.minimum(start + split_len, length)
+        # Not min(start + split_len, L): start + split_len, up to capacity + 64 x splits, may pass 2^31.
+        end = start + tl.minimum(split_len, length - start)
         for n0 in range(start, end, BLOCK_N):
             slots = n0 + n_idx
             page, offset, ok = _cache_rows(slots, slots < end, b, block_table_ptr, stride_btb, stride_btp,
@@ -431,6 +437,21 @@ def _plan_splits(dims: AttentionDims, config: _Config, target_programs: int) -> 
     return _SplitPlan(m_tiles, split_len, 1 + cache_splits)
 
 
+def check_int32_indices(dims: AttentionDims) -> None:
+    """Raise RuntimeError naming the argument when the cache capacity plus C or the query rows per KV head
+    pass MAX_INDEX (the C++ kernel and the oracle take any size)."""
+    if dims.capacity + dims.num_causal_slots > MAX_INDEX:
+        holder = (f"block_table ({dims.capacity // dims.page_size} pages of {dims.page_size} slots)" if dims.paged
+                  else "k_cache")
+        raise RuntimeError(f"sbd.block_attention_with_kvcache: {holder} holds {dims.capacity} cache slots per "
+                           f"sequence and q C = {dims.num_causal_slots} causal rows; the Triton kernels take "
+                           f"capacity + C at most 2^31 - 2^16 (int32 slot indices)")
+    rows = dims.seq * max(dims.q_heads // dims.kv_heads, 1)
+    if rows > MAX_INDEX:
+        raise RuntimeError(f"sbd.block_attention_with_kvcache: q has S x Hq / Hkv = {rows} query rows per KV head; "
+                           f"the Triton kernels take at most 2^31 - 2^16 (int32 row indices)")
+
+
 def _launch_grids(pairs: int, plan: _SplitPlan, rows: int) -> tuple[tuple[int, int], tuple[int]]:
     """Grids of the split and the combine launch for `pairs` = B * Hkv (sequence, KV head) pairs of `rows` =
     S * G query rows each: (pairs * M tiles, 1 + cache splits) and (pairs * combine tiles,), program
@@ -459,6 +480,7 @@ def _attention_launches(
     assert_block_attention_values(cache_seqlens, num_causal, dims, block_table)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((dims.batch, dims.q_heads, dims.seq), dtype=torch.float32, device=q.device)
+    check_int32_indices(dims)
     if dims.batch == 0 or (out.numel() == 0 and dims.num_causal_slots == 0):
         return out, lse, []
     scale = dims.head_dim ** -0.5 if softmax_scale is None else softmax_scale
