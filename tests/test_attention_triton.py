@@ -10,6 +10,7 @@ element the kernels fail to write, or a partial state read although its split ne
 """
 import contextlib
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ from test_attention import (
     two_value_errors,
 )
 
-from sbd_kernels.ops.attention import naive
+from sbd_kernels.ops.attention import block_attention_with_kvcache, naive
 from sbd_kernels.ops.attention import triton as attention_triton
 from sbd_kernels.testing import assert_close, poison_, triton_test_device
 
@@ -169,6 +170,32 @@ def test_int32_index_limits_name_the_argument():
     assert len(attention_triton.meta_launches(1, 1024, 8, 1, 16, rows - 16, 16, bf16)) == 2
     with pytest.raises(RuntimeError, match=f"q has S x Hq / Hkv = {8 * (rows + 1)} query rows per KV head"):
         attention_triton.meta_launches(1, 1024, 8, 1, 16, rows - 15, 16, bf16)
+
+
+def _tf32_high_part(x: float) -> float:
+    """The high part 3xTF32 takes of fp32 x: PTX cvt.rna.tf32.f32, x rounded to 10 mantissa bits (the low 13
+    of 23 cleared), ties away from zero."""
+    bits = torch.tensor([x], dtype=torch.float32).view(torch.int32)
+    return ((bits + 0x1000) & -0x2000).view(torch.float32).item()
+
+
+def test_tf32x3_range_is_the_documented_one():
+    """Guards against a misstated range of fp32 inputs for which the GPU's 3xTF32 dots (fp32, D <= 128) keep
+    fp32 results: the TF32 high part is inf from |x| = 2^128 - 2^116 on (the dots then give inf or NaN where
+    fp32 gives finite values) and finite just below; the op's docstring and docs/performance.md state that
+    bound, and the launcher picks 3xTF32 exactly where they say."""
+    limit = 2.0**128 - 2.0**116
+    below = torch.nextafter(torch.tensor(limit), torch.tensor(0.0)).item()
+    assert _tf32_high_part(limit) == float("inf") and _tf32_high_part(below) < float("inf")
+
+    def precision(head_dim, dtype, on_gpu):
+        return attention_triton._pick_config(head_dim, 64, dtype, False, True, on_gpu).input_precision
+
+    assert precision(128, torch.float32, True) == "tf32x3"
+    assert precision(129, torch.float32, True) == precision(128, torch.float32, False) == "ieee"
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
+    for text in (block_attention_with_kvcache.__doc__, docs):
+        assert f"2^128 - 2^116 = {limit:.7e}".replace("e+", "e") in text.replace("e+", "e")
 
 
 @pytest.mark.parametrize("D", [256, 80, 33])

@@ -30,6 +30,15 @@ def block_attention_with_kvcache(
     overflowing): a NaN or +inf score among row i's keys makes out_i and lse_i NaN; a -inf score weighs
     exp(-inf) = 0, and a row whose every score is -inf is read as having no keys: out = 0, lse = -inf.
 
+    Precision of fp32 inputs: the C++ CPU kernel, and the Triton kernel at D > 128, multiply in fp32. The
+    Triton kernel at D <= 128 multiplies on tensor cores as 3xTF32 (each operand split into a TF32 high part,
+    rounded to nearest with ties away, and the fp32 remainder), which keeps fp32 accuracy for elements of q,
+    k and v (new rows and the cache slots in use) below 2^128 - 2^116 = 3.4019929e+38 in magnitude. An
+    element from there up to FLT_MAX = 3.4028235e+38 has an infinite high part: the scores it enters (its
+    row's for q, its key's for k) turn +-inf or NaN, and a v element turns its dimension of out inf or NaN in
+    every row of its sequence and KV head but padding rows, rows that give its key no weight included
+    (0 x inf), where fp32 gives finite results.
+
     Query head h reads KV head h // (Hq / Hkv). Side effect: K/V of the causal rows are written to cache
     slots [L_b, L_b + c_b); block and padding K/V are never written. RoPE is the caller's: causal token i
     sits at position L_b + i, block token j at L_b + c_b + j.

@@ -44,7 +44,11 @@ and to [0, C] and page ids to [0, num_pages) inside the kernel, so a bad value (
 Under TRITON_INTERPRET=1 every operand is upcast to fp32 right after its load (the interpreter gets bf16
 arithmetic and bf16 tl.dot wrong). On a GPU, fp16/bf16 operands stay in their dtype for tl.dot (tensor
 cores, fp32 accumulation; the probabilities are rounded to that dtype for P @ V) and fp32 operands use
-3xTF32, which keeps fp32 accuracy on tensor cores (plain fp32 dots at D > 128, where 3xTF32 spills).
+3xTF32, which keeps fp32 accuracy on tensor cores (plain fp32 dots at D > 128, where 3xTF32 spills) for
+elements below 2^128 - 2^116 = 3.4019929e38 in magnitude: from there up to FLT_MAX the TF32 high part
+(cvt.rna.tf32.f32: 10 mantissa bits, ties away from zero) is inf, and the dots give inf or NaN (inf x 0)
+where fp32 dots are finite. Clamping each K/V element, or plain fp32 dots, would cost every call for inputs
+within 2^-12 (0.024%) of FLT_MAX; the op's docstring states the range instead.
 
 Measured on an H100 (bf16, B = 1, Hq = 32, Hkv = 8, D = 128, C = K = 16, contiguous cache, CUDA graph
 replay, value checks included): 57 us at L = 4096 (2.2x SDPA + cache copy), 125 us at L = 16384 (3.4x,
@@ -409,8 +413,8 @@ class _SplitPlan(NamedTuple):
 def _pick_config(head_dim: int, rows: int, dtype: torch.dtype, paged: bool, aligned: bool,
                  on_gpu: bool) -> _Config:
     """Tiles by dtype, alignment and head dim (_TILES), BLOCK_M by the M = S * G rows of a KV group; dot
-    operands: fp16/bf16 on GPU tensor cores, 3xTF32 for fp32 (plain fp32 at D > 128), fp32 when
-    interpreted."""
+    operands: fp16/bf16 on GPU tensor cores, 3xTF32 for fp32 (plain fp32 at D > 128; 3xTF32 matches fp32 for
+    elements below 2^128 - 2^116 in magnitude, see the module docstring), fp32 when interpreted."""
     half = dtype != torch.float32
     block_d = max(16, next_power_of_2(head_dim))
     tiles = _tiles(half, aligned, block_d)
