@@ -85,6 +85,30 @@ def noncontiguous(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
+# Elements of a `sparse_strided_copy` mapping below the tensor it holds: an offset wrapped in int32 arithmetic
+# (index * stride - 2^32 >= -2^31) still lands inside the mapping, so a kernel reads or writes wrong elements
+# rather than unmapped memory.
+WRAP_GUARD = 2**31
+
+
+def sparse_strided_copy(t: torch.Tensor, dim: int, stride: int, path: str | os.PathLike) -> torch.Tensor:
+    """A copy of CPU tensor `t` whose dimension `dim` has `stride` elements, the others packed below it (their
+    extent must stay under `stride`), WRAP_GUARD elements into a sparse file mapping at `path`: the mapping
+    spans gigabytes, but only the pages its elements touch take memory. For offsets past 2^31 elements on
+    the interpreter, which wraps int32 products as a GPU does. The file is unlinked at once (the mapping
+    stays until the tensor goes)."""
+    strides, packed = [0] * t.dim(), 1
+    for d in reversed([d for d in range(t.dim()) if d != dim]):
+        strides[d], packed = packed, packed * t.shape[d]
+    strides[dim] = stride
+    size = WRAP_GUARD + 1 + sum((n - 1) * s for n, s in zip(t.shape, strides))
+    with open(path, "wb") as f:
+        f.truncate(size * t.element_size())
+    storage = torch.from_file(str(path), shared=True, size=size, dtype=t.dtype)
+    os.unlink(path)
+    return storage.as_strided(t.shape, strides, WRAP_GUARD).copy_(t)
+
+
 class Embedded:
     """A tensor argument placed inside a larger poisoned allocation, to catch strided-index bugs and
     writes outside the argument.

@@ -9,7 +9,6 @@ Every temporary the launcher allocates (out, lse, the partial split states) is N
 element the kernels fail to write, or a partial state read although its split never ran, fails the test.
 """
 import contextlib
-import os
 from pathlib import Path
 
 import pytest
@@ -48,7 +47,7 @@ from test_attention import (
 
 from sbd_kernels.ops.attention import block_attention_with_kvcache, naive
 from sbd_kernels.ops.attention import triton as attention_triton
-from sbd_kernels.testing import assert_close, poison_, triton_test_device
+from sbd_kernels.testing import assert_close, poison_, sparse_strided_copy, triton_test_device
 
 DEVICE = triton_test_device()
 ON_GPU = DEVICE == "cuda"
@@ -268,9 +267,6 @@ def test_no_query_head_still_appends_to_the_cache(paged):
 
 # A stride typed i32 (below 2^31) whose product with an index of 2 or more passes 2^31 elements.
 WIDE_STRIDE = 2**30
-# Elements of each file mapping below the tensor it holds: an offset wrapped in int32 arithmetic (index * stride
-# - 2^32 >= -2^31) still lands inside the mapping, so the kernels read wrong values rather than unmapped memory.
-WRAP_GUARD = 2**31
 # (dimension, stride) of the tensors given a wide stride, by layout; the other tensors stay packed. Head-major
 # q, k, v and contiguous caches (heads 2 and up wrap), rows of q, k, v and slots of 8-slot pages (rows 2-3 and
 # page offsets 4-7 wrap), a strided head dim of q, k, v (entries 8-15 of D = 16 wrap).
@@ -281,23 +277,6 @@ WIDE_LAYOUTS = {
                    "k_cache": (1, WIDE_STRIDE // 2), "v_cache": (1, WIDE_STRIDE // 2)},
     "head-dim": {"q": (3, WIDE_STRIDE // 4), "k": (3, WIDE_STRIDE // 4), "v": (3, WIDE_STRIDE // 4)},
 }
-
-
-def _wide_copy(t: torch.Tensor, dim: int, stride: int, path) -> torch.Tensor:
-    """A copy of CPU tensor `t` whose dimension `dim` has `stride` elements, the others packed below it (their
-    extent must stay under `stride`), WRAP_GUARD elements into a sparse file mapping: the mapping spans
-    gigabytes, but only the pages its elements touch take memory. The file is unlinked at once (the mapping
-    stays until the tensor goes)."""
-    strides, packed = [0] * t.dim(), 1
-    for d in reversed([d for d in range(t.dim()) if d != dim]):
-        strides[d], packed = packed, packed * t.shape[d]
-    strides[dim] = stride
-    size = WRAP_GUARD + 1 + sum((n - 1) * s for n, s in zip(t.shape, strides))
-    with open(path, "wb") as f:
-        f.truncate(size * t.element_size())
-    storage = torch.from_file(str(path), shared=True, size=size, dtype=t.dtype)
-    os.unlink(path)
-    return storage.as_strided(t.shape, strides, WRAP_GUARD).copy_(t)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the tensors are views of sparse host file mappings (about 2^32 elements)")
@@ -311,7 +290,7 @@ def test_offsets_past_int32(layout, tmp_path):
     c = make_case(B=2, C=2, K=2, L=5, Hq=6, Hkv=3, D=16, dtype=torch.float32, paged=layout == "rows-paged",
                   page_size=8)
     for name, (dim, stride) in WIDE_LAYOUTS[layout].items():
-        setattr(c, name, _wide_copy(getattr(c, name), dim, stride, tmp_path / name))
+        setattr(c, name, sparse_strided_copy(getattr(c, name), dim, stride, tmp_path / name))
     assert_matches_oracle(c, triton_op)
 
 

@@ -436,6 +436,24 @@ def test_triton_rejects_more_rows_than_its_grid_takes():
         sampling_triton.meta_launches(2**16, 2**15, 2, torch.bfloat16)
 
 
+@pytest.mark.skipif(testing.triton_test_device() == "cuda",
+                    reason="the tensors are views of sparse host file mappings (about 2^32 elements)")
+def test_triton_per_sequence_views_past_int32(tmp_path):
+    """Guards against int32 per-sequence offsets: the sequence index times the stride of a seed, offset,
+    temperature or filter view (below 2^31, typed i32) wrapped to before the tensor once it passed 2^31
+    elements, and the kernels read zeros there. Each such view here has its sequences 2^30 elements apart,
+    so sequence 2 of 3 lies past 2^31."""
+    logits = make_logits(3, 4, 100)
+    seed, offset = make_seeds(3)
+    per_sequence = {"temperature": torch.tensor([1.0, 0.5, 2.0]), "top_k": torch.tensor([50, 20, 30]),
+                    "top_p": torch.tensor([0.9, 0.8, 0.95]), "min_p": torch.tensor([0.0, 0.01, 0.02])}
+    ref = naive.entropy_sample(logits, seed, offset, **per_sequence)
+    wide = {name: testing.sparse_strided_copy(t, 0, 2**30, tmp_path / name)
+            for name, t in {"seed": seed, "offset": offset, **per_sequence}.items()}
+    out = op_on_given_tensors("triton")(logits, wide.pop("seed"), wide.pop("offset"), **wide)
+    assert_matches_oracle(out, ref)
+
+
 # Where a run of huge-negative logits sits in the row: whole tiles and vocabulary chunks of both backends
 # (CPU: 2048-entry tiles, 16384-entry chunks at V = 128256; Triton: 128-entry tiles, 512-entry splits at
 # V = 3000). The values: -inf, each dtype's finfo.min (a common mask value in constrained decoding).

@@ -274,6 +274,28 @@ def test_triton_rejects_more_rows_than_its_grid_takes():
         scatter_triton.meta_launches(2**31, 16)
 
 
+@pytest.mark.skipif(testing.triton_test_device() == "cuda",
+                    reason="the tensors are views of sparse host file mappings (about 2^32 elements)")
+def test_triton_positions_past_int32(tmp_path):
+    """Guards against int32 position offsets: position j times a stride below 2^31 (typed i32) wrapped to
+    before the tensor once it passed 2^31 elements, and the kernel read zeros and wrote its tokens there.
+    Every [B, K] argument here has positions 2^26 elements apart, so positions 32-39 of K = 40 lie past 2^31;
+    they hold the lowest entropies, so the EB rule accepts them first."""
+    tokens, masked, sampled, entropy, gamma, valid = random_inputs(2, 40, 13, True, True)
+    entropy[:, 32:] = 0.0
+    masked[:, 32:] = True
+    valid[:, 32:] = True
+    ref_tokens, ref_masked = tokens.clone(), masked.clone()
+    ref = naive.mask_scatter_(ref_tokens, ref_masked, sampled, entropy, gamma, 0.25, "eb", valid)
+    wide = {name: testing.sparse_strided_copy(t, 1, 2**26, tmp_path / name) for name, t in
+            {"tokens": tokens, "masked": masked, "sampled": sampled, "entropy": entropy, "valid": valid}.items()}
+    got = op_on_given_tensors("triton")(wide["tokens"], wide["masked"], wide["sampled"], wide["entropy"], gamma,
+                                        0.25, "eb", wide["valid"])
+    for name, a, e in zip(("accepted", "num_accepted", "block_done"), got, ref):
+        assert torch.equal(a, e), f"{name}: {a} != {e}"
+    assert torch.equal(wide["tokens"], ref_tokens) and torch.equal(wide["masked"], ref_masked)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_noncontiguous_inputs_updated_in_place(backend):
     """Guards against a kernel assuming unit stride, or writing into a temporary copy of an in-place view."""

@@ -2,11 +2,13 @@
 
 Compiled, an index times a stride typed i32 (Triton types any int argument below 2^31 so) is an int32
 product, which wraps once it passes 2^31: the kernel then reads or writes another address, silently. The
-kernel tests run under the interpreter, on tensors far too small to get there, so the kernels are compiled
-here to Triton's IR (TTIR) for sm_90 with no GPU present (the front end of `triton.compile`, a fraction of a
-second per kernel), and the offset operand of every `tt.addptr` is read: each i32 one must be among the few
-the kernels keep in int32 on purpose, an index bounded far below 2^31 whatever the tensors' sizes and
-strides (`I32_OFFSETS`), every other one is a defect.
+interpreter wraps int32 products too, and a few kernel tests reach past 2^31 through views of sparse file
+mappings (`sbd_kernels.testing.sparse_strided_copy`), but most offsets need real sizes no test can allocate
+(the partials of 306M rows, a cache of 2^31 elements in one head). So the kernels are compiled here to
+Triton's IR (TTIR) for sm_90 with no GPU present (the front end of `triton.compile`, a fraction of a second
+per kernel), and the offset operand of every `tt.addptr` is read: each i32 one must be among the few the
+kernels keep in int32 on purpose, an index bounded far below 2^31 whatever the tensors' sizes and strides
+(`I32_OFFSETS`), every other one is a defect.
 """
 from __future__ import annotations
 
@@ -195,9 +197,8 @@ def test_offsets_are_int64_unless_bounded(family):
     of positions 2^24 elements apart lands 4.3e9 elements in); in entropy_sample the sequence index times the
     stride of a strided seed, offset, temperature or filter view, or a row's partials at row x splits x 7
     (past 306M rows); in the attention kernels any q, k, v, cache, out, lse or partial state offset (a
-    head-major cache [B, 32, 600000, 128] passes 2^31 elements from KV head 28 on). The kernel tests cannot
-    reach these (they need tensors of 2^31 elements or more); the
-    compiled IR types them."""
+    head-major cache [B, 32, 600000, 128] passes 2^31 elements from KV head 28 on), whatever sizes the
+    kernel tests can reach."""
     report = []
     for name, ttir in compile_ttir(family, CONFIGURATIONS[family]).items():
         count, offsets = addptr_offsets(ttir)
