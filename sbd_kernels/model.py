@@ -440,14 +440,15 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
     The file is read with `torch.load(weights_only=True)` (no code in it can run), after every member of its
     archive has matched its CRC-32 (a bit flipped on disk in a weight is an error, not a wrong weight), and
-    checked before any module is built: a dict {config, state_dict, meta}; every config key known, sizes positive integers
-    within CHECKPOINT_LIMITS, at most CHECKPOINT_MAX_PARAMETERS parameters; exactly the weights of that
-    config, each a floating-point tensor of its shape. The model is then built on the meta device and
-    filled from the file, never initialised at full size.
+    checked before any module is built: a dict {config, state_dict, meta}; every config key known, sizes
+    positive integers within CHECKPOINT_LIMITS, at most CHECKPOINT_MAX_PARAMETERS parameters; exactly the
+    weights of that config, each a floating-point tensor of its shape. The model is then built on the meta
+    device and filled from the file, never initialised at full size.
 
-    Raises CheckpointError (a ValueError) naming the file and the problem: missing path, a directory, an
-    empty, truncated or damaged file (a member failing its CRC-32 named), not a torch.save archive, refused by weights_only, the wrong
-    structure, an unknown / missing / bad config key, missing / unexpected / misshapen weights.
+    Raises CheckpointError (a ValueError) naming the file and the problem: missing path, a directory, an empty,
+    truncated or damaged file (a member failing its CRC-32 named), not a torch.save archive, refused by
+    weights_only, the wrong structure, an unknown / missing / bad config key, missing / unexpected / misshapen
+    weights.
     """
     name = os.fspath(path)
     payload = read_torch_file(name)

@@ -472,8 +472,8 @@ def test_extreme_legal_settings_are_accepted():
     DecodeConfig(temperature=3.4028235e38, top_p=1 + 2.0**-24, min_p=-(2.0**-150))
 
 
-@pytest.mark.parametrize("field,value", [("top_k", -1), ("top_k", 2**63), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.0),
-                                         ("top_p", 1e-50), ("min_p", 1 - 1e-12)])
+@pytest.mark.parametrize("field,value", [("top_k", -1), ("top_k", 2**63), ("top_p", 0.0), ("top_p", 1.5),
+                                         ("min_p", 1.0), ("top_p", 1e-50), ("min_p", 1 - 1e-12)])
 def test_bad_filter_settings_name_the_field(field, value):
     """Guards against a filter value the sampler would reject mid-decode (or silently misread), including a
     top_k beyond the op's int64 (torch's "Expected a value of type 'int'", naming nothing) and doubles out of
