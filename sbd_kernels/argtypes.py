@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sbd_kernels.ops.sampling._checks import FLOAT32_MAX, as_float32, exact_g
+from sbd_kernels.ops._float32 import FLOAT32_MAX, as_float32, exact_g
 
 __all__ = [
     "UsageError",

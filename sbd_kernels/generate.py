@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from sbd_kernels.ops import trusted_values
-from sbd_kernels.ops.sampling._checks import FLOAT32_MAX, as_float32
+from sbd_kernels.ops._float32 import FLOAT32_MAX, as_float32
 from sbd_kernels.ops.scatter._checks import RULES
 from sbd_kernels.protocol import DecodeCache, SbdModel
 

@@ -4,6 +4,7 @@ torch SDPA, the SBD exactness property, errors, opcheck and torch.compile.
 The Triton backend is tested in test_attention_triton.py on the same cases (tests/attention_cases.py).
 """
 import math
+import re
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from attention_cases import (
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sbd_kernels import block_attention_with_kvcache
+from sbd_kernels.ops._float32 import exact_g
 from sbd_kernels.ops.attention import naive
 from sbd_kernels.testing import assert_close
 
@@ -312,8 +314,24 @@ def test_softmax_scale_is_checked_as_the_float32_used(scale):
         if accepted:
             fn(*case.args())
         else:
-            with pytest.raises(RuntimeError, match=f"{SCALE_MESSAGE}, got "):
+            with pytest.raises(RuntimeError, match=re.escape(f"{SCALE_MESSAGE}, got {exact_g(scale)} ("
+                                                             f"{exact_g(as_float32)} as a float32)")):
                 fn(*case.args())
+
+
+@pytest.mark.parametrize("scale,text", [(1e39, "got 1e+39 (inf as a float32)"),
+                                        (1e-50, "got 1e-50 (0 as a float32)"),
+                                        (3.4028236e38, "got 3.4028236e+38 (inf as a float32)"),
+                                        (0.0, "got 0"), (-2.0, "got -2"), (math.inf, "got inf"),
+                                        (math.nan, "got nan")])
+def test_softmax_scale_message_prints_the_value_and_its_float32(scale, text):
+    """Guards against a message that misreads the value it refuses: %g printed 3.4028236e38 (inf as a
+    float32) as 3.40282e+38, below the largest float32. The C++ and Python checks print the value with the
+    fewest digits that read back exactly and, when only the rounding puts it out of range, its float32."""
+    for fn in (OP, naive.block_attention_with_kvcache):
+        case = make_case(**BASE, softmax_scale=scale)
+        with pytest.raises(RuntimeError, match=re.escape(f"{SCALE_MESSAGE}, {text}") + "$"):
+            fn(*case.args())
 
 
 # Errors about values inside the index tensors: the fake kernel cannot see them.

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "cpu/attention.h"
+#include "cpu/float32_text.h"
 #include "cpu/isa.h"
 #include "cpu/overlap.h"
 
@@ -27,9 +28,6 @@ constexpr int64_t kMaxHeadDim = 256;
 
 // Python's names ("torch.float32"), so that messages read as those of _checks.py.
 std::string dtype_name(at::ScalarType type) { return "torch." + std::string(c10::getDtypeNames(type).first); }
-
-// Python's f"{x:g}": ostream prints a NaN with its sign bit set as "-nan", Python always as "nan".
-std::string format_g(double x) { return std::isnan(x) ? std::string("nan") : c10::str(x); }
 
 // Layout reminders appended to shape errors (as _checks.QKV_LAYOUT / CACHE_LAYOUT): the usual cause is a tensor
 // in Hugging Face's head-major layout.
@@ -139,8 +137,12 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     // The kernel uses fp32(softmax_scale): the doubles strictly between 2^-150 and 2^128 - 2^103 (the
     // midpoints that round to 0 and to inf) become finite and > 0; 1e39 would become inf, 1e-50 zero.
     // Compared as doubles: converting an out-of-range double to float is undefined behaviour.
-    TORCH_CHECK(*softmax_scale > 0x1p-150 && *softmax_scale < 0x1p128 - 0x1p103, kOp,
-                ": softmax_scale must be finite and > 0 as a float32, got ", format_g(*softmax_scale));
+    // The message names the float32 when only the rounding puts the value out of range (1e-50 is 0).
+    const double scale = *softmax_scale;
+    const bool finite_positive = scale > 0 && std::isfinite(scale);
+    TORCH_CHECK(scale > 0x1p-150 && scale < 0x1p128 - 0x1p103, kOp,
+                ": softmax_scale must be finite and > 0 as a float32, got ", exact_g(scale),
+                finite_positive ? " (" + exact_g(as_float32(scale)) + " as a float32)" : std::string());
   }
   check_cache("k_cache", k_cache, q, kv_heads);
   check_cache("v_cache", v_cache, q, kv_heads);

@@ -1,7 +1,6 @@
 // CPU kernel of sbd::entropy_sample: argument checks, output allocation and the ISA dispatch into
 // csrc/cpu/sampling_kernel.h. The math and the random generator are defined in
 // sbd_kernels/ops/sampling/naive.py; the checks word for word match sbd_kernels/ops/sampling/_checks.py.
-#include <charconv>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -12,6 +11,7 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include "cpu/float32_text.h"
 #include "cpu/isa.h"
 #include "cpu/sampling.h"
 
@@ -31,29 +31,6 @@ int64_t check_per_row_int64(const char* name, const at::Tensor& t, int64_t batch
   TORCH_CHECK(per_row || shared, kOp, ": ", name, " must have shape [B] = [", batch, "], [] or [1], got ",
               t.sizes());
   return (per_row && batch > 1) ? t.stride(0) : 0;
-}
-
-// A host scalar as the kernels take it: the float32 nearest to x (ties to even). The doubles from the
-// midpoint 2^128 - 2^103 up become inf, tested first: converting a double beyond the float range is
-// undefined behaviour in C++.
-float as_float32(double x) {
-  if (std::isnan(x)) return std::numeric_limits<float>::quiet_NaN();
-  if (std::abs(x) >= 0x1p128 - 0x1p103) return std::copysign(std::numeric_limits<float>::infinity(), x);
-  return static_cast<float>(x);
-}
-
-// x as _checks.exact_g prints it: %g with the fewest significant digits (at most 17) that read back as x,
-// so that 0.999999999999 does not print as 1 (a stream's 6 digits); a NaN is "nan" whatever its sign bit
-// (a stream prints "-nan", Python "nan").
-std::string exact_g(double x) {
-  if (std::isnan(x)) return "nan";
-  char text[32];
-  for (int digits = 1;; ++digits) {
-    char* end = std::to_chars(text, text + sizeof(text), x, std::chars_format::general, digits).ptr;
-    double back = 0;
-    std::from_chars(text, end, back);
-    if (back == x || digits == 17) return std::string(text, end);
-  }
 }
 
 // temperature_val, top_p_val, min_p_val: checked as the float32 the kernels run at, like an entry of the

@@ -9,10 +9,12 @@ Two kinds, both with messages that name the argument (same wording as the C++ CP
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
+from sbd_kernels.ops._float32 import as_float32, exact_g
 from sbd_kernels.ops._overlap import check_disjoint, check_writable
 from sbd_kernels.ops._trusted import values_trusted
 
@@ -192,7 +194,8 @@ def check_block_attention_args(
     if not 0 <= block_size <= seq:
         _fail(f"block_size must be in [0, S={seq}], got {block_size}")
     if softmax_scale is not None and not SCALE_LOWER_BOUND < softmax_scale < SCALE_UPPER_BOUND:
-        _fail(f"softmax_scale must be finite and > 0 as a float32, got {softmax_scale:g}")
+        rounded = f" ({exact_g(as_float32(softmax_scale))} as a float32)" if 0 < softmax_scale < math.inf else ""
+        _fail(f"softmax_scale must be finite and > 0 as a float32, got {exact_g(softmax_scale)}{rounded}")
     _check_cache_pair(k_cache, v_cache, q, hkv)
     _check_int32_vector("cache_seqlens", cache_seqlens, batch, q.device)
     _check_int32_vector("num_causal", num_causal, batch, q.device)

@@ -7,17 +7,16 @@ same words.
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+from sbd_kernels.ops._float32 import as_float32, exact_g
 from sbd_kernels.ops._trusted import values_trusted
 
 OP = "sbd.entropy_sample"
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class SampleDims(NamedTuple):
@@ -28,28 +27,6 @@ class SampleDims(NamedTuple):
 
 def _fail(message: str) -> None:
     raise RuntimeError(f"{OP}: {message}")
-
-
-def as_float32(value: float) -> float:
-    """The float32 nearest to `value` (ties to even), as the kernels take a host scalar: inf from the
-    midpoint 2^128 - 2^103 up (3.4028235e38 rounds to the largest float32, 1e39 to inf), 0 up to the
-    midpoint 2^-150 (1e-50)."""
-    try:
-        return struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:  # struct refuses a finite double whose float32 is inf
-        return math.inf if value > 0 else -math.inf
-
-
-def exact_g(value: float) -> str:
-    """`value` as "%g" with the fewest significant digits (at most 17) that read back as `value`: the C++
-    checks' exact_g, digit for digit. f"{value:g}" printed 0.999999999999 as 1."""
-    if math.isnan(value):
-        return "nan"
-    for digits in range(1, 18):
-        text = f"{value:.{digits}g}"
-        if float(text) == value:
-            break
-    return text
 
 
 def _check_float32_scalar(name: str, value: float, in_range: Callable[[float], bool], rule: str) -> None:

@@ -62,8 +62,8 @@ from __future__ import annotations
 
 import torch
 
+from sbd_kernels.ops._float32 import as_float32
 from sbd_kernels.ops.sampling._checks import (
-    as_float32,
     check_entropy_sample_args,
     filters_requested,
     per_row_value_checks,
