@@ -29,9 +29,9 @@ DEFAULT_SM_COUNT = 132
 TRITON_DEFAULT_NUM_STAGES = 3
 # CUDA's limits on a launch grid (CUDA C Programming Guide, "Technical Specifications per Compute Capability",
 # every capability Triton targets): 2^31 - 1 programs along axis 0 (x), 65535 along axes 1 and 2 (y, z). A
-# launch past them fails. The launchers keep their grids within them or name the argument that is too large.
+# launch past them fails. The launchers put every size-dependent count on axis 0 and name the argument that
+# passes MAX_GRID_X; axis 1 holds only a split count bounded by the SM count.
 MAX_GRID_X = 2**31 - 1
-MAX_GRID_YZ = 65535
 # Floating-point contraction (a * b + c as one FMA), as the kernels were tuned and their tolerances set with:
 # Triton's default through 3.9, which warns that the default turns to off in 3.10 (TRITON_DEFAULT_FP_FUSION).
 # Passed with every launch, compile and warm-up, so that the version installed changes neither the code nor

@@ -465,9 +465,9 @@ def _launch_grids(pairs: int, plan: _SplitPlan, rows: int) -> tuple[tuple[int, i
     S * G query rows each: (pairs * M tiles, 1 + cache splits) and (pairs * combine tiles,), program
     tile * pairs + pair along axis 0 (`_pair_and_tile`).
 
-    Why one axis: CUDA launches up to 2^31 - 1 programs along axis 0 but 65535 along axes 1 and 2
-    (MAX_GRID_YZ), fewer than the M tiles of a long prefill (B = 1, S = 131072, Hq = 64, Hkv = 8: 65536 tiles
-    of 16 rows, as fp32 or unaligned rows take; 524288 with Hkv = 1), whose launch then failed. The pairs
+    Why one axis: CUDA launches up to 2^31 - 1 programs along axis 0 (MAX_GRID_X) but 65535 along axes 1 and
+    2, fewer than the M tiles of a long prefill (B = 1, S = 131072, Hq = 64, Hkv = 8: 65536 tiles of 16 rows,
+    as fp32 or unaligned rows take; 524288 with Hkv = 1), whose launch then failed. The pairs
     numbered fastest keep the programs and their order those of the grids (pairs, M tiles, splits) and
     (pairs, combine tiles) this replaces, for one integer division more per program. The splits (at most
     1 + PROGRAMS_PER_SM x SMs) stay on axis 1."""
@@ -486,9 +486,9 @@ def _attention_launches(
     dims = check_block_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size,
                                       block_table, softmax_scale)
     assert_block_attention_values(cache_seqlens, num_causal, dims, block_table)
+    check_int32_indices(dims)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((dims.batch, dims.q_heads, dims.seq), dtype=torch.float32, device=q.device)
-    check_int32_indices(dims)
     if dims.batch == 0 or (out.numel() == 0 and dims.num_causal_slots == 0):
         return out, lse, []
     scale = dims.head_dim ** -0.5 if softmax_scale is None else softmax_scale
