@@ -100,6 +100,9 @@ def sparse_strided_copy(t: torch.Tensor, dim: int, stride: int, path: str | os.P
     strides, packed = [0] * t.dim(), 1
     for d in reversed([d for d in range(t.dim()) if d != dim]):
         strides[d], packed = packed, packed * t.shape[d]
+    if t.shape[dim] > 1 and packed > stride:  # the slices would overlap and the copy keep only the last one
+        raise ValueError(f"sparse_strided_copy: dimension {dim} of t {list(t.shape)} needs a stride of at least "
+                         f"{packed} elements (the other dimensions packed), got {stride}")
     strides[dim] = stride
     size = WRAP_GUARD + 1 + sum((n - 1) * s for n, s in zip(t.shape, strides))
     with open(path, "wb") as f:

@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import torch
 
 from sbd_kernels.ops.attention import triton as attention_triton
 from sbd_kernels.ops.sampling import triton as sampling_triton
 from sbd_kernels.ops.scatter import triton as scatter_triton
+from sbd_kernels.testing import WRAP_GUARD, sparse_strided_copy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -205,3 +207,14 @@ def test_offsets_are_int64_unless_bounded(family):
         assert count > 0, f"{name}: no tt.addptr found in its TTIR"
         report += [f"{name}: {o.path}:{o.line}: {o.source}" for o in unexplained(offsets)]
     assert not report, "int32 offsets:\n" + "\n".join(report)
+
+
+def test_sparse_strided_copy_keeps_the_tensor_and_refuses_overlapping_slices(tmp_path):
+    """Guards the helper of the tests past 2^31 elements: a copy equals its tensor, its dimension `dim` at the
+    stride asked, WRAP_GUARD elements into the mapping; a stride below the other dimensions' packed extent
+    would overlap the slices (the copy keeping the last one, a test passing on wrong data), and is refused."""
+    t = torch.arange(16, dtype=torch.int32).reshape(2, 8)
+    wide = sparse_strided_copy(t, 0, 2**20, tmp_path / "wide")
+    assert torch.equal(wide, t) and wide.stride() == (2**20, 1) and wide.storage_offset() == WRAP_GUARD
+    with pytest.raises(ValueError, match=r"dimension 0 of t \[2, 8\] needs a stride of at least 8 elements"):
+        sparse_strided_copy(t, 0, 4, tmp_path / "overlapping")
