@@ -38,7 +38,6 @@ __all__ = [
     "positive_int",
     "positive_int_list",
     "require_device",
-    "require_seeds_fit",
     "seed",
     "temperature",
     "top_k",
@@ -87,17 +86,8 @@ def non_negative_int(text: str) -> int:
 
 def seed(text: str) -> int:
     """A random seed: an integer in [0, 2**63), the range of the int64 seed tensors of the ops. Sequence i of a
-    decode samples with seed + i: `require_seeds_fit` checks the last one once the prompt count is known."""
+    decode samples with seed + i: `generate.seeds_overflow` checks the last one once the prompt count is known."""
     return checked_number(text, int, lambda n: 0 <= n < 2**63, "an integer in [0, 2**63)")
-
-
-def require_seeds_fit(flag: str, first: int, count: int) -> None:
-    """UsageError naming `flag` when the seeds first + i of `count` sequences leave int64 (the last one, first +
-    count - 1, above 2**63 - 1): the `generate.check_seeds` rule, found before any work."""
-    last = first + count - 1
-    if count > 0 and last >= 2**63:
-        raise UsageError(f"{flag} {first}: prompt i samples with seed + i, and with {count} prompts the last seed, "
-                         f"{last}, does not fit in int64 (use {flag} <= {2**63 - count})")
 
 
 def top_k(text: str) -> int:

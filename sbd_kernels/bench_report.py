@@ -49,7 +49,7 @@ from sbd_kernels.argtypes import add_option
 from sbd_kernels.bench_plots import write_plots
 from sbd_kernels.benchmark_grid import GRIDS, shape_from_dict
 from sbd_kernels.machine import PEAK_DTYPE_FOR, gpu_load_text
-from sbd_kernels.roofline import HARDWARE
+from sbd_kernels.roofline import HARDWARE, read_json
 
 COLUMNS = ["case", "provider", "threads", "median_ms", "p20_ms", "p80_ms", "graph_ms", "gbs", "pct_copy", "gflops",
            "pct_peak", "speedup", "graph_speedup", "oracle", "withheld"]
@@ -474,10 +474,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def load_raw(raw_json: Path) -> dict:
     """The pytest-benchmark JSON at `raw_json`, checked to hold what the report reads (`raw_problem`); ValueError
     naming the file and the problem otherwise."""
-    try:
-        raw = json.loads(raw_json.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{raw_json}: not JSON ({err})") from None
+    raw = read_json(raw_json)
     problem = raw_problem(raw)
     if problem:
         raise ValueError(f"{raw_json}: not a pytest-benchmark JSON of `sbd bench`: {problem}")

@@ -78,11 +78,13 @@ def run_generate(args: argparse.Namespace) -> None:
     import torch
 
     from sbd_kernels.demo import SBD_CHECKPOINT
-    from sbd_kernels.generate import DecodeConfig, fused_ops, generate, naive_ops
+    from sbd_kernels.generate import DecodeConfig, fused_ops, generate, naive_ops, seeds_overflow
     from sbd_kernels.model import load_checkpoint
     from sbd_kernels.tasks import TOKENIZER, exact_match, get_task, make_examples
 
-    argtypes.require_seeds_fit("--seed", args.seed, len(args.prompt) if args.prompt else args.num_prompts)
+    seed_problem = seeds_overflow("--seed", args.seed, len(args.prompt) if args.prompt else args.num_prompts)
+    if seed_problem:
+        raise argtypes.UsageError(seed_problem)
     argtypes.require_device(args.device)
     torch.set_num_threads(args.threads)
     checkpoint = args.checkpoint or SBD_CHECKPOINT

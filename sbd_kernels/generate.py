@@ -72,13 +72,22 @@ def real(owner: str, name: str, value: object) -> float:
     raise TypeError(f"{owner}: {name} must be a real number, got {value!r} ({type(value).__name__})")
 
 
-def check_seeds(caller: str, seed: int, count: int) -> None:
-    """ValueError naming `caller` and the seed when the seeds seed + i of `count` sequences leave int64 (the
-    sampler's seed dtype): seed + count - 1 must be at most 2**63 - 1."""
+def seeds_overflow(name: str, seed: int, count: int) -> str | None:
+    """Why the seeds seed + i of `count` sequences leave int64 (the sampler's seed dtype), naming the seed as
+    `name` ("seed", "--seed"); None when seed + count - 1 is at most 2**63 - 1."""
     last = seed + count - 1
     if count > 0 and last > INT64_MAX:
-        raise ValueError(f"{caller}: seed {seed}: prompt i samples with seed + i, and with {count} prompts the last "
-                         f"seed, {last}, does not fit in int64 (use seed <= {INT64_MAX - count + 1})")
+        return (f"{name} {seed}: prompt i samples with seed + i, and with {count} prompts the last seed, {last}, "
+                f"does not fit in int64 (use {name} <= {INT64_MAX - count + 1})")
+    return None
+
+
+def check_seeds(caller: str, seed: int, count: int) -> None:
+    """ValueError naming `caller` and the seed when the seeds seed + i of `count` sequences leave int64
+    (`seeds_overflow`)."""
+    problem = seeds_overflow("seed", seed, count)
+    if problem:
+        raise ValueError(f"{caller}: {problem}")
 
 
 def token_ids(caller: str, eos_id: object) -> tuple[int, ...]:

@@ -895,7 +895,8 @@ def _passes(text: str) -> float:
     return argtypes.checked_number(text, float, lambda x: 1 <= x < float("inf"), "a finite number >= 1")
 
 
-def _read_json(path: str) -> Any:
+def read_json(path: str | Path) -> Any:
+    """The JSON in the file at `path`; ValueError naming the file when it is not JSON."""
     try:
         return json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -950,7 +951,7 @@ def _project(args: argparse.Namespace) -> dict[str, Any]:
     measured = []
     if args.demo_json:
         try:
-            measured = nfe_stats_from_demo(_read_json(args.demo_json), PROJECT_K)
+            measured = nfe_stats_from_demo(read_json(args.demo_json), PROJECT_K)
         except (KeyError, TypeError, AttributeError, StopIteration, ZeroDivisionError) as err:
             raise ValueError(f"{args.demo_json}: not the output of `sbd demo --json` ({type(err).__name__}: "
                              f"{err})") from None
@@ -962,7 +963,7 @@ def _project(args: argparse.Namespace) -> dict[str, Any]:
 
 def _compare(path: str) -> dict[str, Any]:
     try:
-        cases = measured_cases(_read_json(path))
+        cases = measured_cases(read_json(path))
     except (KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{path}: not a pytest-benchmark JSON ({type(err).__name__}: {err})") from None
     try:
