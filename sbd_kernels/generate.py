@@ -33,6 +33,7 @@ With temperature 0 it must give the same tokens as the cached decode.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
@@ -56,8 +57,8 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 def integer(owner: str, name: str, value: object) -> int:
     """`value` as an int: Python and NumPy integers and one-element integer tensors (anything with __index__),
-    not bools. Raises TypeError naming `owner` and `name` otherwise."""
-    if not isinstance(value, bool):
+    not bools (nor bool tensors). Raises TypeError naming `owner` and `name` otherwise."""
+    if not isinstance(value, bool) and getattr(value, "dtype", None) != torch.bool:
         try:
             return operator.index(value)
         except TypeError:
@@ -339,12 +340,29 @@ def check_prompts(model: SbdModel, prompts: list[list[int]], pad_id: int, caller
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"{caller}: prompts[{i}] is empty; every prompt needs at least one token")
+        _check_prompt_ids(caller, i, prompt)
         if vocab is None:
             continue
         bad = next((t for t in (min(prompt), max(prompt)) if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"{caller}: prompts[{i}] holds token id {bad}, outside the model's vocabulary "
                              f"[0, {vocab})")
+
+
+def _check_prompt_ids(caller: str, i: int, prompt: Sequence[int]) -> None:
+    """TypeError naming prompts[i][j] for an id that is not an integer (a float 5.9 would be read as 5, a bool
+    as 0 / 1): a 1-D integer tensor or array passes on its dtype, a list of Python ints on a type test, anything
+    else id by id (`integer`)."""
+    dtype = getattr(prompt, "dtype", None)
+    if dtype is not None and getattr(prompt, "ndim", 1) == 1:
+        is_int = (not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+                  if isinstance(dtype, torch.dtype) else dtype.kind in "iu")
+        if is_int:
+            return
+    elif all(type(t) is int for t in prompt):
+        return
+    for j, t in enumerate(prompt):
+        integer(caller, f"prompts[{i}][{j}]", t)
 
 
 def pad_prompts(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -468,26 +486,43 @@ def ntp_decode_step(model: SbdModel, cache: DecodeCache, state: NtpState, ops: D
     _ntp_accept(state, logits, ops, sp)
 
 
-# The decode loops build every length the ops read (cache sized for prompt + answer budget, num_causal of
-# 0 / 1 / K) and DecodeConfig validated gamma, temperature and the filters: the per-call value checks
-# (4-6 small kernels per attention call, i.e. per layer and pass, on CUDA) are skipped.
-@trusted_values()
+def new_decode_cache(model: SbdModel, batch: int, max_len: int, caller: str) -> tuple[DecodeCache, bool]:
+    """`model.new_cache(batch, max_len)` and whether the decode may skip the ops' per-call value checks.
+
+    The decode loops build every length the ops read (cache sized for prompt + answer budget, num_causal of
+    0 / 1 / K) and DecodeConfig validated gamma, temperature and the filters, so inside `trusted_values()` the
+    value checks (4-6 small kernels per attention call, i.e. per layer and pass, on CUDA) are skipped. That
+    holds only if the cache has the slots asked for: the GPU kernels clamp an overflowing append instead of
+    failing. A cache that states its slots per row (`max_len`, as `KVCache` and `SbdCache` do) is checked here,
+    once, on the host (ValueError naming the model when it holds fewer); one that does not keeps the checks,
+    which catch an overflow at the op."""
+    cache = model.new_cache(batch, max_len)
+    slots = getattr(cache, "max_len", None)
+    if slots is None:
+        return cache, False
+    if slots < max_len:
+        raise ValueError(f"{caller}: {type(model).__name__}.new_cache({batch}, {max_len}) returned a cache of "
+                         f"{slots} slots per row; the decode writes up to {max_len} (prompt + answer budget)")
+    return cache, True
+
+
 def _decode_ntp_batch(model: SbdModel, prompts: list[list[int]], seed: torch.Tensor, ops: DecodeOps,
                       sp: DecodeConstants, steps: StepFunctions) -> DecodeResult:
     device = seed.device
     prompt, prompt_lens = pad_prompts(prompts, sp.pad_id, device)
-    cache = model.new_cache(len(prompts), prompt.shape[1] + sp.max_new_tokens)
+    cache, sized = new_decode_cache(model, len(prompts), prompt.shape[1] + sp.max_new_tokens, "generate")
     state = NtpState.empty(len(prompts), sp, seed)
-    start = time.perf_counter()
-    steps.ntp_prefill(model, cache, state, prompt, prompt_lens, ops, sp)
-    for _ in range(sp.max_new_tokens - 1):
-        # The loop's only host sync, one bool per pass: stop as soon as every sequence has finished
-        # (running up to max_new_tokens passes instead would waste most of them on short answers).
-        if bool(state.finished.all()):
-            break
-        steps.ntp_decode_step(model, cache, state, ops, sp)
-    _sync(device)
-    wall = time.perf_counter() - start
+    with trusted_values() if sized else contextlib.nullcontext():
+        start = time.perf_counter()
+        steps.ntp_prefill(model, cache, state, prompt, prompt_lens, ops, sp)
+        for _ in range(sp.max_new_tokens - 1):
+            # The loop's only host sync, one bool per pass: stop as soon as every sequence has finished
+            # (running up to max_new_tokens passes instead would waste most of them on short answers).
+            if bool(state.finished.all()):
+                break
+            steps.ntp_decode_step(model, cache, state, ops, sp)
+        _sync(device)
+        wall = time.perf_counter() - start
     # Every pass reveals one token, except a pass with invalid logits, which reveals none and stops its row.
     hist = torch.stack([(state.nfe - state.generated).sum(), state.generated.sum()])
     return _result(state, hist, wall, sp.eos_ids)
@@ -633,30 +668,30 @@ def sbd_block_step(model: SbdModel, cache: DecodeCache, state: SbdState, ops: De
     _sbd_accept(state, block_logits, ops, sp)
 
 
-@trusted_values()  # as _decode_ntp_batch
 def _decode_sbd_batch(model: SbdModel, prompts: list[list[int]], seed: torch.Tensor, ops: DecodeOps,
                       sp: DecodeConstants, steps: StepFunctions) -> DecodeResult:
     device, k = seed.device, sp.block_size
     prompt, prompt_lens = pad_prompts(prompts, sp.pad_id, device)
     state = SbdState.empty(len(prompts), sp, seed)
-    cache = model.new_cache(len(prompts), prompt.shape[1] + state.answer.shape[1])
+    cache, sized = new_decode_cache(model, len(prompts), prompt.shape[1] + state.answer.shape[1], "generate")
     # Every pass of a running row reveals >= 1 token or stops the row (no valid logits), so W passes finish
     # every row; the bound only matters for ops that break that contract (`_stop_running_rows`).
     max_passes = sbd_max_passes(sp)
-    start = time.perf_counter()
-    steps.sbd_prefill(model, cache, state, prompt, prompt_lens, ops, sp)
-    for _ in range(max_passes - 1):
-        # The loop's only host sync, two bools per pass: stop once every row has finished, and run the
-        # 2K-row layout only when some row has a completed block to append (otherwise K rows: half the
-        # tokens, and at batch 1 most passes are later passes of a block). On a GPU this read costs tens
-        # of microseconds against a forward pass of milliseconds.
-        all_done, any_pending = torch.stack([state.finished.all(), (state.num_pending > 0).any()]).tolist()
-        if all_done:
-            break
-        steps.sbd_block_step(model, cache, state, ops, sp, k if any_pending else 0)
-    _stop_running_rows(state, sp)
-    _sync(device)
-    wall = time.perf_counter() - start
+    with trusted_values() if sized else contextlib.nullcontext():
+        start = time.perf_counter()
+        steps.sbd_prefill(model, cache, state, prompt, prompt_lens, ops, sp)
+        for _ in range(max_passes - 1):
+            # The loop's only host sync, two bools per pass: stop once every row has finished, and run the
+            # 2K-row layout only when some row has a completed block to append (otherwise K rows: half the
+            # tokens, and at batch 1 most passes are later passes of a block). On a GPU this read costs tens
+            # of microseconds against a forward pass of milliseconds.
+            all_done, any_pending = torch.stack([state.finished.all(), (state.num_pending > 0).any()]).tolist()
+            if all_done:
+                break
+            steps.sbd_block_step(model, cache, state, ops, sp, k if any_pending else 0)
+        _stop_running_rows(state, sp)
+        _sync(device)
+        wall = time.perf_counter() - start
     return _result(state, state.accepted_hist, wall, sp.eos_ids)
 
 
@@ -684,6 +719,13 @@ class StepFunctions:
     sbd_prefill: Callable
     sbd_block_step: Callable
 
+    def for_batch(self) -> StepFunctions:
+        """The steps one batch of a decode runs: a step bound to one batch's buffers (a graphed step of
+        `sbd_kernels.graphs`) gives a fresh copy through its `for_new_batch()`; the others are shared."""
+        fresh = {f.name: getattr(self, f.name).for_new_batch() for f in dataclasses.fields(self)
+                 if hasattr(getattr(self, f.name), "for_new_batch")}
+        return dataclasses.replace(self, **fresh)
+
 
 EAGER_STEPS = StepFunctions(ntp_prefill=ntp_prefill, ntp_decode_step=ntp_decode_step, sbd_prefill=sbd_prefill,
                             sbd_block_step=sbd_block_step)
@@ -705,7 +747,8 @@ def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eo
     ends a sequence, as in Hugging Face's generate.
 
     ops: the kernels (default `fused_ops()`; `naive_ops()` runs the same loop on the oracles).
-    steps: the step functions (default eager; `compiled_steps()` for torch.compile).
+    steps: the step functions (default eager; `compiled_steps()` for torch.compile; `graphs.graphed_steps(...)`,
+        captured afresh for every batch).
     cuda_graph: replay the repeated decode steps from CUDA graphs (`sbd_kernels.graphs`; the model must be on a
         CUDA device): same tokens, far less host overhead per pass.
     Prompt i samples with seed `cfg.seed + i` so that results do not depend on the batching.
@@ -723,6 +766,7 @@ def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eo
     device = next(model.parameters()).device
     if cuda_graph and device.type != "cuda":
         raise ValueError(f"generate: cuda_graph=True needs the model on a CUDA device, it is on {device}")
+    batch_size = None if batch_size is None else integer("generate", "batch_size", batch_size)
     if batch_size is not None and not batch_size >= 1:
         raise ValueError(f"generate: batch_size must be >= 1 (or None: one batch), got {batch_size}")
     check_prompts(model, prompts, sp.pad_id, "generate")
@@ -737,7 +781,7 @@ def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eo
         # seeds seed + first + i; arange(seed + first, seed + first + len) would overflow on its exclusive end
         # when the last seed is 2**63 - 1.
         seed = torch.arange(len(chunk), dtype=torch.int64, device=device) + (cfg.seed + first)
-        parts.append(decode_batch(model, chunk, seed, ops, sp, _graphed(steps) if cuda_graph else steps))
+        parts.append(decode_batch(model, chunk, seed, ops, sp, _graphed(steps) if cuda_graph else steps.for_batch()))
     return DecodeResult.concat(parts)
 
 

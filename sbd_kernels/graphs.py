@@ -8,7 +8,7 @@ decode loop keeps every tensor a step reads or writes in static buffers: the per
 `SbdState`), the KV cache and its lengths are allocated once per batch and only ever updated in place, and a step
 has no host sync inside.
 
-`GraphedSteps` wraps the two repeated steps (`ntp_decode_step`, and `sbd_block_step` once per row layout:
+`graphed_steps` wraps the two repeated steps (`ntp_decode_step`, and `sbd_block_step` once per row layout:
 2K rows or K rows); the prefills run eagerly. Per layout, the first call runs eagerly (the warm-up CUDA graphs
 need), the second captures, and every call from then on replays. Every later call checks, against the layout's
 first call, the invariants replays rely on:
@@ -104,6 +104,11 @@ class _GraphedStep:
         self.graphs: dict[tuple, Any] = {}
         self.bound: dict[tuple, _Binding] = {}
 
+    def for_new_batch(self) -> _GraphedStep:
+        """A fresh wrapper of the same step for another batch (new state and cache buffers: a new capture);
+        `generate` takes one for every batch it decodes."""
+        return _GraphedStep(self.fn, self.mode, self.pool)
+
     def __call__(self, model: Any, cache: Any, state: Any, *rest: Any) -> None:
         key = tuple(a for a in rest if isinstance(a, int))
         constants = tuple(a for a in rest if not isinstance(a, int))
@@ -125,13 +130,14 @@ class _GraphedStep:
     def _check_static(self, bound: _Binding, objects: tuple, constants: tuple) -> None:
         if any(a is not b for a, b in zip(objects, bound.objects)):
             raise RuntimeError(f"{self.name}: a graphed step must be called with the same model, cache and "
-                               "state objects every pass (a new batch needs new GraphedSteps)")
+                               "state objects every pass (a new batch needs a fresh step, `for_new_batch()`, which "
+                               "generate takes for every batch)")
         changed = [_differences(a, b) for a, b in zip(bound.constants, constants) if a != b]
         if changed or len(constants) != len(bound.constants):
             raise RuntimeError(f"{self.name}: called with other arguments than at capture "
                                f"({'; '.join(changed) or 'another number of them'}); a captured graph replays the "
                                "kernels and constants of its capture, so other decode settings or ops need new "
-                               "GraphedSteps")
+                               "graphed_steps()")
         now = _addresses(objects[2], objects[1])
         moved = [name for name, ptr in bound.buffers.items() if now.get(name) != ptr]
         if moved:
@@ -141,7 +147,7 @@ class _GraphedStep:
         if moved:
             raise RuntimeError(f"{self.name}: model tensors {', '.join(moved)} moved to new memory since the step "
                                "was captured (a replay would read the old memory); keep the model in place "
-                               "during a decode, or decode with new GraphedSteps")
+                               "during a decode, or decode with new graphed_steps()")
 
     def _capture(self, args: tuple) -> Any:
         graph = torch.cuda.CUDAGraph()
@@ -152,9 +158,13 @@ class _GraphedStep:
 
 def graphed_steps(steps: StepFunctions, mode: str = "cuda") -> StepFunctions:
     """`steps` with `ntp_decode_step` and `sbd_block_step` replayed from CUDA graphs (`mode="cuda"`) or run eagerly
-    under the same static-buffer checks (`mode="check"`, any device). One instance per decoded batch."""
+    under the same static-buffer checks (`mode="check"`, any device). An instance serves one batch's buffers;
+    `generate` takes a fresh one for every batch (`StepFunctions.for_batch`)."""
     if mode not in ("cuda", "check"):
         raise ValueError(f"graphed_steps: mode must be 'cuda' or 'check', got {mode!r}")
+    if mode == "cuda" and not torch.cuda.is_available():
+        raise ValueError("graphed_steps: mode 'cuda' captures CUDA graphs, and torch sees no CUDA device here "
+                         f"(torch {torch.__version__}); mode 'check' runs the same checks eagerly on any device")
     pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
     return dataclasses.replace(steps, ntp_decode_step=_GraphedStep(steps.ntp_decode_step, mode, pool),
                                sbd_block_step=_GraphedStep(steps.sbd_block_step, mode, pool))

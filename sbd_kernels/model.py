@@ -120,6 +120,12 @@ class KVCache(nn.Module):
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self._max_len = max_len
+
+    @property
+    def max_len(self) -> int:
+        """Cache slots per row (S_max)."""
+        return self.k[0].shape[1] if self.k else self._max_len
 
     def reset(self) -> None:
         self.seqlens.zero_()
@@ -318,6 +324,25 @@ def sbd_train_inputs(clean: Tensor, noisy: Tensor, block_size: int, attn_mask: A
     return torch.cat([clean, noisy], dim=1), positions, attn_mask
 
 
+def check_decode_pass(caller: str, tokens: Tensor, num_causal: Tensor, block_size: int, seqlens: Tensor,
+                      keep_last: int) -> None:
+    """ValueError naming the argument when one `decode_pass` argument disagrees with tokens `[B, C + K]`: block_size
+    and keep_last in [0, C + K], num_causal and the cache's seqlens of shape `[B]`. Shapes only (no host sync):
+    a keep_last of -1 kept all rows but the first, and a num_causal or cache of another batch failed deep inside
+    with an error naming another tensor."""
+    if tokens.dim() != 2:
+        raise ValueError(f"{caller}: tokens must be [B, C + K], got shape {list(tokens.shape)}")
+    batch, rows = tokens.shape
+    for name, value in (("block_size", block_size), ("keep_last", keep_last)):
+        if not 0 <= value <= rows:
+            raise ValueError(f"{caller}: {name} must be in [0, C + K] = [0, {rows}] (tokens {list(tokens.shape)}), "
+                             f"got {value}")
+    for name, t in (("num_causal", num_causal), ("cache.seqlens", seqlens)):
+        if tuple(t.shape) != (batch,):
+            raise ValueError(f"{caller}: {name} must have shape [B] = [{batch}] (tokens {list(tokens.shape)}), got "
+                             f"{list(t.shape)}")
+
+
 def decode_positions(seqlens: Tensor, num_causal: Tensor, num_slots: int, block_size: int) -> Tensor:
     """Positions `[B, C+K]` int64 of one decode pass: causal/padding row i at L_b + i, block row j at
     L_b + c_b + j (padding rows' outputs are discarded by the op)."""
@@ -394,6 +419,7 @@ class Transformer(nn.Module):
         `torch.ops.sbd.block_attention_with_kvcache`), which appends the causal rows' K/V; afterwards
         cache.seqlens += num_causal on the device.
         """
+        check_decode_pass("Transformer.decode_pass", tokens, num_causal, block_size, cache.seqlens, keep_last)
         if attention_op is None:
             attention_op = torch.ops.sbd.block_attention_with_kvcache
         num_slots = tokens.shape[1] - block_size

@@ -17,7 +17,11 @@ from torch import Tensor
 
 @runtime_checkable
 class DecodeCache(Protocol):
-    """Per-row KV cache of a decode: `seqlens [B]` int32 is the number of tokens cached in each row."""
+    """Per-row KV cache of a decode: `seqlens [B]` int32 is the number of tokens cached in each row.
+
+    A cache may also state its slots per row as an int `max_len` (`KVCache` and `SbdCache` do): `generate` then
+    checks once that `new_cache(batch, max_len)` gave it the slots it asked for and skips the ops' per-call
+    value checks; a cache without it keeps them."""
 
     seqlens: Tensor
 

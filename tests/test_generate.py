@@ -20,7 +20,7 @@ import torch
 
 from sbd_kernels import generate as gen
 from sbd_kernels.generate import DecodeConfig, generate, oracle_decode
-from sbd_kernels.model import ModelConfig, Transformer
+from sbd_kernels.model import KVCache, ModelConfig, Transformer
 from sbd_kernels.testing import tolerance, triton_test_device
 
 DEVICE = triton_test_device()
@@ -417,6 +417,28 @@ def test_graph_safe_steps_give_the_eager_tokens(model, prompts, method):
     assert_same_decode(checked, generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD))
 
 
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_graphed_steps_serve_every_batch_and_call(model, prompts, method):
+    """Guards against graphed steps, bound to the buffers of the first batch they ran, failing on the second batch
+    of a call (batch_size=1) and on a second generate call: generate takes a fresh capture for every batch."""
+    from sbd_kernels.graphs import graphed_steps
+
+    cfg = DecodeConfig(method=method, block_size=BLOCK, gamma=0.5, max_new_tokens=BUDGET)
+    steps = graphed_steps(gen.EAGER_STEPS, "check")
+    eager = generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD)
+    for _ in range(2):
+        assert_same_decode(generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, batch_size=1, steps=steps), eager)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for a machine without CUDA")
+def test_graphed_steps_for_cuda_without_cuda_names_the_mode():
+    """Guards against mode 'cuda' on a machine without CUDA failing in torch's private graph-pool class."""
+    from sbd_kernels.graphs import graphed_steps
+
+    with pytest.raises(ValueError, match="graphed_steps: mode 'cuda' captures CUDA graphs, and torch sees no CUDA"):
+        graphed_steps(gen.EAGER_STEPS, "cuda")
+
+
 def test_graph_checks_catch_a_step_that_moves_a_buffer(model, prompts):
     """Guards against the static-buffer check passing a step that replaces a state tensor."""
     from sbd_kernels.graphs import graphed_steps
@@ -634,6 +656,97 @@ def test_batch_size_must_be_positive(model, prompts, batch_size):
     """Guards against batch_size -1 failing in torch.cat and 0 silently meaning one batch."""
     with pytest.raises(ValueError, match=f"batch_size must be >= 1.*got {batch_size}"):
         generate(model, prompts, DecodeConfig(max_new_tokens=4), eos_id=EOS, pad_id=PAD, batch_size=batch_size)
+
+
+@pytest.mark.parametrize("batch_size, words", [(2.5, "batch_size must be an integer, got 2.5"),
+                                               ("2", "batch_size must be an integer, got '2'"),
+                                               (True, "batch_size must be an integer, got True")])
+def test_batch_size_of_the_wrong_type_names_it(model, prompts, batch_size, words):
+    """Guards against batch_size True decoding one prompt per batch, and 2.5 / "2" failing inside range()."""
+    with pytest.raises(TypeError, match=re.escape(f"generate: {words}")):
+        generate(model, prompts, DecodeConfig(max_new_tokens=4), eos_id=EOS, pad_id=PAD, batch_size=batch_size)
+
+
+@pytest.mark.parametrize("decode", ["generate", "oracle_decode"])
+@pytest.mark.parametrize("bad_prompt, words", [([5.9, 6], "prompts[1][0] must be an integer, got 5.9"),
+                                               ([7, True], "prompts[1][1] must be an integer, got True"),
+                                               (np.array([5.0, 6.0]), "prompts[1][0] must be an integer"),
+                                               (torch.tensor([True, False]), "prompts[1][0] must be an integer")])
+def test_prompt_ids_that_are_not_integers_are_rejected(model, decode, bad_prompt, words):
+    """Guards against a float id 5.9 decoding as token 5 and a bool as token 0 / 1, with no error."""
+    fn = generate if decode == "generate" else oracle_decode
+    with pytest.raises(TypeError, match=re.escape(f"{decode}: {words}")):
+        fn(model, [[5, 6], bad_prompt], DecodeConfig(max_new_tokens=4), eos_id=EOS, pad_id=PAD)
+
+
+@pytest.mark.parametrize("prompt", [np.array([5, 6, 7]), torch.tensor([5, 6, 7])])
+def test_prompts_as_integer_arrays_decode_as_lists(model, prompt):
+    cfg = DecodeConfig(block_size=BLOCK, max_new_tokens=4)
+    assert_same_decode(generate(model, [prompt], cfg, eos_id=EOS, pad_id=PAD),
+                       generate(model, [[5, 6, 7]], cfg, eos_id=EOS, pad_id=PAD))
+
+
+class CappedCacheModel(Transformer):
+    """A model whose new_cache gives at most `slots` slots per row (say, capped at its context length)."""
+
+    slots = 6
+    cache_type = KVCache
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        cfg = self.config
+        return self.cache_type(cfg.n_layers, batch, min(max_len, self.slots), cfg.n_kv_heads, cfg.head_dim,
+                               device=next(self.parameters()).device)
+
+
+class UnstatedCache(KVCache):
+    """A cache that does not state its slots per row."""
+
+    max_len = None
+
+
+def capped_copy(model: Transformer, cache_type: type) -> CappedCacheModel:
+    capped = CappedCacheModel(model.config).eval().to(DEVICE)
+    capped.load_state_dict(model.state_dict())
+    capped.cache_type = cache_type
+    return capped
+
+
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+@pytest.mark.parametrize("ops", ["fused", "triton"])
+def test_a_cache_with_fewer_slots_than_asked_is_refused(model, method, ops):
+    """Guards against a model's new_cache returning fewer slots than the decode asked for: the decode skips the
+    ops' value checks (trusted_values), and the GPU kernels clamp the overflowing appends, so the tokens were
+    wrong with no error. The capacity is now checked once, on the host, for every backend."""
+    capped = capped_copy(model, KVCache)
+    decode_ops = triton_ops() if ops == "triton" else gen.fused_ops()
+    cfg = DecodeConfig(method=method, block_size=BLOCK, max_new_tokens=8)
+    asked = 5 + 8  # the prompt and the answer budget
+    with pytest.raises(ValueError, match=re.escape(
+            f"generate: CappedCacheModel.new_cache(1, {asked}) returned a cache of 6 slots per row; the decode "
+            f"writes up to {asked}")):
+        generate(capped, [[5, 6, 7, 8, 9]], cfg, eos_id=-1, pad_id=PAD, ops=decode_ops)
+
+
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_a_cache_that_does_not_state_its_slots_keeps_the_op_checks(model, method):
+    """A cache without max_len is decoded with the ops' value checks on: its overflow is the op's error."""
+    capped = capped_copy(model, UnstatedCache)
+    cfg = DecodeConfig(method=method, block_size=BLOCK, max_new_tokens=8)
+    with pytest.raises(RuntimeError, match="cache"):
+        generate(capped, [[5, 6, 7, 8, 9]], cfg, eos_id=-1, pad_id=PAD, ops=triton_ops())
+    ample = capped_copy(model, UnstatedCache)
+    ample.slots = 64
+    assert_same_decode(generate(ample, [[5, 6, 7, 8, 9]], cfg, eos_id=-1, pad_id=PAD),
+                       generate(model, [[5, 6, 7, 8, 9]], cfg, eos_id=-1, pad_id=PAD))
+
+
+def triton_ops() -> gen.DecodeOps:
+    """The GPU path's launchers (on CPU tensors under TRITON_INTERPRET=1)."""
+    from sbd_kernels.ops.attention import triton as attention
+    from sbd_kernels.ops.sampling import triton as sampling
+    from sbd_kernels.ops.scatter import triton as scatter
+
+    return gen.DecodeOps(attention.block_attention_with_kvcache, sampling.entropy_sample, scatter.mask_scatter_)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Reference model: forward modes, the cached decode pass against a full recompute, checkpoints."""
 import dataclasses
 import random
+import re
 import subprocess
 import sys
 import zipfile
@@ -179,6 +180,27 @@ def test_decode_pass_low_precision(dtype):
     logits = model.decode_pass(tokens, torch.tensor([10, 10], dtype=torch.int32), 0, cache)
     assert logits.dtype == torch.float32
     assert_close(logits, model(tokens), dtype, atol_scale=4.0)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"keep_last": -1}, "keep_last must be in [0, C + K] = [0, 5] (tokens [2, 5]), got -1"),
+    ({"keep_last": 6}, "keep_last must be in [0, C + K] = [0, 5] (tokens [2, 5]), got 6"),
+    ({"block_size": 6}, "block_size must be in [0, C + K] = [0, 5] (tokens [2, 5]), got 6"),
+    ({"block_size": -1}, "block_size must be in [0, C + K] = [0, 5] (tokens [2, 5]), got -1"),
+    ({"num_causal": torch.tensor([2], dtype=torch.int32)},
+     "num_causal must have shape [B] = [2] (tokens [2, 5]), got [1]"),
+    ({"cache_batch": 3}, "cache.seqlens must have shape [B] = [2] (tokens [2, 5]), got [3]"),
+    ({"tokens": random_tokens(1, 2, 5)}, "tokens must be [B, C + K], got shape [1, 2, 5]"),
+])
+def test_decode_pass_arguments_that_disagree_with_tokens_are_named(change, words):
+    """Guards against keep_last -1 silently dropping the first row, and against a num_causal or cache of another
+    batch failing deep inside with an error that names another tensor."""
+    model = tiny_model()
+    args = {"tokens": random_tokens(2, 5), "num_causal": torch.tensor([2, 2], dtype=torch.int32), "block_size": 3,
+            "keep_last": 0, "cache_batch": 2, **change}
+    cache = model.new_cache(args["cache_batch"], 16)
+    with pytest.raises(ValueError, match=re.escape(f"Transformer.decode_pass: {words}")):
+        model.decode_pass(args["tokens"], args["num_causal"], args["block_size"], cache, keep_last=args["keep_last"])
 
 
 def test_kv_cache_reset_and_shapes():

@@ -27,7 +27,7 @@ from sbd_kernels.hf.attention import (
     register,
 )
 from sbd_kernels.hf.cache import SbdCache
-from sbd_kernels.model import decode_positions
+from sbd_kernels.model import check_decode_pass, decode_positions
 
 # Decoder-only families whose attention layers call transformers' AttentionInterface with RoPE applied before
 # attention and no other position or mask input (checked by tests/test_hf.py on a tiny config of each).
@@ -325,6 +325,7 @@ class SbdCausalLM(nn.Module):
         them from one cache length for the whole batch, which is wrong for SBD rows)."""
         if not isinstance(cache, SbdCache):
             raise TypeError(f"SbdCausalLM.decode_pass: cache must be an SbdCache, got {type(cache).__name__}")
+        check_decode_pass("SbdCausalLM.decode_pass", tokens, num_causal, block_size, cache.seqlens, keep_last)
         if attention_op is None:
             attention_op = torch.ops.sbd.block_attention_with_kvcache
         positions = decode_positions(cache.seqlens, num_causal, tokens.shape[1] - block_size, block_size)
