@@ -269,36 +269,56 @@ def sbd_mask_allows(q: Tensor, kv: Tensor, n: int, block_size: int | Tensor) -> 
 class SbdMaskMod:
     """The training mask of a batch as a FlexAttention `mask_mod(b, h, q, kv)` that holds the tensors it reads.
 
-    n: tokens per half of `[clean ; noisy]`. block_size: 0-d integer tensor (a tensor, not an int, so one
-    compiled FlexAttention kernel serves every k). lengths: `[B]` real tokens of each right-padded sequence, or
-    None (no padding). Allowed: `sbd_mask_allows(q, kv, n, k)` and, with lengths, kv a real token of sequence b
-    (kv mod n < lengths[b]); padded query rows keep position 0 of their half, so no row is empty.
+    n: tokens per half of `[clean ; noisy]` (an int). block_size: the block size k, an int or a 0-d integer
+    tensor. lengths: `[B]` real tokens of each right-padded sequence, or None (no padding). Allowed:
+    `sbd_mask_allows(q, kv, n, k)` and, with lengths, kv a real token of sequence b (kv mod n < lengths[b]);
+    padded query rows keep position 0 of their half, so no row is empty.
+
+    The mask_mod reads n and k as 0-d tensors (`n_tensor`, `block_size`, made on the device of `lengths` when
+    given as ints), none as a Python int: a compiled FlexAttention kernel reads tensors anew at each call but may
+    keep an int from the call it was traced in. `torch.compile(flex_attention)` (HF's flex_attention path)
+    recompiles with dynamic shapes at the first batch of another padded length, and with n an int it then
+    masked that batch and every later one with the first batch's n (a wrong loss, no error). One compiled
+    kernel so serves every k and every n. The int n stays for the dense mask's shape (no host sync).
 
     Holding the tensors as fields (not in a closure) lets `to(device)` move them with the mask; the same object,
     called on index grids, builds the dense mask (`dense`).
     """
 
     n: int
-    block_size: Tensor
+    block_size: int | Tensor
     lengths: Tensor | None = None
+    n_tensor: Tensor | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        device = self.lengths.device if self.lengths is not None else (
+            self.block_size.device if isinstance(self.block_size, Tensor) else None)
+        if isinstance(self.block_size, Tensor):
+            if self.block_size.dim() != 0:
+                raise ValueError(f"SbdMaskMod: block_size must be an int or a 0-d tensor, got shape "
+                                 f"{tuple(self.block_size.shape)}")
+        else:
+            object.__setattr__(self, "block_size", torch.tensor(self.block_size, dtype=torch.int64, device=device))
+        if self.n_tensor is None:
+            object.__setattr__(self, "n_tensor", torch.tensor(self.n, dtype=torch.int64, device=device))
 
     def __call__(self, b: Tensor, h: Any, q: Tensor, kv: Tensor) -> Tensor:
-        allowed = sbd_mask_allows(q, kv, self.n, self.block_size)
+        allowed = sbd_mask_allows(q, kv, self.n_tensor, self.block_size)
         if self.lengths is None:
             return allowed
-        return allowed & (kv % self.n < self.lengths[b])
+        return allowed & (kv % self.n_tensor < self.lengths[b])
 
     def tensors(self) -> list[Tensor]:
-        return [t for t in (self.block_size, self.lengths) if t is not None]
+        return [t for t in (self.n_tensor, self.block_size, self.lengths) if t is not None]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SbdMaskMod:
         move = functools.partial(Tensor.to, device=device, non_blocking=non_blocking)
-        return dataclasses.replace(self, block_size=move(self.block_size),
+        return dataclasses.replace(self, n_tensor=move(self.n_tensor), block_size=move(self.block_size),
                                    lengths=None if self.lengths is None else move(self.lengths))
 
     def dense(self) -> Tensor:
         """`[B or 1, 2n, 2n]` bool (True = q may attend kv), evaluated cell by cell on the device of the mask."""
-        idx = torch.arange(2 * self.n, device=self.block_size.device)
+        idx = torch.arange(2 * self.n, device=self.n_tensor.device)
         batch = 1 if self.lengths is None else self.lengths.shape[0]
         b = torch.arange(batch, device=idx.device)[:, None, None]
         return self(b, None, idx[None, :, None], idx[None, None, :]).expand(batch, -1, -1)

@@ -832,6 +832,51 @@ def test_collator_strips_the_padding_its_attention_mask_marks():
         batch({"input_ids": text, "attention_mask": [0, 0, 0, 0]})
 
 
+@pytest.mark.parametrize("pad_to_multiple_of", [0, -1, -8, 2.5, True])
+def test_collator_refuses_a_pad_to_multiple_of_below_one(pad_to_multiple_of):
+    """Guards against a bad `pad_to_multiple_of` reaching the padding arithmetic: 0 raised ZeroDivisionError, -8 a
+    tensor size error naming neither, -1 was taken as 1 with no error. Refused when the collator is made, naming
+    the setting."""
+    model = tiny_model("llama")
+    hf.enable_sbd(model, mask_token_id=MASK_ID)
+    with pytest.raises(ValueError, match=rf"pad_to_multiple_of must be an int >= 1, got {pad_to_multiple_of}"):
+        hf.SbdDataCollator(model.config, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def test_collator_refuses_real_tokens_equal_to_the_mask_token():
+    """Guards against text that contains the SBD mask token id being trained on without an error: the labels take
+    a masked token for one the noise masked (MATP targets where it masked nothing) and the NTP half trains the
+    model to emit the mask token. Refused, naming the example and the position in its input_ids; the same id in
+    the padding an attention_mask marks is not text and passes."""
+    model = tiny_model("llama")
+    hf.enable_sbd(model, mask_token_id=MASK_ID)
+    collator = hf.SbdDataCollator(model.config, seed=0, rank=0)
+    clean = {"input_ids": [10, 11, 12, 13]}
+    with pytest.raises(ValueError, match=rf"example 1 has the SBD mask token id {MASK_ID} in input_ids at "
+                                         r"positions \[1, 2\]"):
+        collator([clean, {"input_ids": [10, MASK_ID, MASK_ID, 14]}])
+    padded = {"input_ids": [10, 11, 12, MASK_ID], "attention_mask": [1, 1, 1, 0]}
+    assert collator([clean, padded])["input_ids"].shape == (2, 8)
+
+
+def test_training_mask_refuses_lengths_and_block_sizes_out_of_range():
+    """Guards against a training mask built from arguments it cannot mean: a length of 0 gave query rows with no
+    allowed key (NaN outputs under sdpa), a length above n was taken, and block_size 0 raised "RuntimeError:
+    ZeroDivisionError". Each is refused with a ValueError naming the argument, in every mask form."""
+    for implementation in ("sdpa", "eager", "flex_attention"):
+        with pytest.raises(ValueError, match=r"lengths must be in \[1, n\] = \[1, 3\], got \[0, 3\]"):
+            hf.sbd_training_mask(torch.tensor([0, 3]), 3, 2, implementation)
+        with pytest.raises(ValueError, match=r"lengths must be in \[1, n\] = \[1, 3\], got \[5\]"):
+            hf.sbd_training_mask(torch.tensor([5]), 3, 2, implementation)
+        with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+            hf.sbd_training_mask(torch.tensor([3]), 3, 0, implementation)
+    with pytest.raises(ValueError, match=r"lengths must be \[B\], got shape \(1, 2\)"):
+        hf.sbd_training_mask(torch.tensor([[2, 3]]), 3, 2, "sdpa")
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        hf.sbd_training_mask(torch.tensor([], dtype=torch.int64), 0, 2, "sdpa")
+    assert hf.sbd_training_mask(torch.tensor([1, 3]), 3, 1, "sdpa").any(-1).all(), "no row without a key"
+
+
 def collated(collator, data: list[dict], num_workers: int) -> list[dict]:
     from torch.utils.data import DataLoader
 
@@ -1034,7 +1079,7 @@ def test_flex_training_mask_moves_to_the_device_as_a_whole():
     block_mask = padded_batch(model)["attention_mask"]
     moved = send_to_device(padded_batch(model), torch.device("meta"))["attention_mask"]
     tensors = mask_tensors(moved)
-    assert {"mask_mod.lengths", "mask_mod.block_size", "kv_indices"} <= set(tensors)
+    assert {"mask_mod.n_tensor", "mask_mod.lengths", "mask_mod.block_size", "kv_indices"} <= set(tensors)
     assert {name: t.device.type for name, t in tensors.items()} == dict.fromkeys(tensors, "meta")
     original = mask_tensors(block_mask)
     assert {t.device.type for t in original.values()} == {"cpu"}, "the original stays"
@@ -1050,6 +1095,50 @@ def test_flex_training_mask_moves_to_the_device_as_a_whole():
     assert torch.equal(back.mask_mod.dense(), block_mask.mask_mod.dense())
     for name, t in original.items():
         assert torch.equal(mask_tensors(back)[name], t), name
+
+
+def test_compiled_flex_attention_reads_each_batchs_sequence_length():
+    """Guards against the FlexAttention training mask keeping the first batch's sequence length: transformers runs
+    `torch.compile(flex_attention)`, which recompiles with dynamic shapes at the first batch of another padded
+    length, and a mask_mod holding n as a Python int then masked every later batch with the first batch's n (on a
+    Llama, 26 of 52 real rows of the n = 24 batch wrong after one of n = 17; no error). Batches of n = 17, 24,
+    17 in turn, each against sdpa on the dense form of the same mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()                    # compile from scratch: the first batch's shape is the static one
+    compiled = torch.compile(flex_attention)
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([9, 17])
+    for n in (17, 24, 17):
+        q, k, v = (torch.randn(2, 2, 2 * n, 8, generator=generator) for _ in range(3))
+        block_mask = hf.sbd_training_mask(lengths, n, 6, "flex_attention")
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=hf.sbd_training_mask(lengths, n, 6, "sdpa"))
+        torch.testing.assert_close(compiled(q, k, v, block_mask=block_mask), expected, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, n=n: f"n = {n}: {m}")
+
+
+@pytest.mark.slow
+def test_flex_attention_model_gives_the_sdpa_loss_on_batches_of_changing_length():
+    """Guards against a wrong training loss, with no error, once the padded length of the batches changes under
+    HF's flex_attention path (see `test_compiled_flex_attention_reads_each_batchs_sequence_length`): collator
+    batches of n = 17, 24, 17 through one flex_attention model give the logits and loss of the same batches under
+    sdpa."""
+    torch._dynamo.reset()                    # HF's compiled flex_attention starts from the first batch's shape
+    models = {attn: tiny_model("llama", attn=attn) for attn in ("flex_attention", "sdpa")}
+    for model in models.values():
+        hf.enable_sbd(model, mask_token_id=MASK_ID)
+    examples = [{"input_ids": list(range(10, 19))}, {"input_ids": list(range(20, 37))}]       # 9 and 17 tokens
+    for pad in (1, 8, 1):                                                                       # n = 17, 24, 17
+        out = {}
+        for attn, model in models.items():
+            collator = hf.SbdDataCollator(model.config, seed=11, rank=0, pad_to_multiple_of=pad, block_min=6,
+                                          block_max=6)
+            with torch.no_grad():
+                out[attn] = model(**collator(examples))
+        name = f"flex vs sdpa, pad_to_multiple_of={pad}"
+        assert_logits_close(out["flex_attention"].logits, out["sdpa"].logits, name)
+        torch.testing.assert_close(out["flex_attention"].loss, out["sdpa"].loss, atol=1e-5, rtol=1e-5)
 
 
 def test_flex_attention_refuses_a_mask_on_another_device_than_the_query():

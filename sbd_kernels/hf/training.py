@@ -71,12 +71,34 @@ def sbd_training_mask(lengths: Tensor, n: int, block_size: int, implementation: 
     """The SBD training mask of a right-padded batch (`lengths [B]` real tokens of each sequence, n its padded
     length) in the form `implementation` reads: bool `[B, 1, 2n, 2n]` ("sdpa"), additive in `dtype` ("eager"), or
     an `SbdBlockMask` ("flex_attention"), on the device of `lengths`. One predicate, `SbdMaskMod`, gives all three:
-    `sbd_mask_allows` restricted to keys of real tokens."""
-    mask_mod = SbdMaskMod(n, torch.tensor(block_size, device=lengths.device), lengths)
+    `sbd_mask_allows` restricted to keys of real tokens. ValueError naming the argument unless 1 <= lengths <= n
+    and block_size >= 1."""
+    _check_mask_arguments(lengths, n, block_size)
+    # SbdMaskMod holds n and k as 0-d tensors on the device of lengths: the compiled FlexAttention kernel reads them
+    # anew at each batch, so batches of another padded length or block size get their own mask.
+    mask_mod = SbdMaskMod(n, block_size, lengths)
     if implementation == "flex_attention":
         return SbdBlockMask.of(create_block_mask(mask_mod, B=lengths.shape[0], H=None, Q_LEN=2 * n, KV_LEN=2 * n,
                                                  device=lengths.device))
     return mask_for_implementation(mask_mod.dense(), implementation, dtype)
+
+
+def _check_mask_arguments(lengths: Tensor, n: int, block_size: int) -> None:
+    """ValueError naming the argument of `sbd_training_mask` out of range: lengths not `[B]` or outside [1, n] (a
+    length of 0 leaves rows with no key to attend, NaN under sdpa; one above n reads keys that are not there),
+    n or block_size below 1.
+
+    The range of lengths is a check on tensor values: free for lengths on the CPU (the collator's), one host sync
+    for lengths on a GPU, once per mask built, small next to the training step the mask serves; kept there too,
+    because a wrong length gives a wrong loss or NaN without an error."""
+    if n < 1:
+        raise ValueError(f"sbd_training_mask: n must be >= 1, got {n}")
+    if block_size < 1:
+        raise ValueError(f"sbd_training_mask: block_size must be >= 1, got {block_size}")
+    if lengths.dim() != 1:
+        raise ValueError(f"sbd_training_mask: lengths must be [B], got shape {tuple(lengths.shape)}")
+    if bool(((lengths < 1) | (lengths > n)).any()):
+        raise ValueError(f"sbd_training_mask: lengths must be in [1, n] = [1, {n}], got {lengths.tolist()}")
 
 
 def _block_size_at(seed: int, batch_index: int, block_min: int, block_max: int) -> int:
@@ -149,6 +171,8 @@ class SbdDataCollator:
     token, prompts included; only targets are counted in the loss. Under HF Trainer, give `labels`: its default
     `remove_unused_columns=True` keeps `labels` and `attention_mask` but drops a `loss_mask` column before the
     collator sees it, which then trains on the prompts (the collator cannot tell those examples from unlabelled ones).
+    A real token equal to the SBD mask token id is refused (ValueError naming the example and the position): the
+    objective takes every mask token of the noisy half for one the noise put there.
 
     model_config: `model.config` after `enable_sbd` (mask id, base attention implementation, recorded dtype): the
     model's own config object, from which each batch reads the attention implementation the model runs; one other
@@ -161,7 +185,8 @@ class SbdDataCollator:
     batches follow from the seed and the rank alone.
     rank: the data-parallel rank (default: `torch.distributed`'s when a process group is initialized, else the RANK
     environment variable, else 0).
-    pad_to_multiple_of: pads n up to a multiple (e.g. 8 for tensor cores; 128 for FlexAttention blocks).
+    pad_to_multiple_of: pads n up to a multiple, an int >= 1 (e.g. 8 for tensor cores; 128 for FlexAttention
+    blocks).
     dtype: of the additive mask of eager attention (default: the dtype `model_config` records, fp32 when none;
     HF's eager masks are in the model's dtype too, and one in another dtype is exact, promoted on addition).
     """
@@ -176,6 +201,11 @@ class SbdDataCollator:
     _batches: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
+        # Checked here, not where n is rounded up: 0 divided by zero there, and a negative multiple gave a tensor
+        # size error or (-1) no error. bool is an int to Python, but True is no multiple anyone means.
+        multiple = self.pad_to_multiple_of
+        if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1:
+            raise ValueError(f"SbdDataCollator: pad_to_multiple_of must be an int >= 1, got {multiple!r}")
         if not 1 <= self.block_min <= self.block_max:
             raise ValueError(f"SbdDataCollator: need 1 <= block_min <= block_max, got {self.block_min}, "
                              f"{self.block_max}")
@@ -217,7 +247,7 @@ class SbdDataCollator:
         """(tokens [B, n] int64 right-padded, targets [B, n] bool, lengths [B] int64) of the examples' real tokens."""
         if not examples:
             raise ValueError("SbdDataCollator: empty batch")
-        rows, row_targets = zip(*(self._example(ex) for ex in examples))
+        rows, row_targets = zip(*(self._example(i, ex) for i, ex in enumerate(examples)))
         lengths = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
         n = -(-int(lengths.max()) // self.pad_to_multiple_of) * self.pad_to_multiple_of
         tokens = torch.full((len(rows), n), self.pad_token_id, dtype=torch.int64)
@@ -227,14 +257,14 @@ class SbdDataCollator:
             targets[i, : row.numel()] = target
         return tokens, targets, lengths
 
-    @staticmethod
-    def _example(example: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        """(tokens [m] int64, targets [m] bool) of one example's m real tokens (see the class docstring)."""
+    def _example(self, index: int, example: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """(tokens [m] int64, targets [m] bool) of the m real tokens of example `index` (see the class docstring)."""
         tokens = torch.as_tensor(example["input_ids"], dtype=torch.int64)
         if tokens.dim() != 1 or tokens.numel() == 0:
             raise ValueError(f"SbdDataCollator: every example needs a non-empty 1-D input_ids, got shape "
                              f"{tuple(tokens.shape)}")
         real = _real_span(example, tokens.numel())
+        self._refuse_mask_token(index, tokens, real)
         if example.get("labels") is not None:
             name, targets = "labels", torch.as_tensor(example["labels"], dtype=torch.int64) != IGNORE
         elif example.get("loss_mask") is not None:
@@ -247,6 +277,16 @@ class SbdDataCollator:
             raise ValueError(f"SbdDataCollator: {name} must have the length of input_ids ({tokens.numel()}), got "
                              f"shape {tuple(targets.shape)}")
         return tokens[real], targets[real]
+
+    def _refuse_mask_token(self, index: int, tokens: Tensor, real: slice) -> None:
+        """ValueError naming example `index` and the positions of its input_ids where a real token is the SBD mask
+        token: the labels would take it for a token the noise masked (MATP targets where nothing was masked) and
+        NTP would train the model to emit it. Padding outside `real` is not text and may hold any id."""
+        found = (tokens[real] == self.mask_token_id).nonzero().flatten() + real.start
+        if found.numel():
+            raise ValueError(f"SbdDataCollator: example {index} has the SBD mask token id {self.mask_token_id} in "
+                             f"input_ids at positions {found.tolist()}; the mask token must not occur in the text "
+                             "(choose another mask_token_id with enable_sbd, or remove it from the data)")
 
 
 def sbd_loss_func(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int | None = None) -> Tensor:
