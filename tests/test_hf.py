@@ -2,6 +2,8 @@
 enable, fine-tuning inputs and loss, decoding through the `torch.ops.sbd` kernels, and each trap that used to give
 a silently wrong result. The decoding tests run the model on CUDA (the Triton kernels) with SBD_TEST_DEVICE=cuda,
 on the CPU otherwise; training stays on the CPU."""
+import re
+
 import pytest
 import torch
 import transformers
@@ -1304,3 +1306,17 @@ def test_flex_attention_training_mask_gives_the_sdpa_logits(family):
             out[attn] = model(**padded_batch(model, k=4))
     assert_logits_close(out["flex_attention"].logits, out["sdpa"].logits, f"{family} flex vs sdpa")
     torch.testing.assert_close(out["flex_attention"].loss, out["sdpa"].loss, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_pass_arguments_that_disagree_with_tokens_are_named():
+    """Guards against keep_last -1 silently dropping the first row, and against a cache of another batch failing
+    deep inside HF's attention with an error that names another tensor."""
+    model = hf.enable_sbd(tiny_model("llama").to(DEVICE), mask_token_id=MASK_ID, block_size=4)
+    tokens = torch.randint(0, 60, (2, 5), device=DEVICE)
+    causal = torch.tensor([2, 2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=re.escape("SbdCausalLM.decode_pass: keep_last must be in [0, C + K] = "
+                                                   "[0, 5] (tokens [2, 5]), got -1")):
+        model.decode_pass(tokens, causal, 3, model.new_cache(2, 16), keep_last=-1)
+    with pytest.raises(ValueError, match=re.escape("SbdCausalLM.decode_pass: cache.seqlens must have shape [B] = "
+                                                   "[2] (tokens [2, 5]), got [3]")):
+        model.decode_pass(tokens, causal, 3, model.new_cache(3, 16))
