@@ -258,6 +258,25 @@ def index_view_case(name: str, layout: str, device: str = "cpu") -> tuple[Attent
     return case, embedded
 
 
+# Paged case whose pages the shared-page tests remap: page size 4, L_b = 20, 4, 9 and c_b = 4, 0, 2, so sequence 0
+# uses pages 0-5 and writes page 5, sequence 1 reads page 0, sequence 2 uses pages 0-2 and writes page 2.
+SHARED_PAGE_CASE = {"B": 3, "C": 4, "K": 2, "L": 20, "Hq": 4, "Hkv": 2, "D": 16, "dtype": torch.float32,
+                    "paged": True, "page_size": 4}
+# (reader, its table entry) <- (owner, its table entry) remappings of SHARED_PAGE_CASE's table.
+WRITTEN_PAGE_SHARES = {
+    "read by another sequence": [((1, 0), (0, 5))],
+    "mapped twice by its writer": [((2, 0), (2, 2))],
+}
+READ_ONLY_PAGE_SHARES = [((1, 0), (0, 0)), ((2, 0), (0, 0))]
+
+
+def share_pages(case: AttentionCase, shares: list[tuple[tuple[int, int], tuple[int, int]]]) -> AttentionCase:
+    """Points table entries at other entries' pages (a common prefix); the readers' slots then hold the owner's."""
+    for (b, p), (owner, q) in shares:
+        case.block_table[b, p] = case.block_table[owner, q]
+    return case
+
+
 def combine_caches(case: AttentionCase) -> None:
     """Replaces the case's caches by the two halves of one allocation, as FlashInfer lays out a paged
     cache: `kv[num_pages, 2, page_size, Hkv, D]` with k_cache = kv[:, 0], v_cache = kv[:, 1]; a contiguous

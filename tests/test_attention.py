@@ -16,6 +16,9 @@ from attention_cases import (
     INDEX_LAYOUTS,
     INDEX_TENSORS,
     NON_FINITE,
+    READ_ONLY_PAGE_SHARES,
+    SHARED_PAGE_CASE,
+    WRITTEN_PAGE_SHARES,
     aliasing_cases,
     assert_matches_oracle,
     assert_non_finite_rows,
@@ -26,6 +29,7 @@ from attention_cases import (
     index_view_case,
     make_case,
     non_finite_case,
+    share_pages,
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -532,6 +536,24 @@ def test_bad_page_id(impl):
     fn = OP if impl == "cpu" else naive.block_attention_with_kvcache
     with pytest.raises(RuntimeError, match="block_table holds a page id outside"):
         fn(*case.args())
+
+
+@pytest.mark.parametrize("impl", ["cpu", "naive"])
+@pytest.mark.parametrize("share", list(WRITTEN_PAGE_SHARES))
+def test_a_written_page_used_twice_is_refused(impl, share):
+    """Guards against a page the call appends to being read by another sequence (or mapped twice by its writer):
+    the sequences run in parallel, so the write raced with the read (151 of 300 two-thread calls differed from
+    the oracle) instead of failing."""
+    case = share_pages(make_case(**SHARED_PAGE_CASE), WRITTEN_PAGE_SHARES[share])
+    fn = OP if impl == "cpu" else naive.block_attention_with_kvcache
+    with pytest.raises(RuntimeError, match=re.escape("block_table maps a page the call writes (slots [L_b, L_b + "
+                                                     "c_b)) to more than one used entry")):
+        fn(*case.args())
+
+
+def test_read_only_pages_may_be_shared():
+    """A common prefix: pages that no sequence writes may appear in several rows of the table."""
+    assert_matches_oracle(share_pages(make_case(**SHARED_PAGE_CASE), READ_ONLY_PAGE_SHARES), OP)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])

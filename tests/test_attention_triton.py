@@ -21,6 +21,9 @@ from attention_cases import (
     INDEX_LAYOUTS,
     INDEX_TENSORS,
     NON_FINITE,
+    READ_ONLY_PAGE_SHARES,
+    SHARED_PAGE_CASE,
+    WRITTEN_PAGE_SHARES,
     aliasing_cases,
     assert_matches_oracle,
     assert_non_finite_rows,
@@ -31,6 +34,7 @@ from attention_cases import (
     index_view_case,
     make_case,
     non_finite_case,
+    share_pages,
 )
 from test_attention import (
     DIM,
@@ -468,6 +472,19 @@ def test_bad_page_id():
     c.block_table[0, 1] = c.k_cache.shape[0]
     with pytest.raises(RuntimeError, match="block_table holds a page id outside"):
         LAUNCH(*c.args())
+
+
+@pytest.mark.parametrize("share", list(WRITTEN_PAGE_SHARES))
+def test_a_written_page_used_twice_is_refused(share):
+    """Guards against a page the call appends to being read by another sequence, or mapped twice by its writer:
+    the programs of different sequences run in parallel, so the write raced with the read."""
+    c = share_pages(make_case(**SHARED_PAGE_CASE), WRITTEN_PAGE_SHARES[share])
+    with pytest.raises(RuntimeError, match="block_table maps a page the call writes"):
+        LAUNCH(*c.args())
+
+
+def test_read_only_pages_may_be_shared():
+    assert_matches_oracle(share_pages(make_case(**SHARED_PAGE_CASE), READ_ONLY_PAGE_SHARES), triton_op)
 
 
 @pytest.mark.cuda_only

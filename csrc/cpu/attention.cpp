@@ -2,7 +2,9 @@
 // into csrc/cpu/attention_kernel.h. The math is defined in sbd_kernels/ops/attention/naive.py; the checks
 // word for word match sbd_kernels/ops/attention/_checks.py. Value checks (lengths, page ids) are free on
 // the CPU, so they run here before the kernel touches memory.
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -160,7 +162,7 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 }
 
 // Values (same order and wording as _checks.assert_block_attention_values): L >= 0, 0 <= c <= C,
-// L + c <= capacity, page ids of the pages holding slots [0, L + c) in [0, num_pages). Each condition is
+// L + c <= capacity, page ids of the pages holding slots [0, L + c) in [0, num_pages), pages written used once. Each condition is
 // checked over the whole batch before the next, as the Python checks do (one torch._assert_async per
 // condition, which keeps them free of host syncs on CUDA), so that a call with two bad values in different
 // sequences raises the same error in both.
@@ -182,6 +184,25 @@ void check_values(const int32_t* lengths, const int32_t* causal, const int32_t* 
       const int32_t page = table[b * table_stride + p];
       TORCH_CHECK(page >= 0 && page < num_pages, kOp, ": block_table holds a page id outside [0, ", num_pages,
                   ") for a used page");
+    }
+  }
+  // A page written by the call (holding slots [L_b, L_b + c_b)) must be used once in the whole table: shared
+  // pages are read-only, since the write of one sequence would race with another's reads (the sequences run
+  // in parallel) or with its own second mapping of the page. One byte per page, counting to 2.
+  std::vector<uint8_t> uses(num_pages, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t end = static_cast<int64_t>(lengths[b]) + causal[b];
+    for (int64_t p = 0; p < (end + page_size - 1) / page_size; ++p) {
+      uint8_t& count = uses[table[b * table_stride + p]];
+      count = std::min<uint8_t>(count + 1, 2);
+    }
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    if (causal[b] == 0) continue;
+    const int64_t end = static_cast<int64_t>(lengths[b]) + causal[b];
+    for (int64_t p = lengths[b] / page_size; p < (end + page_size - 1) / page_size; ++p) {
+      TORCH_CHECK(uses[table[b * table_stride + p]] == 1, kOp, ": block_table maps a page the call writes (slots "
+                  "[L_b, L_b + c_b)) to more than one used entry; pages shared between sequences must be read-only");
     }
   }
 }

@@ -223,11 +223,13 @@ def assert_block_attention_values(
     cache_seqlens: torch.Tensor, num_causal: torch.Tensor, dims: AttentionDims,
     block_table: torch.Tensor | None = None,
 ) -> None:
-    """Check values without a host sync: cache_seqlens >= 0, 0 <= num_causal <= C, L + c <= capacity, and
-    the pages holding slots [0, L + c) are in [0, num_pages). Raises RuntimeError on CPU tensors. One
+    """Check values without a host sync: cache_seqlens >= 0, 0 <= num_causal <= C, L + c <= capacity, the
+    pages holding slots [0, L + c) are in [0, num_pages), and a page the call writes is used by no other table
+    entry. Raises RuntimeError on CPU tensors. One
     condition at a time over the whole batch, in this order (so does the C++ kernel): with two bad values
     the first condition's error is raised, whichever sequences hold them.
-    Returns at once inside `trusted_values()`: 4-6 small kernels per call saved; the kernels clamp L to
+    Returns at once inside `trusted_values()`: 4-6 small kernels per call saved (about twice as many with a
+    block_table); the kernels clamp L to
     [0, capacity], c to [0, C] and mask page ids outside [0, num_pages), so nothing goes out of bounds."""
     if values_trusted():
         return
@@ -246,3 +248,13 @@ def assert_block_attention_values(
         in_range = (block_table >= 0) & (block_table < dims.num_pages)
         torch._assert_async((in_range | ~used).all(),
                             f"{OP}: block_table holds a page id outside [0, {dims.num_pages}) for a used page")
+        # A page written by the call (holding slots [L_b, L_b + c_b)) must be used once in the whole table: shared
+        # pages (a common prefix) are read-only, since the write of one sequence would race with the reads of
+        # another (the kernels run the sequences in parallel) or with its own second mapping of the page.
+        used_ids = torch.where(used & in_range, block_table.to(torch.int64), dims.num_pages)  # spare bucket
+        uses = torch.zeros(dims.num_pages + 1, dtype=torch.int32, device=block_table.device)
+        uses.scatter_add_(0, used_ids.flatten(), torch.ones_like(used_ids, dtype=torch.int32).flatten())
+        written = used & (page_index[None, :] >= (lengths // dims.page_size)[:, None]) & (causal > 0)[:, None]
+        torch._assert_async(((uses[used_ids] == 1) | ~written).all(),
+                            f"{OP}: block_table maps a page the call writes (slots [L_b, L_b + c_b)) to more than "
+                            "one used entry; pages shared between sequences must be read-only")
