@@ -6,8 +6,10 @@
 // tokens first, then the block). Keys are indexed j in [0, N), N = L + c + K: cache slots, then the new
 // causal rows, then the block rows, read in place from the cache / k / v (no concatenation). Token t sees
 // keys [0, limit_t), limit_t = L + t + 1 for a causal token and N for a block token: the mask is a per-row
-// prefix, so it is never materialised and masked keys are never touched (a NaN in an unused cache slot
-// cannot leak: 0 * NaN would be NaN).
+// prefix, so it is never materialised. Cache slots from L on are never read (keys j >= L come from k / v), so
+// a NaN in an unused cache slot cannot leak (0 * NaN would be NaN); within a key tile, a row multiplies the
+// values of the new keys it does not see by a weight of 0 (docs/algorithm.md §3.11: a NaN or inf in v there
+// is unspecified for that row, as in the oracle).
 //
 // Keys are walked in tiles of kKeyTile: K^T and V of the tile are gathered (contiguous or paged cache, or
 // new rows) into packed operands, S = Q K^T and O += P V run on ATen's batch-reduce GEMM
