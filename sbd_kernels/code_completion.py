@@ -177,7 +177,10 @@ def keep_target(lines: list[str], index: int, count: int = 1) -> bool:
 
 
 def prompt_before(lines: list[str], index: int) -> list[int]:
-    """BOS + the last CONTEXT_BYTES bytes of the file before line `index`, cut at a line start."""
+    """BOS + the file before line `index`, whole when it fits in CONTEXT_BYTES bytes, else its last CONTEXT_BYTES
+    bytes from the first line start after their first byte. A window that begins exactly at a line start so
+    loses that line too (22 of the first 1000 held-out one-line prompts, 1 of the demo's 24): kept, since every
+    figure measured on the held-out examples was measured on these prompts."""
     context = ("\n".join(lines[:index]) + "\n").encode("utf-8") if index else b""
     if len(context) > CONTEXT_BYTES:
         tail = context[-CONTEXT_BYTES:]
