@@ -37,9 +37,12 @@ aot: $(BUILT)
 # GPU_CHECK_FLAGS="--budget 480" fits the check into less time (the build counts against it: --spent);
 # "--only tests,bench-sampling" runs those stages alone, sharing the budget.
 GPU_CHECK_FLAGS ?=
+# The clock starts before the CUDA check (importing torch and starting CUDA take seconds), so that --spent holds
+# everything before the check's own stages.
 gpu-check:
-	@$(PYTHON) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make gpu-check: no NVIDIA GPU visible to torch ' + torch.__version__ + '; nothing was built or run')"
-	start=$$(date +%s) && env $(BUILD_ENV) $(PYTHON) setup.py -q build_ext --inplace && \
+	@start=$$(date +%s) && \
+	$(PYTHON) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make gpu-check: no NVIDIA GPU visible to torch ' + torch.__version__ + '; nothing was built or run')" && \
+	env $(BUILD_ENV) $(PYTHON) setup.py -q build_ext --inplace && \
 	$(PYTHON) -m sbd_kernels.cli gpu-check --spent $$(( $$(date +%s) - start )) $(GPU_CHECK_FLAGS)
 
 lint: $(DEPS)

@@ -110,7 +110,7 @@ def test_mask_scatter(benchmark, shape, provider):
     fn, inputs, correct = build_provider(provider, lambda: set_up(provider, shape), optional=OPTIONAL)
     tokens, is_masked, sampled, entropy, gamma = inputs
     graph = provider != "naive"
-    pool = InputPool((tokens, is_masked), measured_calls(DEVICE, graph=graph))
+    pool = InputPool((tokens, is_masked), measured_calls(DEVICE, provider=provider, graph=graph))
 
     def call():
         return fn(*pool.take(), sampled, entropy, gamma)

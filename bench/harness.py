@@ -14,7 +14,8 @@ through `torch.ops.sbd` (its Triton kernel) and the baselines (SDPA, FlexAttenti
 torch.compile) run on CUDA tensors. `measure` tags the timing with the record and what the report needs,
 then times calls after warm-up calls: single calls on the CPU; on CUDA, rounds of CUDA_CALLS_PER_ROUND calls
 ended by one synchronisation (the eager cost per call, launch overhead included), and in addition the call
-replayed from a CUDA graph (`graph_ms`: GPU time alone, the basis of achieved TB/s and TFLOP/s). The report
+replayed from a CUDA graph (`graph_ms`: GPU time alone, the basis of achieved TB/s and TFLOP/s); the oracles
+(ORACLE_PROVIDERS, reference points rather than the product) a few rounds of one synchronised call. The report
 (`sbd bench`, `sbd_kernels.bench_report`) turns the JSON that pytest-benchmark writes into one table per
 family, with ratios taken against the `baseline` provider of the same case in the same run, and achieved
 bandwidth and FLOP/s against this machine's ceilings (`sbd_kernels.machine`: measured on the CPU; on CUDA
@@ -46,6 +47,12 @@ WARMUP_ROUNDS = 3
 CUDA_ROUNDS = 30
 CUDA_CALLS_PER_ROUND = 10
 CUDA_GRAPH_ROUNDS = 20
+# The oracles are reference points, not the product: on CUDA each gets ORACLE_CUDA_ROUNDS rounds of one call,
+# synchronised after it, and no CUDA graph. At CUDA_ROUNDS rounds of CUDA_CALLS_PER_ROUND calls (331 calls with
+# the warm-up) the scatter oracle, a Python loop over host copies at 35-53 ms per call at B = 128, took longer
+# per case than the 25 s `sbd gpu-check` gives the whole scatter file.
+ORACLE_PROVIDERS = ("naive",)
+ORACLE_CUDA_ROUNDS = 3
 DEVICE_VARIABLE = "SBD_BENCH_DEVICE"
 
 
@@ -140,11 +147,11 @@ def measure(benchmark, call: Callable[[], Any], *, family: str, shape: Shape, pr
             refill: Callable[[], None] | None = None) -> Any:
     """`record` the case, then time `call()` with pytest-benchmark after WARMUP_ROUNDS warm-up rounds:
     `bench_rounds(rounds)` rounds of single calls on the CPU; on CUDA `bench_rounds(cuda_rounds)` rounds of
-    `calls_per_round` calls ended by one synchronisation, pytest-benchmark dividing each round by its calls.
-    On CUDA with `graph` (a call that never syncs with the host), also the call replayed from a CUDA graph:
-    extra_info["graph_ms"], None when the capture is refused. Returns the last result. An exception of an
-    `optional` provider is a skip, as in build_provider: torch.compile may compile again while timed (seen on an
-    H200: Inductor failed on a recompile for the top-p baseline).
+    `calls_per_round` calls ended by one synchronisation, pytest-benchmark dividing each round by its calls
+    (an oracle: `cuda_timing`). On CUDA with `graph` (a call that never syncs with the host), also the call
+    replayed from a CUDA graph: extra_info["graph_ms"], None when the capture is refused. Returns the last
+    result. An exception of an `optional` provider is a skip, as in build_provider: torch.compile may compile
+    again while timed (seen on an H200: Inductor failed on a recompile for the top-p baseline).
 
     refill: for an op that updates its inputs in place, `InputPool.refill` of the pool `call` takes its
     inputs from (sized with `measured_calls`): run before the timing and before every CUDA-graph round, never
@@ -159,14 +166,23 @@ def measure(benchmark, call: Callable[[], Any], *, family: str, shape: Shape, pr
         pytest.skip(f"{provider} provider failed on this machine while timed: {type(err).__name__}: {err}"[:300])
 
 
-def measured_calls(device: str, *, rounds: int | None = None, cuda_rounds: int = CUDA_ROUNDS,
+def cuda_timing(provider: str, cuda_rounds: int, calls_per_round: int, graph: bool) -> tuple[int, int, bool]:
+    """(rounds, calls per round, CUDA graph) of `provider`'s timing on CUDA: those asked for, or for an oracle
+    (ORACLE_PROVIDERS) ORACLE_CUDA_ROUNDS rounds of one call each, so each call is synchronised, and no graph."""
+    if provider in ORACLE_PROVIDERS:
+        return ORACLE_CUDA_ROUNDS, 1, False
+    return cuda_rounds, calls_per_round, graph
+
+
+def measured_calls(device: str, *, provider: str = "", rounds: int | None = None, cuda_rounds: int = CUDA_ROUNDS,
                    calls_per_round: int = CUDA_CALLS_PER_ROUND, graph: bool = True) -> int:
     """How many times `measure` with the same arguments calls `call()` between two refills, at most: on the
     CPU WARMUP_ROUNDS + bench_rounds(rounds) single calls; on CUDA those rounds of `calls_per_round` calls
-    and the one call pytest-benchmark adds for the result, or the CUDA graph's 1 warm-up call and
-    CUDA_CALLS_PER_ROUND captured calls when that is more."""
+    (`cuda_timing` for `provider`) and the one call pytest-benchmark adds for the result, or the CUDA graph's
+    1 warm-up call and CUDA_CALLS_PER_ROUND captured calls when that is more."""
     if device != "cuda":
         return WARMUP_ROUNDS + bench_rounds(rounds)
+    cuda_rounds, calls_per_round, graph = cuda_timing(provider, cuda_rounds, calls_per_round, graph)
     eager = (WARMUP_ROUNDS + bench_rounds(cuda_rounds)) * calls_per_round + 1
     return max(eager, 1 + CUDA_CALLS_PER_ROUND) if graph else eager
 
@@ -207,6 +223,7 @@ def _measure(benchmark, call: Callable[[], Any], *, family: str, shape: Shape, p
         return benchmark.pedantic(call, rounds=bench_rounds(rounds), warmup_rounds=WARMUP_ROUNDS, iterations=1)
     if refill is not None:
         torch.cuda.synchronize()  # the refill's copies end before the first timed round starts
+    cuda_rounds, calls_per_round, graph = cuda_timing(provider, cuda_rounds, calls_per_round, graph)
     calls = 0
 
     def timed():

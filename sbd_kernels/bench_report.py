@@ -17,9 +17,10 @@ For each case the table lists every provider with its median time and p20-p80 sp
 its fraction of the measured copy bandwidth (ops that stream memory), achieved GFLOP/s and its fraction of
 the measured matmul peak (ops with flops), and the speedup against the case's baseline provider measured in
 the same run. On a GPU (the bench files run on CUDA wherever torch sees one) the tables also give each
-call's time replayed from a CUDA graph, and achieved TB/s and TFLOP/s are taken from that time and set
-against the GPU's datasheet (`datasheet_ceilings`; `sbd_kernels.roofline.HARDWARE`). A CPU result is set
-against the ceilings measured at the thread count it ran with (the decode and HF benchmarks run at 1 thread).
+call's time replayed from a CUDA graph, and achieved TB/s and TFLOP/s are taken from that time (from the
+median, marked so, for a row without one) and set against the GPU's datasheet (`datasheet_ceilings`;
+`sbd_kernels.roofline.HARDWARE`). A CPU result is set against the ceilings measured at the thread count it
+ran with (the decode and HF benchmarks run at 1 thread).
 A provider that failed its oracle check on the benchmark inputs gets no speedup, nor does any provider of a
 case whose baseline failed it: the cell says so instead. After the tables: the roofline model's prediction
 against the measured decode forwards (`sbd_kernels.roofline`), the GPU static report of every Triton kernel
@@ -51,8 +52,8 @@ from sbd_kernels.benchmark_grid import GRIDS, shape_from_dict
 from sbd_kernels.machine import PEAK_DTYPE_FOR, gpu_load_text
 from sbd_kernels.roofline import HARDWARE, read_json
 
-COLUMNS = ["case", "provider", "threads", "median_ms", "p20_ms", "p80_ms", "graph_ms", "gbs", "pct_copy", "gflops",
-           "pct_peak", "speedup", "graph_speedup", "oracle", "withheld"]
+COLUMNS = ["case", "provider", "threads", "median_ms", "p20_ms", "p80_ms", "graph_ms", "rate_from", "gbs", "pct_copy",
+           "gflops", "pct_peak", "speedup", "graph_speedup", "oracle", "withheld"]
 # machine_info[HEADER_KEY] of a bench run's pytest-benchmark JSON: `machine_header` of the machine that ran it,
 # with "ceilings_by_threads" (bench/conftest.py).
 HEADER_KEY = "sbd"
@@ -218,13 +219,15 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 def rows_from_raw(raw: dict, ceilings: dict) -> dict[str, list[dict]]:
-    """One row per (family, case, provider), grouped by family, with ratios against the case's baseline.
+    """One row per (family, case, provider), grouped by family, with ratios against the row of its baseline
+    provider in the same case (most rows share the case's baseline; sampling's "sbd plain" is timed against
+    "sbd").
 
     Achieved GB/s and GFLOP/s come from the CUDA-graph time where the harness measured one (GPU time alone),
-    else from the median, set against the timing's own ceilings (`row_ceilings`); the matmul peak is that of
-    the record's dtype, or of PEAK_DTYPE_FOR's stand-in when the ceilings have none (fp16 on a CPU); a
-    missing ceiling leaves its fraction empty. No ratio for a row that failed its oracle check, nor for any
-    row of a case whose baseline failed it: "withheld" says why."""
+    else from the median ("rate_from" says which), set against the timing's own ceilings (`row_ceilings`); the
+    matmul peak is that of the record's dtype, or of PEAK_DTYPE_FOR's stand-in when the ceilings have none
+    (fp16 on a CPU); a missing ceiling leaves its fraction empty. No ratio for a row that failed its oracle
+    check, nor for a row whose baseline failed it: "withheld" says why."""
     by_case: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for bench in raw["benchmarks"]:
         info = bench.get("extra_info", {})
@@ -234,9 +237,9 @@ def rows_from_raw(raw: dict, ceilings: dict) -> dict[str, list[dict]]:
 
     families: dict[str, list[dict]] = defaultdict(list)
     for (family, _case), rows in by_case.items():
-        base = next((r for r in rows if r["provider"] == r["baseline"]), None)
+        by_provider = {r["provider"]: r for r in rows}
         for row in rows:
-            set_ratios(row, base)
+            set_ratios(row, by_provider.get(row["baseline"]))
         families[family].extend(sorted(rows, key=lambda r: r["provider"] != "sbd"))
     return families
 
@@ -252,9 +255,9 @@ def timing_row(bench: dict, ceilings: dict) -> dict:
         "family": info["family"], "case": shape.label, "shape": info["shape"], "provider": info["provider"],
         "baseline": info["baseline"], "threads": info.get("threads"), "median_ms": median * 1e3,
         "p20_ms": percentile(times, 0.2) * 1e3, "p80_ms": percentile(times, 0.8) * 1e3, "graph_ms": graph_ms,
-        "gbs": None, "pct_copy": None, "gflops": None, "pct_peak": None, "speedup": None,
-        "graph_speedup": None, "oracle": {True: "pass", False: "FAIL", None: "-"}[info.get("correct")],
-        "withheld": None,
+        "rate_from": "graph ms" if graph_ms else "median ms", "gbs": None, "pct_copy": None, "gflops": None,
+        "pct_peak": None, "speedup": None, "graph_speedup": None,
+        "oracle": {True: "pass", False: "FAIL", None: "-"}[info.get("correct")], "withheld": None,
     }
     seconds = graph_ms / 1e3 if graph_ms else median
     if info.get("bytes_moved"):
@@ -324,7 +327,9 @@ def markdown(header: dict, families: dict[str, list[dict]], ceilings: dict | Non
     else:
         lines.append("On the GPU, median ms is one eager call (rounds of back-to-back calls, launch overhead "
                      "included); graph ms the same call replayed from a CUDA graph (GPU time alone, '-' where "
-                     "the call cannot be captured), which TB/s and TFLOP/s are taken from.")
+                     "the call cannot be captured or is not replayed: the oracle, whole decodes), which TB/s and "
+                     "TFLOP/s are taken from. Where a row has no graph ms, its TB/s, TFLOP/s and their fractions "
+                     "are taken from median ms, and marked (median).")
     for family, rows in families.items():
         lines += ["", f"## {family}", ""] + (_gpu_table(rows) if on_gpu else _cpu_table(rows))
     return "\n".join(lines) + "\n"
@@ -400,13 +405,23 @@ def _gpu_table(rows: list[dict]) -> list[str]:
     for r in rows:
         tbs = None if r["gbs"] is None else r["gbs"] / 1e3
         tflops = None if r["gflops"] is None else r["gflops"] / 1e3
+        rate = _median_marked(r)
         lines.append(
             f"| {r['case']} | {r['provider']} | {r['median_ms']:.3f} | {r['p20_ms']:.3f}-{r['p80_ms']:.3f} "
-            f"| {fmt(r['graph_ms'], '.4f')} | {fmt(tbs, '.3f')} | {fmt(r['pct_copy'], '.0f')} "
-            f"| {fmt(tflops, '.2f')} | {fmt(r['pct_peak'], '.0f')} | {_speed(r)} | {_speed(r, 'graph_speedup')} "
+            f"| {fmt(r['graph_ms'], '.4f')} | {rate(tbs, '.3f')} | {rate(r['pct_copy'], '.0f')} "
+            f"| {rate(tflops, '.2f')} | {rate(r['pct_peak'], '.0f')} | {_speed(r)} | {_speed(r, 'graph_speedup')} "
             f"| {r['oracle']} |"
         )
     return lines
+
+
+def _median_marked(row: dict):
+    """`fmt` for the rate cells of a GPU row: a value taken from the median (no CUDA-graph time) says so."""
+    from_median = row.get("rate_from") == "median ms"
+
+    def cell(value, spec: str) -> str:
+        return f"{fmt(value, spec)} (median)" if from_median and value is not None else fmt(value, spec)
+    return cell
 
 
 def roofline_section(raw: dict) -> str:

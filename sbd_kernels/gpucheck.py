@@ -31,12 +31,16 @@ Every stage runs offline (HF_HUB_OFFLINE=1); the one test that needs the network
 with build isolation) is left out and listed in the report (DESELECTED_TESTS).
 
 The budgets are BUDGETS_S scaled to `--budget` (default TOTAL_BUDGET_S) and shared among the stages that run
-(`--only`; the build only when it has work, the compile stage always). On a GPU every stage is bound by compiling, so a stage is
+(`--only`; the build only when it has work, the compile stage always; a stage missing a module gets none). The
+seconds a stage leaves unused go to the stages after it: each is stopped at the end of its budget counted
+from the deadline of those before, one deadline for all. On a GPU every stage is bound by compiling, so a stage is
 ordered for a stop: a stage still running at its budget gets SIGINT (pytest then prints its summary, writes
 its JUnit XML, and pytest-benchmark the timings it finished), GRACE_S later SIGKILL (a bench stage's finished
 timings are also appended one by one as they end: SBD_BENCH_PARTIAL), and the summary says it overran. A
-stage that cannot run (pytest, pytest-benchmark or transformers missing, or the build failed) is skipped with
-the reason. The report goes to bench/reference/<gpu-name>/: report.md (the GPU from NVML: name, driver,
+stage that cannot run (pytest, pytest-benchmark or transformers missing, or the build failed or overran) is
+skipped with the reason. The report goes to bench/reference/<gpu-name>/, written again after every stage (a
+check killed at the time limit leaves the report of the stages it finished), with only this check's timings:
+an earlier check's raw JSON, logs and plots there are removed first. report.md (the GPU from NVML: name, driver,
 clocks; the stages, each with the GPU's clocks, temperature, power and clock event reasons while it ran,
 sampled from NVML (`machine.GpuMonitor`); the tests by file; what was skipped and why; the benchmark tables
 with achieved TB/s and TFLOP/s against the GPU's datasheet), report.json, report.csv, gpu-check.json (the stages), raw/
@@ -92,6 +96,16 @@ OFFLINE_ENV = (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"))
 BENCH_FAMILIES = ("attention", "sampling", "scatter", "decode", "hf")
 # Modules a stage needs beyond torch, by the import name that tells whether they are installed.
 OPTIONAL_MODULES = ("triton", "pytest", "pytest_benchmark", "transformers", "pynvml", "matplotlib")
+# The OPTIONAL_MODULES each stage needs: a stage missing one is skipped with the reason and gets no share of the
+# budget (its share goes to the stages that run).
+STAGE_MODULES = {"compile": ("triton",), "tests": ("pytest",),
+                 **{f"bench-{family}": ("pytest", "pytest_benchmark") for family in BENCH_FAMILIES},
+                 "bench-hf": ("pytest", "pytest_benchmark", "transformers")}
+# The statuses of a stage that ran this time: its timings, logs and outcomes are this run's.
+RAN = ("passed", "failed", "overran")
+# The plots `bench_plots.write_plots` draws from the benchmark rows: an earlier run's would outlive a run that
+# times less (accuracy_vs_nfe.png comes from a demo's JSON, not from the rows).
+PLOT_FILES = ("sampling_latency.png", "attention_gflops.png", "decode_tokens_per_s.png")
 # Sources whose change means a rebuild (as the Makefile's BUILD_INPUTS).
 BUILD_INPUT_GLOBS = ("csrc/**/*.cpp", "csrc/**/*.h", "csrc/sources.txt", "setup.py", "pyproject.toml")
 
@@ -114,15 +128,21 @@ class Checkout:
     only: tuple[str, ...] = ()  # the stages to run (`--only`; the build too when it has work); empty: all
     spent_s: int = 0  # seconds of the check before this command (`--spent`: make gpu-check's build)
 
-    def selected(self) -> tuple[str, ...]:
-        """The stages that get a budget: those of `only` (all when empty), the build when it has work, and the
-        compile stage (every other stage runs the kernels it compiles)."""
-        def wanted(name: str) -> bool:
-            if name == "build":
-                return not self.extension_current
-            return name in AUTOMATIC_STAGES or not self.only or name in self.only
+    def wanted(self, name: str) -> bool:
+        """Whether stage `name` is asked for: those of `only` (all when empty), the build when it has work, and
+        the compile stage (every other stage runs the kernels it compiles)."""
+        if name == "build":
+            return not self.extension_current
+        return name in AUTOMATIC_STAGES or not self.only or name in self.only
 
-        return tuple(name for name in BUDGETS_S if wanted(name))
+    def cannot_run(self, name: str) -> str | None:
+        """Why stage `name` cannot run here (the modules of STAGE_MODULES[name] not installed), or None."""
+        absent = [module for module in STAGE_MODULES.get(name, ()) if module in self.missing]
+        return f"{', '.join(absent)} not installed" if absent else None
+
+    def selected(self) -> tuple[str, ...]:
+        """The stages that get a budget: those asked for (`wanted`) that can run here."""
+        return tuple(name for name in BUDGETS_S if self.wanted(name) and self.cannot_run(name) is None)
 
     def stage_room_s(self) -> int:
         """What the stages share: the budget less the seconds spent before this command, at least the least
@@ -149,6 +169,7 @@ class Stage:
     plans: tuple[Path, ...] = ()  # the test stage: the node ids each command collected to run (SBD_TEST_PLAN)
     skip: str | None = None  # why it cannot run; None when it can
     nothing_to_do: str | None = None  # why it need not run (a stage without commands that passes)
+    carried_s: float = 0.0  # seconds the stages before it left unused, added to its budget (`run`)
 
     def environment(self, index: int, repo: Path) -> dict[str, str]:
         """The environment of command `index`: this process's, without TRITON_INTERPRET (the kernels are to
@@ -182,6 +203,12 @@ class StageResult:
     skipped: list[str] = field(default_factory=list)  # SKIPPED reasons of pytest
     by_file: dict[str, dict[str, int]] = field(default_factory=dict)  # outcomes_by_file of the test stage
     gpu_load: dict = field(default_factory=dict)  # GpuMonitor.summary() while its commands ran; {} if none ran
+    carried_s: float = 0.0  # seconds the stages before it left unused, given to it on top of budget_s
+
+    def budget_text(self) -> str:
+        """Its budget in seconds, with the seconds carried over from the stages before: "145" or "145+38"."""
+        carried = round(self.carried_s)
+        return f"{self.budget_s}+{carried}" if carried else str(self.budget_s)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -232,8 +259,10 @@ def stage_budgets(total_s: int, names: tuple[str, ...] = tuple(BUDGETS_S)) -> di
     budget = BUDGETS_S[name] * (total_s - fixed) * u / sum(BUDGETS_S[n] for n in names), fixed =
     fixed_cost_s(len(names)), u = sum(BUDGETS_S) / (TOTAL_BUDGET_S - fixed_cost_s()) the share of its room the
     default plan gives its stages (505 / 515): all stages at the default total get BUDGETS_S; a shorter total (a
-    machine lent for less), a longer one (a slower GPU) or fewer stages (`--only`) keep the proportions, and the
-    stages, their grace and the report stay within total_s."""
+    machine lent for less), a longer one (a slower GPU) or fewer stages (`--only`, or stages that cannot run)
+    keep the proportions, and the stages, their grace and the report stay within total_s. No stage: {}."""
+    if not names:
+        return {}
     fixed = fixed_cost_s(len(names))
     share = sum(BUDGETS_S.values()) / (TOTAL_BUDGET_S - fixed_cost_s())
     scale = (total_s - fixed) * share / sum(BUDGETS_S[name] for name in names)
@@ -263,10 +292,11 @@ def gpu_slug(name: str) -> str:
 # The plan
 # ----------------------------------------------------------------------------------------------------
 def plan(checkout: Checkout) -> list[Stage]:
-    """Every stage, in order, with its commands or the reason it is skipped."""
+    """Every stage, in order, with its commands or the reason it is skipped (not asked for, or a module
+    missing: `Checkout.cannot_run`); only the stages that run have a budget."""
     stages = [build_stage(checkout), compile_stage(checkout), test_stage(checkout),
               *(bench_stage(checkout, f) for f in BENCH_FAMILIES)]
-    return [s if s.name in checkout.selected() or s.nothing_to_do is not None
+    return [s if checkout.wanted(s.name) or s.nothing_to_do is not None
             else dataclasses.replace(s, skip="not selected (--only)") for s in stages]
 
 
@@ -285,8 +315,8 @@ def build_stage(checkout: Checkout) -> Stage:
 def compile_stage(checkout: Checkout) -> Stage:
     what = (f"every Triton kernel configuration compiled for this GPU into Triton's cache, {checkout.cpu_count} "
             "processes")
-    if "triton" in checkout.missing:
-        return Stage("compile", checkout.stage_budget("compile"), what, skip="triton not installed")
+    if checkout.cannot_run("compile"):
+        return Stage("compile", 0, what, skip=checkout.cannot_run("compile"))
     command = (checkout.python, "-m", "sbd_kernels.aot", "--warm", "--jobs", str(checkout.cpu_count))
     return Stage("compile", checkout.stage_budget("compile"), what, commands=(command,))
 
@@ -304,8 +334,8 @@ def test_stage(checkout: Checkout) -> Stage:
     shards = test_shards(checkout.cpu_count)
     what = ("the whole test suite on CUDA tensors, Triton kernels compiled, in "
             + (f"{shards} pytest processes side by side" if shards > 1 else "one pytest process"))
-    if "pytest" in checkout.missing:
-        return Stage("tests", checkout.stage_budget("tests"), what, skip="pytest not installed")
+    if checkout.cannot_run("tests"):
+        return Stage("tests", 0, what, skip=checkout.cannot_run("tests"))
     deselect = [arg for test in DESELECTED_TESTS for arg in ("--deselect", test)]
     command = (checkout.python, "-m", "pytest", *test_files(checkout), *deselect, "-q", "-rfEs", "-p",
                "no:cacheprovider")
@@ -332,11 +362,8 @@ BENCH_WHAT = {
 def bench_stage(checkout: Checkout, family: str) -> Stage:
     name = f"bench-{family}"
     what = f"{BENCH_WHAT[family]}; quick grid, on CUDA"
-    missing = [m for m in ("pytest", "pytest_benchmark") if m in checkout.missing]
-    if family == "hf" and "transformers" in checkout.missing:
-        missing.append("transformers")
-    if missing:
-        return Stage(name, checkout.stage_budget(name), what, skip=f"{', '.join(missing)} not installed")
+    if checkout.cannot_run(name):
+        return Stage(name, 0, what, skip=checkout.cannot_run(name))
     raw = checkout.out / "raw" / f"{family}.json"
     command = tuple(bench_report.benchmark_command(checkout.python, [f"bench/bench_{family}.py"], raw, ("-rs",)))
     return Stage(name, checkout.stage_budget(name), what, commands=(command,),
@@ -364,7 +391,8 @@ def plan_text(stages: list[Stage], budget_s: int = TOTAL_BUDGET_S, spent_s: int 
 # ----------------------------------------------------------------------------------------------------
 def run_stage(stage: Stage, checkout: Checkout) -> StageResult:
     """Run the stage's commands side by side, each in its own process group with its log under out/logs;
-    SIGINT at the budget, SIGKILL GRACE_S later. Returns the judged result."""
+    SIGINT at its budget and the seconds carried over to it (stage.carried_s), SIGKILL GRACE_S later. Returns
+    the judged result."""
     logs_dir = checkout.out / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     logs = [logs_dir / (f"{stage.name}-{i}.log" if len(stage.commands) > 1 else f"{stage.name}.log")
@@ -382,7 +410,7 @@ def run_stage(stage: Stage, checkout: Checkout) -> StageResult:
             with open(log, "w") as handle:
                 processes.append(subprocess.Popen(command, cwd=checkout.repo, env=stage.environment(i, checkout.repo),
                                                   stdout=handle, stderr=subprocess.STDOUT, start_new_session=True))
-        overran = wait_or_stop(processes, start + stage.budget_s)
+        overran = wait_or_stop(processes, start + stage.budget_s + stage.carried_s)
     seconds = time.monotonic() - start
     texts = [log.read_text(errors="replace") for log in logs]
     result = judge(stage, [p.returncode for p in processes], texts, overran, seconds)
@@ -481,7 +509,8 @@ def judge(stage: Stage, returncodes: list[int | None], texts: list[str], overran
     """A stage's status and one-line detail from its exit statuses and logs."""
     failures = [line for text in texts for kind in ("FAILED", "ERROR") for line in short_summary(text, kind)]
     skipped = [line for text in texts for line in short_summary(text, "SKIPPED")]
-    result = StageResult(stage.name, "passed", seconds, stage.budget_s, "", failures, skipped)
+    result = StageResult(stage.name, "passed", seconds, stage.budget_s, "", failures, skipped,
+                         carried_s=stage.carried_s)
     if stage.name in AUTOMATIC_STAGES and not overran:  # no pytest: the exit status, the last line
         ok = returncodes == [0]
         result.status = "passed" if ok else "failed"
@@ -496,7 +525,7 @@ def judge(stage: Stage, returncodes: list[int | None], texts: list[str], overran
             result.failures += [f"oracle check FAILED: {b}" for b in bad]
     if overran:
         result.status = "overran"
-        result.detail = f"stopped at the {stage.budget_s} s budget; " + (", ".join(parts) or last_line(texts))
+        result.detail = f"stopped at {stop_text(stage)}; " + (", ".join(parts) or last_line(texts))
     elif all(rc == 0 for rc in returncodes) and not (result.failures or counts["failed"] or counts["error"]):
         result.detail = ", ".join(parts)
     else:
@@ -506,6 +535,15 @@ def judge(stage: Stage, returncodes: list[int | None], texts: list[str], overran
         if not counts:
             result.detail += f"; {last_line(texts)}"
     return result
+
+
+def stop_text(stage: Stage) -> str:
+    """When a stage past its time was stopped: "the 55 s budget", or with seconds carried over to it "its 55 s
+    budget + 38 s the stages before left"."""
+    carried = round(stage.carried_s)
+    if not carried:
+        return f"the {stage.budget_s} s budget"
+    return f"its {stage.budget_s} s budget + {carried} s the stages before left"
 
 
 def raw_outcome(raw_json: Path) -> tuple[int, list[str]]:
@@ -523,9 +561,31 @@ def not_run(stage: Stage, why: str) -> StageResult:
 # ----------------------------------------------------------------------------------------------------
 # The report
 # ----------------------------------------------------------------------------------------------------
-def merged_raw(stages: list[Stage]) -> dict:
-    """The timings of every bench stage that wrote its JSON, as one pytest-benchmark JSON."""
-    return {"benchmarks": [b for s in stages if s.raw_json is not None for b in bench_report.read_raw(s.raw_json)]}
+def merged_raw(stages: list[Stage], results: list[StageResult]) -> dict:
+    """The timings of the bench stages that ran in this check (a status in RAN), as one pytest-benchmark JSON:
+    a stage not selected, skipped or not run reads none, whatever JSON an earlier check left at its path."""
+    ran = {r.name for r in results if r.status in RAN}
+    return {"benchmarks": [b for s in stages if s.raw_json is not None and s.name in ran
+                           for b in bench_report.read_raw(s.raw_json)]}
+
+
+def earlier_outputs(out: Path) -> list[Path]:
+    """What an earlier check left in `out` that this one writes only for the stages it runs: the bench stages'
+    raw JSON and partial timings, the stages' logs, JUnit XML and plans, the plots of the benchmark rows
+    (PLOT_FILES). Anything else there (an earlier run kept in a subfolder, a README) is not touched."""
+    raw = [path for family in BENCH_FAMILIES
+           for path in (out / "raw" / f"{family}.json", bench_report.partial_path(out / "raw" / f"{family}.json"))]
+    logs = out / "logs"
+    stage_logs = [path for name in BUDGETS_S for pattern in (f"{name}.log", f"{name}-*.log")
+                  for path in logs.glob(pattern)]
+    test_files_ = [*logs.glob("tests-*.xml"), *logs.glob("tests-*.plan")]
+    return [path for path in (*raw, *stage_logs, *test_files_, *(out / name for name in PLOT_FILES)) if path.exists()]
+
+
+def remove_earlier_outputs(out: Path) -> None:
+    """Removes `earlier_outputs(out)`: the report of this check never shows an earlier check's timings or plots."""
+    for path in earlier_outputs(out):
+        path.unlink(missing_ok=True)
 
 
 def gpu_line(header: dict) -> str:
@@ -550,11 +610,12 @@ def not_reached(counts: collections.Counter) -> int:
 
 
 def check_section(header: dict, results: list[StageResult], stages: list[Stage], checkout: Checkout,
-                  seconds: float, dry_run: bool) -> str:
+                  seconds: float, dry_run: bool, finished: bool = True) -> str:
     """The gpu-check part of report.md: the GPU, the stages against their budgets, what was skipped and why,
-    the failures, the commands."""
+    the failures, the commands. Before the check has `finished`, the title says so (stages "pending")."""
     name = (header.get("gpu") or {}).get("name", "unknown GPU")
-    lines = [f"# sbd gpu-check: {name}{' (dry run: no stage ran)' if dry_run else ''}", "",
+    state = " (dry run: no stage ran)" if dry_run else "" if finished else f" (in progress: {PENDING_DETAIL})"
+    lines = [f"# sbd gpu-check: {name}{state}", "",
              f"- GPU (NVML, read before the stages: idle clocks): {gpu_line(header)}",
              ("- GPU while each stage ran (NVML): clocks are medians (and the lowest SM clock) of the samples "
               "with the GPU busy, temperature and power the highest"),
@@ -563,10 +624,12 @@ def check_section(header: dict, results: list[StageResult], stages: list[Stage],
              (f"- the check took {seconds:.0f} s"
               f"{f' (the build before `sbd gpu-check`, {checkout.spent_s} s, included)' if checkout.spent_s else ''}; "
               f"budget {checkout.budget_s} s (default {TOTAL_BUDGET_S} s: `make gpu-check` on an H100)"), "",
-             "## Stages", "", "| stage | status | time s | budget s | result | GPU while it ran |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r.name} | {r.status} | {r.seconds:.0f} | {r.budget_s} | {r.detail} | {gpu_load_text(r.gpu_load)} |"
-              for r in results]
+             "## Stages", "",
+             ("Budget s: the stage's budget, + the seconds the stages before it left unused (its time to run, "
+              "within the check's one budget)."), "",
+             "| stage | status | time s | budget s | result | GPU while it ran |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r.name} | {r.status} | {r.seconds:.0f} | {r.budget_text()} | {r.detail} "
+              f"| {gpu_load_text(r.gpu_load)} |" for r in results]
     by_file = tests_by_file(results)
     if by_file:
         lines += ["", "## Tests by file", "",
@@ -579,7 +642,7 @@ def check_section(header: dict, results: list[StageResult], stages: list[Stage],
     skips = [f"- {r.name}: {r.detail}" for r in results if r.status in ("skipped", "not run")]
     if "transformers" in checkout.missing:
         skips.append("- tests/test_hf.py: transformers is not installed")
-    if any(s.name == "tests" and s.commands for s in stages):
+    if any(s.name == "tests" and s.commands and s.skip is None for s in stages):
         skips += [f"- {test}: {why}" for test, why in DESELECTED_TESTS.items()]
     if "pynvml" in checkout.missing:
         skips.append("- NVML fields: nvidia-ml-py is not installed")
@@ -598,24 +661,36 @@ def check_section(header: dict, results: list[StageResult], stages: list[Stage],
     return "\n".join(lines)
 
 
+PENDING_DETAIL = "not reached when this report was written (a later report replaces it)"
+
+
+def pending(stages: list[Stage], results: list[StageResult]) -> list[StageResult]:
+    """`results`, then a "pending" result for each stage of `stages` after them."""
+    return [*results, *(StageResult(s.name, "pending", 0.0, s.budget_s, PENDING_DETAIL) for s in stages[len(results):])]
+
+
 def write_report(checkout: Checkout, header: dict, stages: list[Stage], results: list[StageResult],
-                 seconds: float, dry_run: bool) -> tuple[Path, dict[str, list[dict]], dict]:
-    """report.md, report.json, report.csv, gpu-check.json (and the plots, with matplotlib) under out;
-    returns (report.md, the benchmark rows by family, the ceilings they were set against)."""
-    raw = merged_raw(stages)
+                 seconds: float, dry_run: bool, finished: bool = True) -> tuple[Path, dict[str, list[dict]]]:
+    """report.md, report.json, report.csv, gpu-check.json (and when `finished` the plots, with matplotlib)
+    under out; returns (report.md, the benchmark rows by family, each set against its ceilings). `run`
+    writes it after every stage as well (`finished` False, the stages not reached yet "pending", gpu-check.json
+    "finished": false), so that a check killed at the time limit leaves the report of what it finished."""
+    results = pending(stages, results)
+    raw = merged_raw(stages, results)
     ceilings = bench_report.report_ceilings(header, raw)
     families = bench_report.rows_from_raw(raw, ceilings)
     report = bench_report.write_outputs(checkout.out, header, families, bench_report.roofline_section(raw), ceilings)
     tables = report.read_text() if families else "## Benchmarks\n\nNo benchmark ran.\n"
-    report.write_text(check_section(header, results, stages, checkout, seconds, dry_run) + "\n" + tables)
+    report.write_text(check_section(header, results, stages, checkout, seconds, dry_run, finished) + "\n" + tables)
     (checkout.out / "gpu-check.json").write_text(json.dumps(
         {"gpu": header.get("gpu"), "seconds": seconds, "dry_run": dry_run, "budget_s": checkout.budget_s,
-         "stages": [asdict(r) for r in results], "missing": sorted(checkout.missing)}, indent=1))
-    if families and "matplotlib" not in checkout.missing:
+         "finished": finished, "stages": [asdict(r) for r in results], "missing": sorted(checkout.missing)},
+        indent=1))
+    if finished and families and "matplotlib" not in checkout.missing:
         from sbd_kernels.bench_plots import write_plots
 
         write_plots(checkout.out, families)
-    return report, families, ceilings
+    return report, families
 
 
 def is_ours(provider: str) -> bool:
@@ -624,13 +699,26 @@ def is_ours(provider: str) -> bool:
     return provider.startswith("sbd") or provider.endswith("ops")
 
 
-def kernel_lines(families: dict[str, list[dict]], ceilings: dict) -> list[str]:
-    """Per family, one line on how our rows (sbd..., ... ops) did against the baseline of their cases. A
+def compared_rows(rows: list[dict]) -> list[dict]:
+    """Our rows (sbd..., ... ops) that a family's summary line compares: those against a foreign baseline (the
+    same work done by torch), or in a family with none, those against our own (decode: "sbd t=1"). A row timed
+    against one of our own providers beside foreign ones (sampling's "sbd plain", the filtered case's call
+    without the filter, against "sbd": what the filter costs) does other work than the foreign baseline and
+    stays out of the line."""
+    ours = [r for r in rows if r["provider"] != r["baseline"] and is_ours(r["provider"])]
+    foreign = [r for r in ours if not is_ours(r["baseline"])]
+    return foreign or ours
+
+
+def kernel_lines(families: dict[str, list[dict]]) -> list[str]:
+    """Per family, one line on how our rows (`compared_rows`) did against the baseline of their cases. A
     family whose baseline is one of our own providers (decode: "sbd t=1") compares our code with itself:
-    its line gives time(t)/time(1), the cost of a wider pass, and no speedup."""
+    its line gives time(t)/time(1), the cost of a wider pass, and no speedup. The best TB/s and TFLOP/s are
+    those of rows timed from a CUDA graph, each with its fraction of the ceiling that row was set against
+    (`row_ceiling`: not always the report's, the decode rows store their own)."""
     lines = []
     for family, rows in families.items():
-        ours = [r for r in rows if r["provider"] != r["baseline"] and is_ours(r["provider"])]
+        ours = compared_rows(rows)
         if not ours:
             continue
         parts = [f"{family}: {len(ours)} rows"]
@@ -639,18 +727,25 @@ def kernel_lines(families: dict[str, list[dict]], ceilings: dict) -> list[str]:
         else:
             parts += _speedups(ours)
         text = ", ".join(parts)
-        best = max((r for r in ours if r["gbs"]), key=lambda r: r["gbs"], default=None)
+        graphed = [r for r in ours if r.get("rate_from") == "graph ms"]
+        best = max((r for r in graphed if r["gbs"]), key=lambda r: r["gbs"], default=None)
         if best is not None:
-            share = (f" = {best['pct_copy']:.0f}% of the {ceilings['copy_gbs'] / 1e3:.2f} TB/s datasheet"
-                     if best["pct_copy"] else "")
+            share = (f" = {best['pct_copy']:.0f}% of the {row_ceiling(best, 'gbs', 'pct_copy') / 1e3:.2f} TB/s "
+                     "datasheet" if best["pct_copy"] else "")
             text += f"; best {best['gbs'] / 1e3:.2f} TB/s{share} ({best['case']})"
-        top = max((r for r in ours if r["gflops"]), key=lambda r: r["gflops"], default=None)
+        top = max((r for r in graphed if r["gflops"]), key=lambda r: r["gflops"], default=None)
         if top is not None:
             share = f" = {top['pct_peak']:.0f}% of the datasheet peak" if top["pct_peak"] else ""
             text += f"; best {top['gflops'] / 1e3:.1f} TFLOP/s{share} ({top['case']})"
         failed = sum(r["oracle"] == "FAIL" for r in ours)
         lines.append("  " + text + (f"; {failed} oracle check FAILURES" if failed else ""))
     return lines
+
+
+def row_ceiling(row: dict, rate: str, fraction: str) -> float:
+    """The ceiling a row's `rate` ("gbs", "gflops") was set against, from the rate and its percentage
+    `fraction` ("pct_copy", "pct_peak"): that of the row's own ceilings (`bench_report.row_ceilings`)."""
+    return 100 * row[rate] / row[fraction]
 
 
 def _speedups(rows: list[dict]) -> list[str]:
@@ -683,13 +778,13 @@ def _span(values: list[float]) -> str:
     return f"{low:.2f}x" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}x"
 
 
-def summary(header: dict, results: list[StageResult], families: dict[str, list[dict]], ceilings: dict,
+def summary(header: dict, results: list[StageResult], families: dict[str, list[dict]],
             report: Path, seconds: float, budget_s: int = TOTAL_BUDGET_S) -> str:
     """What gets printed at the end: the GPU, each stage against its budget, the kernels, the skips, where the
     report is."""
     lines = [f"sbd gpu-check: {gpu_line(header)}",
              f"{'stage':<16} {'status':<8} {'time / budget':>14}  result"]
-    lines += [f"{r.name:<16} {r.status:<8} {r.seconds:>5.0f} / {r.budget_s:>3} s  {r.detail}" for r in results]
+    lines += [f"{r.name:<16} {r.status:<8} {r.seconds:>5.0f} / {r.budget_text():>3} s  {r.detail}" for r in results]
     loads = [f"  {r.name}: {gpu_load_text(r.gpu_load)}" for r in results if r.gpu_load]
     if loads:
         lines += ["GPU while the stages ran (NVML):", *loads]
@@ -698,9 +793,10 @@ def summary(header: dict, results: list[StageResult], families: dict[str, list[d
         ran = total["passed"] + total["failed"] + total["skipped"]
         lines.append(f"tests: {ran} of {total['planned']} run ({total['failed']} failed), {not_reached(total)} "
                      "not reached in the budget; by file in the report")
-    kernels = kernel_lines(families, ceilings)
+    kernels = kernel_lines(families)
     if kernels:
-        lines += ["kernels (our rows against the baseline of each case; TB/s from CUDA-graph times):", *kernels]
+        lines += ["kernels (our rows against the baseline of each case; TB/s and TFLOP/s from CUDA-graph times):",
+                  *kernels]
     skipped = [f"{r.name} ({r.detail})" for r in results if r.status in ("skipped", "not run")]
     if skipped:
         lines.append("skipped: " + "; ".join(skipped))
@@ -735,28 +831,47 @@ def run(args: argparse.Namespace) -> int:
                         extension_is_current(repo), args.budget, tuple(args.only.split(",")) if args.only else (),
                         args.spent)
     checkout.out.mkdir(parents=True, exist_ok=True)
+    remove_earlier_outputs(checkout.out)
     stages = plan(checkout)
     print(f"sbd gpu-check{' --dry-run' if args.dry_run else ''}: {len(stages)} stages\n"
           f"{plan_text(stages, checkout.budget_s, checkout.spent_s)}", flush=True)
     results = []
+    # One deadline for the stages so far: each stage that runs is stopped at the end of its budget counted from
+    # it, so that a stage that ends early passes its unused seconds on to the next ones, and one stopped past
+    # it (GRACE_S at most) takes nothing from them (the plan's worst case, plan_text, holds).
+    stages_end = time.monotonic()
     for stage in stages:
-        if stage.skip is not None:
-            result = StageResult(stage.name, "skipped", 0.0, stage.budget_s, stage.skip)
-        elif stage.nothing_to_do is not None:
-            before = checkout.spent_s if stage.name == "build" else 0.0  # make gpu-check's build
-            result = StageResult(stage.name, "passed", before, stage.budget_s, stage.nothing_to_do)
-        elif args.dry_run:
-            result = not_run(stage, "dry run")
-        elif any(r.name == "build" and r.status == "failed" for r in results):
-            result = not_run(stage, "the build failed")
-        else:
-            print(f"[{stage.name}] running, {stage.budget_s} s budget", flush=True)
-            result = run_stage(stage, checkout)
+        now = time.monotonic()
+        result = stage_result(stage, results, checkout, args.dry_run, max(0.0, stages_end - now))
+        if result.status in RAN:
+            stages_end = max(stages_end, now) + stage.budget_s
         results.append(result)
+        write_report(checkout, header, stages, results, time.monotonic() - started + checkout.spent_s, args.dry_run,
+                     finished=False)
     seconds = time.monotonic() - started + checkout.spent_s
-    report, families, ceilings = write_report(checkout, header, stages, results, seconds, args.dry_run)
-    print(summary(header, results, families, ceilings, report, seconds, checkout.budget_s))
+    report, families = write_report(checkout, header, stages, results, seconds, args.dry_run)
+    print(summary(header, results, families, report, seconds, checkout.budget_s))
     return 1 if any(r.status in ("failed", "overran") for r in results) else 0
+
+
+def stage_result(stage: Stage, results: list[StageResult], checkout: Checkout, dry_run: bool,
+                 carried_s: float) -> StageResult:
+    """Runs `stage` with `carried_s` seconds on top of its budget, or says why it does not run: skipped,
+    nothing to do, a dry run, or a build before it that failed or was stopped (the stages would test an
+    earlier extension, or none)."""
+    if stage.skip is not None:
+        return StageResult(stage.name, "skipped", 0.0, stage.budget_s, stage.skip)
+    if stage.nothing_to_do is not None:
+        before = checkout.spent_s if stage.name == "build" else 0.0  # make gpu-check's build
+        return StageResult(stage.name, "passed", before, stage.budget_s, stage.nothing_to_do)
+    if dry_run:
+        return not_run(stage, "dry run")
+    build = next((r for r in results if r.name == "build" and r.status in ("failed", "overran")), None)
+    if build is not None:
+        return not_run(stage, "the build failed" if build.status == "failed" else "the build was stopped at its budget")
+    print(f"[{stage.name}] running, {stage.budget_s} s budget"
+          + (f" + {carried_s:.0f} s the stages before left" if round(carried_s) else ""), flush=True)
+    return run_stage(dataclasses.replace(stage, carried_s=carried_s), checkout)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

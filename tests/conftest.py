@@ -71,11 +71,17 @@ def pytest_collection_modifyitems(config, items):
         kept, dropped = select_shard(items, spec, shard_group)
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def pytest_collection_finish(session):
+    """SBD_TEST_PLAN: the node ids about to run, once every selection is applied (this shard's, then pytest's
+    own --deselect, -k and -m, which come after this file's pytest_collection_modifyitems): a test left out
+    is not counted as one the run did not reach."""
     plan = os.environ.get(PLAN_VARIABLE)
     if plan:
         try:  # written once: the pytest runs that tests start inherit the variable and must not overwrite it
             with open(plan, "x") as handle:
-                handle.writelines(item.nodeid + "\n" for item in items)
+                handle.writelines(item.nodeid + "\n" for item in session.items)
         except FileExistsError:
             pass
 

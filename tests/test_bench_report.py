@@ -380,6 +380,70 @@ def test_scatter_bench_times_the_op_alone_on_fresh_inputs(monkeypatch):
     assert benchmark.extra_info["threads"] == torch.get_num_threads()
 
 
+class FakeCudaBenchmark(FakeBenchmark):
+    """The pytest-benchmark fixture as the harness uses it on CUDA: rounds of `iterations` calls each, then the
+    one call pytest-benchmark adds for the result."""
+
+    def pedantic(self, target, rounds, warmup_rounds, iterations):
+        return [self.timed(target) for _ in range((warmup_rounds + rounds) * iterations + 1)][-1]
+
+
+def test_an_oracle_on_cuda_is_timed_in_a_few_synchronised_calls(monkeypatch):
+    """Guards against timing the oracles on CUDA as the kernels are, 30 rounds of 10 calls (331 calls with the
+    warm-up): the scatter oracle, a Python loop at 35-53 ms per call at B = 128, then took longer per case than
+    the scatter stage's whole budget. An oracle gets a few rounds of one call, each call synchronised, no
+    CUDA graph, and its input pool holds as many fresh copies as it calls."""
+    from bench import bench_scatter, harness
+
+    monkeypatch.delenv("SBD_BENCH_ROUNDS", raising=False)
+    calls, syncs = [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(len(calls)))
+    monkeypatch.setattr(bench_scatter, "DEVICE", "cuda")
+    monkeypatch.setattr(bench_scatter, "set_up", lambda p, s: (lambda *args: calls.append(args),
+                                                               bench_scatter.make_inputs(s), None))
+    benchmark = FakeCudaBenchmark()
+    bench_scatter.test_mask_scatter(benchmark, grid.ScatterShape(128, 16), "naive")
+    count = 3 + 3 + 1  # WARMUP_ROUNDS and ORACLE_CUDA_ROUNDS calls, and pytest-benchmark's one
+    assert len(calls) == count
+    assert harness.measured_calls("cuda", provider="naive") == count
+    assert syncs == list(range(count + 1))  # after the refill, then after every call
+    assert benchmark.extra_info["graph_ms"] is None and benchmark.extra_info["provider"] == "naive"
+    assert harness.measured_calls("cuda", provider="sbd", graph=False) == (3 + 30) * 10 + 1  # the kernels: unchanged
+
+
+def test_the_plain_sampling_call_is_timed_against_the_filtered_one(monkeypatch):
+    """Guards against the sampling bench's `sbd plain` row (the filtered case's call without the filter) taking
+    its ratios against `eager`, which runs the filter: other work. Its baseline is `sbd`, the same call with
+    the filter (what the filter costs); the other rows keep `eager`."""
+    from bench import bench_sampling
+
+    monkeypatch.setattr(bench_sampling, "DEVICE", "cpu")
+    monkeypatch.setenv("SBD_BENCH_ROUNDS", "1")
+    shape = grid.SamplingShape(1, 4, 1000, "fp32", top_k=1)
+    for provider, baseline in (("sbd plain", "sbd"), ("sbd", "eager"), ("eager", "eager")):
+        benchmark = FakeBenchmark()
+        bench_sampling.test_entropy_sample(benchmark, shape, provider)
+        assert benchmark.extra_info["baseline"] == baseline, provider
+
+
+def test_gpu_rates_without_a_graph_time_say_they_come_from_the_median():
+    """Guards against a GPU table whose TB/s and TFLOP/s are said to come from CUDA-graph times while those of
+    a row without one (the oracle, a call that cannot be captured) silently come from its eager median: such
+    a row's rates and fractions are marked (median), and the row says where its rates come from."""
+    shape = grid.ScatterShape(16, 16)
+    raw = {"benchmarks": [
+        raw_entry("scatter", shape, "naive", "eager", 1e-3, bytes_moved=10**9, device="cuda", graph_ms=None),
+        raw_entry("scatter", shape, "sbd", "eager", 1e-3, bytes_moved=10**9, device="cuda", graph_ms=0.5),
+        raw_entry("scatter", shape, "eager", "eager", 2e-3, bytes_moved=10**9, device="cuda", graph_ms=1.0)]}
+    ceilings = bench_report.datasheet_ceilings(H100["name"])
+    rows = {r["provider"]: r for r in rows_from_raw(raw, ceilings)["scatter"]}
+    report = markdown(dict(HEADER, gpu=H100), {"scatter": list(rows.values())}, ceilings)
+    assert "| naive | 1.000 | 1.000-1.000 | - | 1.000 (median) | 30 (median) | - | - |" in report
+    assert "| sbd | 1.000 | 1.000-1.000 | 0.5000 | 2.000 | 60 | - | - |" in report
+    assert "marked (median)" in report
+    assert rows["naive"]["rate_from"] == "median ms" and rows["sbd"]["rate_from"] == "graph ms"
+
+
 def test_input_pool_hands_out_each_copy_once():
     """Guards against a timing that runs out of fresh copies and silently reuses updated inputs: past its
     size the pool raises; a refill restores every copy and starts over."""

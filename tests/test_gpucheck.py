@@ -351,6 +351,20 @@ def test_plan_skips_what_cannot_run_and_says_why(tmp_path):
     assert [gpucheck.test_shards(n) for n in (1, 2, 8, 16, 64)] == [1, 1, 4, 8, 8]
 
 
+@pytest.mark.parametrize("missing", [{"transformers"}, {"pytest_benchmark"}, {"pytest"}])
+def test_a_stage_that_cannot_run_leaves_its_budget_to_the_others(tmp_path, missing):
+    """Guards against a stage known to be skipped (a module missing) keeping a share of the budget that no
+    stage then uses: the stages that run share all of it, in their proportions, and the skipped ones have none."""
+    stages = gpucheck.plan(checkout(tmp_path, missing=missing))
+    skipped = {s.name for s in stages if s.skip is not None}
+    running = tuple(s.name for s in stages if s.skip is None and s.nothing_to_do is None)
+    assert skipped and all(s.budget_s == 0 for s in stages if s.name in skipped)
+    room = checkout(tmp_path).stage_room_s()
+    assert {s.name: s.budget_s for s in stages if s.name in running} == gpucheck.stage_budgets(room, running)
+    everything = {s.name: s.budget_s for s in gpucheck.plan(checkout(tmp_path))}
+    assert all(s.budget_s > everything[s.name] for s in stages if s.name in running)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Running a stage
 # ----------------------------------------------------------------------------------------------------
@@ -411,6 +425,20 @@ def test_a_shard_writes_the_tests_it_is_about_to_run(tmp_path):
     assert (tmp_path / "plan").read_text().splitlines() == collected  # a later run (a test's own) leaves it
 
 
+def test_a_deselected_test_is_not_planned(tmp_path):
+    """Guards against the test gpu-check leaves out (DESELECTED_TESTS, pytest's --deselect) counted as one the
+    budget did not reach in every finished run: the plan lists what runs after every selection."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("SBD_TEST_SHARD", "SBD_TEST_PLAN")},
+           "SBD_TEST_PLAN": str(tmp_path / "plan")}
+    left_out = "tests/test_overlap.py::test_internal_overlap_of_sliced_views_is_no[0]"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_overlap.py", "--collect-only", "-q", "-p",
+                           "no:cacheprovider", "--deselect", left_out], check=True, cwd=REPO, capture_output=True,
+                          text=True, env=env)
+    collected = [line for line in proc.stdout.splitlines() if "::" in line]
+    assert "1 deselected" in proc.stdout and left_out not in collected
+    assert (tmp_path / "plan").read_text().splitlines() == collected
+
+
 def test_bench_rows_that_compile_per_case_come_last_in_each_file():
     """Guards against a budget-stopped bench stage without complete comparisons: every case's kernel and plain
     baseline (sbd, SDPA, eager) are timed before any FlexAttention, torch.compile or oracle row of the file."""
@@ -460,7 +488,8 @@ def test_an_unreadable_bench_json_counts_no_timings(tmp_path):
         (tmp_path / "raw.json").write_text(text)
         assert gpucheck.raw_outcome(tmp_path / "raw.json") == (0, [])
         stage = gpucheck.Stage("bench-hf", 30, "", raw_json=tmp_path / "raw.json")
-        assert gpucheck.merged_raw([stage]) == {"benchmarks": []}
+        ran = gpucheck.StageResult("bench-hf", "overran", 31.0, 30, "stopped")
+        assert gpucheck.merged_raw([stage], [ran]) == {"benchmarks": []}
 
 
 def test_a_stage_past_its_budget_is_stopped_and_says_so(tmp_path, monkeypatch):
@@ -476,6 +505,20 @@ def test_a_stage_past_its_budget_is_stopped_and_says_so(tmp_path, monkeypatch):
     assert result.status == "overran" and result.seconds < 5
     assert result.detail == "stopped at the 1 s budget; 6 passed"
     assert (tmp_path / "logs" / "tests-1.log").read_text().startswith("3 passed")
+
+
+def test_a_stage_runs_on_the_seconds_carried_over_to_it(tmp_path, monkeypatch):
+    """Guards against a stage stopped at its own budget while the stages before it left time unused: it is
+    stopped at its budget plus the seconds carried over (stage.carried_s), and says so when stopped."""
+    monkeypatch.setattr(gpucheck, "GRACE_S", 1)
+    command = (sys.executable, "-c", "import time; time.sleep(1.5); print('1 passed in 1.5s')")
+    stage = gpucheck.Stage("tests", 1, "a test run longer than its budget", commands=(command,), carried_s=3.0)
+    result = gpucheck.run_stage(stage, checkout(tmp_path))
+    assert result.status == "passed" and result.carried_s == 3.0 and result.budget_text() == "1+3"
+    hang = (sys.executable, "-c", "import time; time.sleep(120)")
+    stopped = gpucheck.run_stage(dataclasses.replace(stage, commands=(hang,), carried_s=1.0), checkout(tmp_path))
+    assert stopped.status == "overran" and 2 <= stopped.seconds < 5
+    assert stopped.detail.startswith("stopped at its 1 s budget + 1 s the stages before left")
 
 
 # One tiny case of each benchmark family (a `-k` expression on the bench file's test ids): our provider only.
@@ -810,8 +853,11 @@ def test_a_run_reports_stages_skips_failures_and_kernels(tmp_path, capsys, monke
     assert ("sampling: 1 rows, 10.00x vs eager per call, 40.00x on CUDA-graph time; best 1.64 TB/s = 49% of the "
             "3.35 TB/s datasheet (B=1 K=16 V=128256 bf16)") in out
     report = (tmp_path / "report.md").read_text()
-    for expected in ("# sbd gpu-check: NVIDIA H100 80GB HBM3", "| tests | failed | 1 | 145 | 3 passed, 1 failed | - |",
-                     f"| bench-sampling | passed | 1 | 55 | ok | {sampling_load} |",
+    budgets = {s.name: s.budget_s for s in gpucheck.plan(checkout(tmp_path, missing={"transformers"}, current=False))}
+    assert budgets["bench-hf"] == 0 and budgets["tests"] > 145  # bench-hf's share goes to the stages that run
+    for expected in ("# sbd gpu-check: NVIDIA H100 80GB HBM3",
+                     f"| tests | failed | 1 | {budgets['tests']} | 3 passed, 1 failed | - |",
+                     f"| bench-sampling | passed | 1 | {budgets['bench-sampling']} | ok | {sampling_load} |",
                      "- GPU (NVML, read before the stages: idle clocks): name NVIDIA H100 80GB HBM3",
                      "| bench-attention | overran |", "- tests/test_hf.py: transformers is not installed",
                      "- tests: FAILED tests/test_x.py::test_y - boom", "GPU ceilings: 3.35 TB/s, dense TFLOP/s bf16 989",
@@ -833,10 +879,206 @@ def test_summary_does_not_present_decode_widths_as_speedups():
     shape = grid.SamplingShape(1, 16, 128256, "bf16")
     raw = {"benchmarks": [*decode, bench_entry(shape, "sbd", 40e-6, 0.0025), bench_entry(shape, "eager", 400e-6, 0.1)]}
     ceilings = bench_report.datasheet_ceilings("NVIDIA H100 80GB HBM3")
-    lines = gpucheck.kernel_lines(bench_report.rows_from_raw(raw, ceilings), ceilings)
+    lines = gpucheck.kernel_lines(bench_report.rows_from_raw(raw, ceilings))
     assert "  decode: 2 rows, time over our own sbd t=1 (not a speedup): 1.25-2.00x per call, 2.00-3.00x on CUDA-graph time" in lines
     assert "  sampling: 1 rows, 10.00x vs eager per call, 40.00x on CUDA-graph time" in lines
     assert not any("vs sbd t=1" in line for line in lines)
+
+
+def stubbed_check(monkeypatch, runner, current=True) -> None:
+    """`sbd gpu-check` on a GPU machine as the tests see it: a GPU, transformers missing, the header of an H100,
+    `runner` in place of run_stage."""
+    monkeypatch.setattr(gpucheck, "cuda_available", lambda: True)
+    monkeypatch.setattr(gpucheck, "missing_modules", lambda: frozenset({"transformers"}))
+    monkeypatch.setattr(gpucheck, "machine_header", fake_header)
+    monkeypatch.setattr(gpucheck, "extension_is_current", lambda repo: current)
+    monkeypatch.setattr(gpucheck, "run_stage", runner)
+
+
+def decode_entries(ceilings: dict | None = None) -> list[dict]:
+    """Two decode timings of an earlier run on CUDA, with the ceilings the decode bench stores."""
+    entries = [bench_entry(grid.DecodeShape("small", 1, 512, t), f"sbd t={t}", 4e-3, 0.35, bytes_moved=int(1e9))
+               for t in (1, 16)]
+    for entry in entries:
+        entry["extra_info"].update(family="decode", baseline="sbd t=1", correct=True, decode={"ceilings": ceilings})
+    return entries
+
+
+def test_a_run_reports_only_the_timings_it_took(tmp_path, capsys, monkeypatch):
+    """Guards against an earlier check's files in the report folder (the committed reference's raw/, logs/ and
+    plots) reported as this run's: a stage not selected, skipped or not run reads no raw JSON, and the raw
+    JSON, logs and plots of the stages are removed before the stages run; other files stay."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    scatter = grid.ScatterShape(1, 16)
+    earlier = [bench_entry(scatter, provider, 1e-5, 0.01, family="scatter") for provider in ("sbd", "eager")]
+    (raw / "scatter.json").write_text(json.dumps({"benchmarks": earlier}))
+    (raw / "hf.partial.jsonl").write_text("{}\n")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "bench-decode.log").write_text("earlier")
+    (tmp_path / "logs" / "tests-3.xml").write_text("<testsuites/>")
+    (tmp_path / "attention_gflops.png").write_bytes(b"earlier")
+    (tmp_path / "first-run" / "raw").mkdir(parents=True)
+    (tmp_path / "first-run" / "raw" / "decode.json").write_text("kept")
+    stubbed_check(monkeypatch, stub_runner)
+    with pytest.raises(SystemExit):
+        cli.main(["gpu-check", "--out", str(tmp_path), "--only", "bench-sampling"])
+    out = capsys.readouterr().out
+    report = (tmp_path / "report.md").read_text()
+    assert "## sampling\n" in report and "## scatter" not in report and "  scatter:" not in out
+    assert [p.name for p in raw.iterdir()] == ["sampling.json"]
+    assert not (tmp_path / "logs").exists() or not list((tmp_path / "logs").iterdir())
+    assert not (tmp_path / "attention_gflops.png").exists()
+    assert (tmp_path / "first-run" / "raw" / "decode.json").read_text() == "kept"
+    stages = [gpucheck.Stage("bench-decode", 45, "", raw_json=raw / "decode.json")]
+    (raw / "decode.json").write_text(json.dumps({"benchmarks": decode_entries()}))
+    for status in ("skipped", "not run"):
+        assert gpucheck.merged_raw(stages, [gpucheck.StageResult("bench-decode", status, 0.0, 45, "")]) == {
+            "benchmarks": []}
+    passed = gpucheck.StageResult("bench-decode", "passed", 1.0, 45, "")
+    assert len(gpucheck.merged_raw(stages, [passed])["benchmarks"]) == 2
+
+
+def test_summary_sets_each_row_against_its_own_ceiling():
+    """Guards against the summary dividing a row's fraction, taken against the ceilings stored with it (the
+    decode rows'), by the report's (a TypeError where the report's GPU has no datasheet entry, a wrong TB/s
+    otherwise): the line names the ceiling the row was set against."""
+    h200 = bench_report.datasheet_ceilings("NVIDIA H200")
+    raw = {"benchmarks": decode_entries(h200)}
+    for name in ("NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3"):
+        ceilings = bench_report.report_ceilings(dict(fake_header(None), gpu={"name": name}), raw)
+        (line,) = gpucheck.kernel_lines(bench_report.rows_from_raw(raw, ceilings))
+        assert "best 2.86 TB/s = 60% of the 4.80 TB/s datasheet" in line, line
+
+
+def test_a_build_stopped_at_its_budget_stops_the_check(tmp_path, capsys, monkeypatch):
+    """Guards against the tests and benchmarks running after a build that was stopped at its budget, on an
+    earlier extension or none, their outcomes then reported as this commit's: as after a failed build, every
+    later stage is not run, and says why."""
+    ran = []
+
+    def runner(stage, checkout_):
+        ran.append(stage.name)
+        return gpucheck.StageResult(stage.name, "overran", stage.budget_s, stage.budget_s, "stopped")
+
+    stubbed_check(monkeypatch, runner, current=False)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["gpu-check", "--out", str(tmp_path)])
+    assert info.value.code == 1 and ran == ["build"]
+    stages = json.loads((tmp_path / "gpu-check.json").read_text())["stages"]
+    assert {(s["status"], s["detail"]) for s in stages if s["name"] not in ("build", "bench-hf")} == {
+        ("not run", "the build was stopped at its budget")}
+
+
+class FakeClock:
+    """time.monotonic for gpucheck: it moves only when a stubbed stage says how long it took."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_the_time_a_stage_leaves_goes_to_the_stages_after_it(tmp_path, capsys, monkeypatch):
+    """Guards against losing the time a stage leaves unused (each stage held to its own budget from its start),
+    and against a stage taking more than it was left: each stage that runs gets its budget plus what the
+    stages before left of theirs; one stopped past that (its grace period) leaves nothing and takes nothing
+    from the next; the stages end within the plan's worst case."""
+    clock = FakeClock()
+    monkeypatch.setattr(gpucheck, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    used = {"compile": 10, "tests": None, "bench-attention": 20, "bench-sampling": 5, "bench-scatter": 30}
+    given = {}
+
+    def runner(stage, checkout_):
+        given[stage.name] = stage.carried_s
+        seconds = used.get(stage.name, stage.budget_s)
+        if seconds is None:  # stopped at its time, GRACE_S later killed
+            seconds = stage.budget_s + stage.carried_s + gpucheck.GRACE_S
+        clock.now += seconds
+        status = "overran" if seconds > stage.budget_s + stage.carried_s else "passed"
+        return gpucheck.StageResult(stage.name, status, seconds, stage.budget_s, "ok", carried_s=stage.carried_s)
+
+    stubbed_check(monkeypatch, runner)
+    start = clock.now
+    with pytest.raises(SystemExit):
+        cli.main(["gpu-check", "--out", str(tmp_path)])
+    budgets = {s.name: s.budget_s for s in gpucheck.plan(dataclasses.replace(
+        checkout(tmp_path, missing={"transformers"}), out=tmp_path))}
+    assert given == {"compile": 0.0, "tests": budgets["compile"] - 10, "bench-attention": 0.0,
+                     "bench-sampling": budgets["bench-attention"] - 20,
+                     "bench-scatter": budgets["bench-attention"] - 20 + budgets["bench-sampling"] - 5,
+                     "bench-decode": budgets["bench-attention"] + budgets["bench-sampling"] + budgets["bench-scatter"]
+                     - 20 - 5 - 30}
+    worst = sum(b + gpucheck.GRACE_S for b in budgets.values() if b)
+    assert clock.now - start <= worst
+    stages = {s["name"]: s for s in json.loads((tmp_path / "gpu-check.json").read_text())["stages"]}
+    assert stages["tests"]["carried_s"] == budgets["compile"] - 10
+    assert f"| bench-sampling | passed | 5 | {budgets['bench-sampling']}+{budgets['bench-attention'] - 20} |" in (
+        tmp_path / "report.md").read_text()
+
+
+def test_a_check_killed_after_a_stage_leaves_the_report_of_what_it_finished(tmp_path, capsys, monkeypatch):
+    """Guards against a check killed at the time limit (the machine's 10 minutes) leaving no report, or an
+    earlier one: the report and gpu-check.json are written after every stage, the stages not reached yet
+    marked pending, and the last one says the check finished."""
+    seen = {}
+
+    def runner(stage, checkout_):
+        if stage.name == "bench-sampling":
+            seen["json"] = json.loads((tmp_path / "gpu-check.json").read_text())
+            seen["report"] = (tmp_path / "report.md").read_text()
+        return stub_runner(stage, checkout_)
+
+    stubbed_check(monkeypatch, runner, current=False)
+    with pytest.raises(SystemExit):
+        cli.main(["gpu-check", "--out", str(tmp_path)])
+    statuses = {s["name"]: s["status"] for s in seen["json"]["stages"]}
+    assert seen["json"]["finished"] is False
+    assert statuses == {"build": "passed", "compile": "passed", "tests": "failed", "bench-attention": "overran",
+                        "bench-sampling": "pending", "bench-scatter": "pending", "bench-decode": "pending",
+                        "bench-hf": "pending"}
+    assert "(in progress: not reached when this report was written" in seen["report"]
+    assert "| tests/test_x.py | 6 | 3 | 1 | 0 | 2 |" in seen["report"]
+    assert json.loads((tmp_path / "gpu-check.json").read_text())["finished"] is True
+    assert "pending" not in (tmp_path / "report.md").read_text()
+
+
+def test_the_plain_sampling_call_is_left_out_of_the_summary_span():
+    """Guards against the summary's speedup span and best TB/s taking in sampling's `sbd plain` row (the
+    filtered case's call without the filter) against `eager`, which filters: other work. Its ratio is against
+    `sbd` (what the filter costs), labelled so in the table, and the family's line compares `sbd` alone."""
+    from bench import bench_sampling
+
+    shape = grid.SamplingShape(1, 16, 128256, "fp32", top_k=50)
+    nbytes = 16 * (128256 * 4 + 17)
+    entries = [bench_entry(shape, "sbd", 3.04e-3, 3.0, bytes_moved=nbytes),
+               bench_entry(shape, "sbd plain", 0.029e-3, 0.016, bytes_moved=nbytes,
+                           baseline=bench_sampling.provider_baseline("sbd plain"), correct=True),
+               bench_entry(shape, "eager", 0.32e-3, 0.30, bytes_moved=nbytes)]
+    ceilings = bench_report.datasheet_ceilings("NVIDIA H200")
+    families = bench_report.rows_from_raw({"benchmarks": entries}, ceilings)
+    rows = {r["provider"]: r for r in families["sampling"]}
+    assert rows["sbd plain"]["speedup"] == pytest.approx(3.04 / 0.029) and rows["sbd plain"]["baseline"] == "sbd"
+    assert rows["sbd"]["speedup"] == pytest.approx(0.32 / 3.04)
+    (line,) = gpucheck.kernel_lines(families)
+    assert line.startswith("  sampling: 1 rows, 0.11x vs eager per call, 0.10x on CUDA-graph time; best 0.00 TB/s")
+    assert "| sbd plain | 0.029 |" in bench_report.markdown(fake_header(None), families, ceilings)
+    assert "104.83x vs sbd" in bench_report.markdown(fake_header(None), families, ceilings)
+
+
+def test_the_summary_takes_the_best_rates_from_cuda_graph_times():
+    """Guards against the summary's "best TB/s" (said to come from CUDA-graph times) taken from a row's eager
+    median where it has no graph time."""
+    shape = grid.SamplingShape(1, 16, 128256, "bf16")
+    nbytes = 16 * 128256 * 2
+    entries = [bench_entry(shape, "sbd", 40e-6, 0.0025, bytes_moved=nbytes),
+               bench_entry(dataclasses.replace(shape, vocab=32000), "sbd", 2e-6, None, bytes_moved=nbytes),
+               bench_entry(shape, "eager", 400e-6, 0.1, bytes_moved=nbytes),
+               bench_entry(dataclasses.replace(shape, vocab=32000), "eager", 400e-6, 0.1, bytes_moved=nbytes)]
+    ceilings = bench_report.datasheet_ceilings("NVIDIA H100 80GB HBM3")
+    (line,) = gpucheck.kernel_lines(bench_report.rows_from_raw({"benchmarks": entries}, ceilings))
+    assert "best 1.64 TB/s = 49% of the 3.35 TB/s datasheet (B=1 K=16 V=128256 bf16)" in line
 
 
 # ----------------------------------------------------------------------------------------------------
