@@ -764,6 +764,10 @@ def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eo
     steps = steps or EAGER_STEPS
     sp = DecodeConstants.of(model.mask_token_id, cfg, eos_id, pad_id)
     device = next(model.parameters()).device
+    if cuda_graph and _oracle_ops(ops):
+        raise ValueError(f"generate: cuda_graph=True captures the decode steps, and the oracle ops "
+                         f"({', '.join(_oracle_ops(ops))}, naive_ops) read values on the host, a sync that a CUDA "
+                         "graph capture refuses; decode them without cuda_graph")
     if cuda_graph and device.type != "cuda":
         raise ValueError(f"generate: cuda_graph=True needs the model on a CUDA device, it is on {device}")
     batch_size = None if batch_size is None else integer("generate", "batch_size", batch_size)
@@ -783,6 +787,12 @@ def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eo
         seed = torch.arange(len(chunk), dtype=torch.int64, device=device) + (cfg.seed + first)
         parts.append(decode_batch(model, chunk, seed, ops, sp, _graphed(steps) if cuda_graph else steps.for_batch()))
     return DecodeResult.concat(parts)
+
+
+def _oracle_ops(ops: DecodeOps) -> list[str]:
+    """The fields of `ops` that hold an oracle of `naive_ops()`."""
+    oracles = naive_ops()
+    return [f.name for f in dataclasses.fields(ops) if getattr(ops, f.name) is getattr(oracles, f.name)]
 
 
 def _graphed(steps: StepFunctions) -> StepFunctions:

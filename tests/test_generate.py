@@ -453,6 +453,14 @@ def test_graph_checks_catch_a_step_that_moves_a_buffer(model, prompts):
         generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, steps=steps)
 
 
+def test_cuda_graph_refuses_the_oracle_ops(model, prompts):
+    """Guards against a capture failing deep inside CUDA on the oracles' host reads (item, nonzero)."""
+    with pytest.raises(ValueError, match=r"cuda_graph=True captures the decode steps, and the oracle ops \(attention, "
+                                         r"entropy_sample, mask_scatter_, naive_ops\) read values on the host"):
+        generate(model, prompts, DecodeConfig(max_new_tokens=4), eos_id=EOS, pad_id=PAD, ops=gen.naive_ops(),
+                 cuda_graph=True)
+
+
 def test_cuda_graph_needs_a_cuda_model(prompts):
     """Guards against cuda_graph=True silently decoding eagerly on a CPU model."""
     cpu_model = Transformer(ModelConfig.preset("tiny")).eval()
