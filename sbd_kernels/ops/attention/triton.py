@@ -116,9 +116,10 @@ class _Tiles(NamedTuple):
 # 16 warps none with either (120-128 registers). At D = 256 no tile avoids spills with 3.6 (8 warps: paged,
 # 220-456 bytes; 16 warps also contiguous), nor does unaligned fp32 (16 warps, 72-140 bytes).
 # Since the grid numbers (sequence, KV head, M tile) along one axis (one integer division more per program),
-# unaligned fp16/bf16 at D <= 64 spilled 16 bytes with 8 warps and 1 stage (fp16 D = 32 paged, sm_90, triton
-# 3.8), 16-24 bytes with 2 or 3 stages in 2 of its 24 compiles, 8 bytes with 16 warps in 4-6; with 4 warps
-# and 1 stage in none (62-168 registers). Not compiled with triton 3.6 (whose 2-warp tiles spilled, above).
+# unaligned fp16/bf16 16 x 16 tiles at D <= 64 spill with one version or the other in every warp and stage
+# count (fp16 D = 16-64, contiguous and paged, sm_80 and sm_90: worst of 12 compiles, triton 3.8 / 3.6):
+# 8 warps x 1 stage 16 / 0 bytes, 8 x 2 24 / 0, 16 x 1 8 / 12, 4 x 1 0 / 8 (D = 32 contiguous, sm_90), and
+# 16 x 32 tiles with 8 warps 24 / 0. 16 x 32 with 16 warps and 1 stage spills with neither (nor in bf16).
 _TILES = {
     (True, True, "small"): _Tiles(64, 32, 4, 3),
     (True, True, "mid"): _Tiles(64, 64, 8, 2),
@@ -126,7 +127,7 @@ _TILES = {
     (False, True, "small"): _Tiles(16, 32, 8, 1),
     (False, True, "mid"): _Tiles(16, 32, 8, 2),
     (False, True, "large"): _Tiles(16, 16, 8, 2),
-    (True, False, "small"): _Tiles(16, 16, 4, 1),
+    (True, False, "small"): _Tiles(16, 32, 16, 1),
     (True, False, "mid"): _Tiles(16, 16, 16, 2),
     (True, False, "large"): _Tiles(16, 16, 8, 2),
     (False, False, "small"): _Tiles(16, 16, 4, 1),
