@@ -231,6 +231,42 @@ def test_per_row_seeds_and_batch_invariance(backend):
     assert torch.equal(swapped[0].flip(0), together[0])
 
 
+def assert_rows_same_alone_and_together(op, logits, seed, offset, temperature, **kwargs):
+    """Each row's four outputs, bit for bit, from a call on its batch entry alone and on the whole batch;
+    returns the whole batch's outputs."""
+    together = op(logits, seed, offset, temperature=temperature, **kwargs)
+    for b in range(logits.shape[0]):
+        alone = op(logits[b:b + 1], seed[b:b + 1], offset[b:b + 1], temperature=temperature[b:b + 1], **kwargs)
+        for name, got, want in zip(("tokens", "entropy", "logprob", "valid"), alone, together):
+            assert torch.equal(got[0], want[b]), f"batch entry {b}: {name} differs alone and inside the batch"
+    return together
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_p_val": 0.9}, {"min_p_val": 0.01}], ids=["off", "top_p", "min_p"])
+def test_cpu_multi_chunk_rows_same_in_any_batch_and_thread_count(filters):
+    """Guards against the entropy / logprob of a row whose vocabulary takes several chunks depending on the
+    rows beside it or on the thread count (the chunks once came from B * K and the threads, and the last
+    bits of the chunks' combined sums changed with them): all four outputs, bit for bit, alone and in the
+    batch, at 1, 2 and 3 threads (a row in one work item, in runs of 2 chunks, in runs of 1)."""
+    batch, positions, vocab = 3, 2, 3 * 16384 + 851  # 4 chunks of the CPU kernel, a ragged last one
+    logits = make_logits(batch, positions, vocab)
+    seed, offset = make_seeds(batch)
+    temperature = torch.tensor([1.0, 0.0, 0.7])
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(assert_rows_same_alone_and_together(torch.ops.sbd.entropy_sample, logits, seed, offset,
+                                                            temperature, **filters))
+    finally:
+        torch.set_num_threads(threads)
+    for n, run in zip((2, 3), runs[1:]):
+        for name, got, want in zip(("tokens", "entropy", "logprob", "valid"), run, runs[0]):
+            assert torch.equal(got, want), f"{name} differs at {n} threads and at 1"
+    assert runs[0][3].all()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_seed_and_offset_broadcast(backend):
     """Guards against a one-element seed / offset ([] or [1]) read beyond its single element."""

@@ -1,11 +1,13 @@
 // CPU kernel of sbd::entropy_sample, compiled once per instruction set (sampling_kernel_<isa>.cpp) inside
 // namespace sbd::cpu::CPU_CAPABILITY. Math and random generator: sbd_kernels/ops/sampling/naive.py.
 //
-// One pass over the vocabulary per row. Work items are (row, vocabulary chunk); each item walks its chunk
-// in tiles of kTile entries converted to fp32 into an L1-resident buffer, then:
+// One pass over the vocabulary per row. A row is cut into chunks of kChunk entries, fixed by V alone; work
+// items are (row, run of consecutive chunks); each item walks its chunks in tiles of kTile entries
+// converted to fp32 into an L1-resident buffer, then:
 //   pass 1 over the tile: max, max of each kGroup entries, NaN flag (NaN / +inf rows are abandoned at once);
 //   pass 2 over the tile: online sum exp(x - m) and sum exp(x - m) (x - m) (entropy), and the Gumbel-max
-//   race. Items of a row are combined afterwards in vocabulary order (lowest index wins ties).
+//   race. Each chunk leaves one partial; a row's partials are combined afterwards in vocabulary order
+//   (lowest index wins ties), so its outputs are the same bits whatever the batch and the thread count.
 // Filters (top-k, top-p, min-p) restrict the race to the entries above a threshold: section "Filters".
 // A row whose best score is +-inf (x_max / T overflowed fp32) races again on (x - max) / T + g: naive.py's
 // overflow rule, relative_race, tested once per row after the race.
@@ -53,10 +55,17 @@ constexpr int64_t kGroup = 128;
 constexpr int kCounters = 32;
 // Entries converted per tile: 2048 fp32 = 8 KB, so both passes over a tile hit L1 (32-64 KB here).
 constexpr int64_t kTile = 2048;
-// Smallest vocabulary chunk worth a work item of its own: 16384 entries (64 KB of fp32) amortise the
-// per-item set-up and the combine; a [1, 1, 128256] row then still splits over 8 items.
-constexpr int64_t kMinChunk = 16384;
-// Items per thread aimed at, so that uneven rows (masked positions, NaN rows stopping early) balance.
+// Vocabulary chunk: chunk c of a row holds entries [c kChunk, min(V, (c + 1) kChunk)), whatever the batch
+// and the thread count. Its entropy sums start afresh and end in a partial of its own, and the partials
+// are combined in vocabulary order with the same arithmetic however the chunks were spread over work
+// items: the entropy and logprob of a row do not depend on the rows beside it or on the thread count (they
+// did when the chunk size came from B * K and the threads). 16384 entries (64 KB of fp32) amortise a
+// chunk's reduction and combine; a [1, 1, 128256] row has 8 chunks. A multiple of kTile, so of kGroup:
+// every Philox block lies inside one chunk.
+constexpr int64_t kChunk = 16384;
+static_assert(kChunk % kTile == 0 && kTile % kGroup == 0, "chunks are whole tiles, tiles whole groups");
+// Items per thread aimed at, so that uneven rows (masked positions, NaN rows stopping early) balance. An
+// item is a run of consecutive chunks of one row.
 constexpr int64_t kItemsPerThread = 8;
 // Largest Gumbel noise any u can give, -log(-log(1 - 2^-24)) = 16.6355, plus a margin for rounding.
 constexpr float kGumbelMax = 16.64f;
@@ -268,12 +277,13 @@ inline Vec gumbel_bound(const uint32_t* words) {
 }
 #endif
 
-// Result of one work item (a vocabulary chunk of one row); combined over items in vocabulary order.
+// Result of one vocabulary chunk of one row; combined over the row's chunks in vocabulary order.
 struct Partial {
   float max = -kInf;        // max of the chunk's logits
   float sum_exp = 0.f;      // sum exp(x - max)
   float sum_xexp = 0.f;     // sum exp(x - max) (x - max)
   bool bad = false;         // a NaN or +inf logit was seen
+  // The two races, over the chunk's entries and those of the work item's earlier chunks:
   float greedy = -kInf;     // first maximum and its index
   int64_t greedy_idx = -1;
   float best = -kInf;       // best Gumbel score x / T + g and its index (-1: none above -inf)
@@ -1045,14 +1055,20 @@ float top_p_redraw(const scalar_t* row_ptr, int64_t vocab, int64_t mask_token_id
   return tau;
 }
 
+// Partial of entries [begin, end) of a row. The races (greedy maximum, Gumbel score) go on from those of
+// `before`, the partial of the work item's previous chunk (empty for its first); the sums start afresh.
 template <typename scalar_t>
 Partial process_chunk(const scalar_t* row_ptr, int64_t begin, int64_t end, int64_t mask_token_id,
-                      float temperature, float threshold, const PhiloxRow& row) {
+                      float temperature, float threshold, const PhiloxRow& row, const Partial& before) {
   alignas(64) float buf[kTile];
   alignas(64) float kept[kTile];
   float group_max[kTile / kGroup];
   float kept_group_max[kTile / kGroup];
   Partial out;
+  out.greedy = before.greedy;
+  out.greedy_idx = before.greedy_idx;
+  out.best = before.best;
+  out.best_idx = before.best_idx;
   EntropySums sums;
   for (int64_t start = begin; start < end; start += kTile) {
     const int64_t n = std::min(kTile, end - start);
@@ -1088,6 +1104,28 @@ Partial process_chunk(const scalar_t* row_ptr, int64_t begin, int64_t end, int64
   return out;
 }
 
+// Number of chunks of a row of `vocab` entries (at least 1).
+inline int64_t chunks_of(int64_t vocab) { return std::max<int64_t>(1, (vocab + kChunk - 1) / kChunk); }
+
+// The partials of chunks [first, last) of a row, in order into parts[0, last - first). The races carry
+// over from chunk to chunk, so a later chunk skips more noise and scans a tile for the greedy index (a
+// scalar scan per new maximum) less often: with fresh races in each chunk, [8, 1, 128256] fp32 took ~12%
+// longer on one thread. The token is the same either way. The entropy sums start afresh in each chunk. A
+// NaN / +inf stops the row: the later partials are left empty.
+template <typename scalar_t>
+void process_chunks(const scalar_t* row_ptr, int64_t vocab, int64_t first, int64_t last, int64_t mask_token_id,
+                    float temperature, float threshold, const PhiloxRow& row, Partial* parts) {
+  for (int64_t c = first; c < last; ++c) {
+    Partial& part = parts[c - first];
+    part = process_chunk(row_ptr, c * kChunk, std::min(vocab, (c + 1) * kChunk), mask_token_id, temperature,
+                         threshold, row, c > first ? parts[c - first - 1] : Partial{});
+    if (part.bad) {
+      std::fill(parts + (c - first) + 1, parts + (last - first), Partial{});
+      return;
+    }
+  }
+}
+
 // What a row's top-p check needs from finish_row: its max, log Z (temperature 1) and greedy token.
 struct RowSummary {
   float max = -kInf;
@@ -1095,7 +1133,7 @@ struct RowSummary {
   int64_t greedy_idx = 0;
 };
 
-// Row outputs from its items' partials, combined in vocabulary order. rerun(m, threshold): the token of
+// Row outputs from its chunks' partials, combined in vocabulary order. rerun(m, threshold): the token of
 // the overflow rule (relative_race), called only when the race's best score is +-inf.
 template <typename scalar_t, typename Rerun>
 void finish_row(const Partial* parts, int64_t n_parts, const scalar_t* row_ptr, float temperature,
@@ -1154,11 +1192,15 @@ void entropy_sample_typed(const EntropySampleArgs& args) {
   const scalar_t* base = logits.const_data_ptr<scalar_t>();
   const int64_t stride_b = logits.stride(0), stride_k = logits.stride(1);
 
+  // Chunks come from V alone (kChunk); only how they are spread over work items depends on the rows and
+  // the threads: `items` runs of `per_item` consecutive chunks per row (the last run may be shorter). One
+  // thread takes a row in one item: nothing to balance.
   const int64_t threads = at::get_num_threads();
-  const int64_t max_splits = std::max<int64_t>(1, vocab / kMinChunk);
-  const int64_t splits = std::clamp<int64_t>((kItemsPerThread * threads + rows - 1) / rows, 1, max_splits);
-  // Chunk bounds on kGroup multiples, so that every Philox block lies inside one chunk.
-  const int64_t chunk = ((vocab + splits - 1) / splits + kGroup - 1) / kGroup * kGroup;
+  const int64_t chunks = chunks_of(vocab);
+  const int64_t wanted =
+      threads == 1 ? 1 : std::clamp<int64_t>((kItemsPerThread * threads + rows - 1) / rows, 1, chunks);
+  const int64_t per_item = (chunks + wanted - 1) / wanted;
+  const int64_t items = (chunks + per_item - 1) / per_item;
 
   auto row_ptr = [&](int64_t r) { return base + (r / positions) * stride_b + (r % positions) * stride_k; };
   auto row_temperature = [&](int64_t b) {
@@ -1219,24 +1261,26 @@ void entropy_sample_typed(const EntropySampleArgs& args) {
     args.logprob[r] = static_cast<float>(logits_row[args.tokens[r]]) - row.max - row.log_z;
   };
 
-  if (args.filters && splits == 1) {
-    // One item per row: its passes (plan, race and sums, top-p check) run back to back on one core, so
-    // the row comes from memory once and from L2 after ([16, 128256] fp32, top-p 0.9, one thread: 1.40 -> 1.24 ms).
+  if (items == 1) {
+    // One item per row: its passes (plan, race and sums, outputs, top-p check) run back to back on one
+    // core, so the row comes from memory once and from L2 after ([16, 128256] fp32, top-p 0.9, one thread:
+    // 1.40 -> 1.24 ms), and its partials stay in a buffer of the thread.
     at::parallel_for(0, rows, 1, [&](int64_t row_begin, int64_t row_end) {
       FilterScratch scratch;
+      std::vector<Partial> row_parts(chunks);
       for (int64_t r = row_begin; r < row_end; ++r) {
         if (!computed(r)) {
           not_computed(r);
           continue;
         }
-        const RowPlan plan = plan_for(r, scratch);
-        const Partial part = process_chunk(row_ptr(r), 0, vocab, args.mask_token_id,
-                                           plan.drawn ? 0.f : row_temperature(r / positions), plan.threshold,
-                                           philox_of(r));
+        const RowPlan plan = args.filters ? plan_for(r, scratch) : RowPlan{};
+        process_chunks(row_ptr(r), vocab, 0, chunks, args.mask_token_id,
+                       plan.drawn ? 0.f : row_temperature(r / positions), plan.threshold, philox_of(r),
+                       row_parts.data());
         RowSummary summary;
-        finish_row(&part, 1, row_ptr(r), row_temperature(r / positions), plan, rerun_of(r), args.tokens[r],
-                   args.entropy[r], args.logprob[r], args.valid[r], summary);
-        check_top_p(r, plan, summary, scratch);
+        finish_row(row_parts.data(), chunks, row_ptr(r), row_temperature(r / positions), plan, rerun_of(r),
+                   args.tokens[r], args.entropy[r], args.logprob[r], args.valid[r], summary);
+        if (args.filters) check_top_p(r, plan, summary, scratch);
       }
     });
     return;
@@ -1253,16 +1297,16 @@ void entropy_sample_typed(const EntropySampleArgs& args) {
   const RowPlan unfiltered;
   auto plan_of = [&](int64_t r) -> const RowPlan& { return args.filters ? plans[r] : unfiltered; };
 
-  std::vector<Partial> parts(rows * splits);
-  at::parallel_for(0, rows * splits, 1, [&](int64_t item_begin, int64_t item_end) {
+  std::vector<Partial> parts(rows * chunks);
+  at::parallel_for(0, rows * items, 1, [&](int64_t item_begin, int64_t item_end) {
     for (int64_t item = item_begin; item < item_end; ++item) {
-      const int64_t r = item / splits, s = item % splits, b = r / positions;
-      const int64_t begin = s * chunk, end = std::min(vocab, begin + chunk);
-      if (!computed(r) || begin >= end) continue;
+      const int64_t r = item / items, b = r / positions;
+      const int64_t first = (item % items) * per_item, last = std::min(chunks, first + per_item);
+      if (!computed(r)) continue;
       const RowPlan& plan = plan_of(r);
       // A row drawn from its candidates needs no race here: temperature 0 skips it.
-      parts[item] = process_chunk(row_ptr(r), begin, end, args.mask_token_id,
-                                  plan.drawn ? 0.f : row_temperature(b), plan.threshold, philox_of(r));
+      process_chunks(row_ptr(r), vocab, first, last, args.mask_token_id, plan.drawn ? 0.f : row_temperature(b),
+                     plan.threshold, philox_of(r), parts.data() + r * chunks + first);
     }
   });
   std::vector<RowSummary> summaries(args.filters ? rows : 1);
@@ -1272,7 +1316,7 @@ void entropy_sample_typed(const EntropySampleArgs& args) {
         not_computed(r);
         continue;
       }
-      finish_row(parts.data() + r * splits, splits, row_ptr(r), row_temperature(r / positions), plan_of(r),
+      finish_row(parts.data() + r * chunks, chunks, row_ptr(r), row_temperature(r / positions), plan_of(r),
                  rerun_of(r), args.tokens[r], args.entropy[r], args.logprob[r], args.valid[r],
                  summaries[args.filters ? r : 0]);
     }
