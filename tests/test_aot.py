@@ -409,17 +409,18 @@ def test_attention_splits_follow_the_sm_count(monkeypatch):
 
 
 def test_sampling_splits_follow_the_sm_count(monkeypatch):
-    """Guards against the vocabulary split ignoring the device's SM count: 16 rows and four programs per
-    SM want cdiv(528, 16) = 33 splits per row on 132 SMs and cdiv(264, 16) = 17 on 66; a vocabulary of
-    561 = 33 * 17 tiles of 1024 cuts into exactly that many."""
+    """Guards against the vocabulary split ignoring the device's SM count, and against chunks (the unit of
+    the partial sums) that follow it: 16 rows and four programs per SM want cdiv(528, 16) = 33 splits per
+    row on 132 SMs and cdiv(264, 16) = 17 on 66; a vocabulary of 132 tiles of 1024 has 33 chunks of 4
+    tiles on both, run 1 or 2 to a program."""
     asked = []
 
-    def splits(sms: int) -> int:
+    def plan(sms: int) -> tuple[int, int]:
         monkeypatch.setattr(sampling_triton, "sm_count", lambda device: asked.append(device.type) or sms)
-        partial, _ = sampling_triton.meta_launches(1, 16, 561 * 1024, torch.float32)
-        return partial.grid[1]
+        partial, _ = sampling_triton.meta_launches(1, 16, 132 * 1024, torch.float32)
+        return partial.grid[1], partial.args["num_chunks"]
 
-    assert (splits(132), splits(66)) == (33, 17)
+    assert (plan(132), plan(66)) == ((33, 33), (17, 33))
     assert asked == ["meta", "meta"]
 
 

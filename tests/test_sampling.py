@@ -267,6 +267,26 @@ def test_cpu_multi_chunk_rows_same_in_any_batch_and_thread_count(filters):
     assert runs[0][3].all()
 
 
+@pytest.mark.parametrize("vocab", [3000, 20000], ids=["small_tiles", "large_tiles"])
+def test_triton_multi_chunk_rows_same_in_any_batch_and_sm_count(monkeypatch, vocab):
+    """Guards against the Triton kernels' entropy / logprob of a row depending on the rows beside it or on
+    the GPU's SM count (the vocabulary splits, and so the partial sums, once came from B * K and the SM
+    count): all four outputs, bit for bit, alone and in the batch, for 1 SM (runs of several chunks a
+    program) and 132 (one chunk a program). V = 3000: 6 chunks of 4 tiles of 128; 20000: 5 of 4 x 1024."""
+    batch, positions = 3, 1
+    logits = make_logits(batch, positions, vocab)
+    seed, offset = make_seeds(batch)
+    temperature = torch.tensor([1.0, 0.0, 0.7])
+    op = backend_op("triton")
+    runs = []
+    for sms in (1, 132):
+        monkeypatch.setattr(sampling_triton, "sm_count", lambda device, sms=sms: sms)
+        runs.append(assert_rows_same_alone_and_together(op, logits, seed, offset, temperature))
+    for name, got, want in zip(("tokens", "entropy", "logprob", "valid"), runs[1], runs[0]):
+        assert torch.equal(got, want), f"{name} differs for 132 SMs and for 1"
+    assert runs[0][3].all()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_seed_and_offset_broadcast(backend):
     """Guards against a one-element seed / offset ([] or [1]) read beyond its single element."""
@@ -491,7 +511,7 @@ def test_triton_per_sequence_views_past_int32(tmp_path):
 
 
 # Where a run of huge-negative logits sits in the row: whole tiles and vocabulary chunks of both backends
-# (CPU: 2048-entry tiles, 16384-entry chunks at V = 128256; Triton: 128-entry tiles, 512-entry splits at
+# (CPU: 2048-entry tiles, 16384-entry chunks at V = 128256; Triton: 128-entry tiles, 512-entry chunks at
 # V = 3000). The values: -inf, each dtype's finfo.min (a common mask value in constrained decoding).
 HUGE_NEGATIVE_PLACES = ("start", "middle", "end")
 

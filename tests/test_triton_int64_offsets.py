@@ -37,7 +37,7 @@ I32_OFFSETS = {
     r"\brow_ptr \+ (v|token)\b": "an entry of a row of logits, below V + 8192 <= MAX_VOCAB + 8192 (checked by "
                                  "the sampling launcher)",
     r"\bcand_ptr \+ (\d \* )?(BLOCK \+ )?lane\b": "an entry of a row's candidates, below 8 x 1024",
-    r"\bs \* _PARTIAL_(FLOATS|INTS)\b": "a split's entry in a row's partials, below 64 x 7",
+    r"\bs \* _PARTIAL_(FLOATS|INTS)\b": "a chunk's entry in a row's partials, below 64 x 7",
 }
 
 # The configurations compiled, per family: every kernel with each optional tensor read (temperature,

@@ -6,14 +6,17 @@ Math (oracle and generator: `sbd_kernels.ops.sampling.naive`), per row x = logit
     entropy = log S - U / S,  logprob(token) = x_token - m - log S
     token = argmax x (T == 0)  or  argmax x / T + g,  g = -log(-log u),  u from Philox4x32-10 (T > 0)
 
-Stage 1 (`_sampling_partial_kernel`, grid rows x splits): each program walks a contiguous run of
-vocabulary tiles and keeps (m, S, U) online plus the first argmax of x and of the Gumbel score; a handful
-of rows still spreads over the whole GPU. Stage 2 (`_sampling_combine_kernel`, grid rows) rescales the
-partial sums to the row max, takes the lowest index among equal maxima (splits are in vocabulary order)
-and writes the four outputs. A sampled row whose best score is +-inf (x_max / T overflowed fp32) gets the
-oracle's overflow rule there, where the row max is known: the combine program races again over the row on
-(x - m) / T + g (a loop of zero trips for every other row: no host sync, no extra launch). A tile is laid out [BLOCK_V / 64, 4, 16] so that one Philox call on counter
-(v >> 6) * 16 + (v & 15) yields the noise of its 4 entries v, v + 16, v + 32, v + 48, exactly as on CPU.
+Stage 1 (`_sampling_partial_kernel`, grid rows x splits): a row is cut into chunks of whole tiles whose bounds
+depend on V alone (`_chunk_plan`); each program walks a contiguous run of chunks and keeps (m, S, U) online
+per chunk, plus the first argmax of x and of the Gumbel score over its run; a handful of rows still spreads
+over the whole GPU. Stage 2 (`_sampling_combine_kernel`, grid rows) rescales the chunks' partial sums to the
+row max, takes the lowest index among equal maxima (chunks are in vocabulary order) and writes the four
+outputs. Only the grouping of chunks into programs depends on B * K and the SM count, so a row's entropy and
+logprob are the same bits in any batch and whatever the SM count. A sampled row whose best score is +-inf
+(x_max / T overflowed fp32) gets the oracle's overflow rule there, where the row max is known: the combine
+program races again over the row on (x - m) / T + g (a loop of zero trips for every other row: no host sync,
+no extra launch). A tile is laid out [BLOCK_V / 64, 4, 16] so that one Philox call on counter (v >> 6) * 16 +
+(v & 15) yields the noise of its 4 entries v, v + 16, v + 32, v + 48, exactly as on CPU.
 """
 from __future__ import annotations
 
@@ -52,11 +55,11 @@ SMALL_VOCAB = 4096
 # Programs aimed at per launch: 4 per SM of the input's GPU (528 on a 132-SM H100), so that B * K = 16
 # rows still fill the GPU.
 PROGRAMS_PER_SM = 4
-# Smallest run of tiles per program (4096 entries): below that the partials' round trip costs more than
-# the extra parallelism gains.
-MIN_TILES_PER_SPLIT = 4
-# Most splits per row; the combine program reads them as one block. 151936 / (4 * 1024) = 38 < 64.
-MAX_SPLITS = 64
+# Smallest chunk of tiles (4096 entries), the unit of the partial sums and of a program's work: below that
+# the partials' round trip costs more than the extra parallelism gains.
+MIN_TILES_PER_CHUNK = 4
+# Most chunks per row; the combine program reads their partials as one block. 151936 / (4 * 1024) = 38 < 64.
+MAX_CHUNKS = 64
 # Largest Gumbel noise any u gives, -log(-log(1 - 2^-24)) = 16.6355, rounded up: a tile whose max logit / T
 # plus this is below the best score so far cannot hold the winner and skips its Philox draws.
 GUMBEL_MAX = tl.constexpr(16.64)
@@ -101,9 +104,9 @@ _FIRST_PASS_TILES = tl.constexpr(THRESHOLD_FIRST_PASS_TILES)
 # 1e-6 chance per lane); the compare-exchange chain costs 16 instructions per entry in the first pass, and
 # the candidates take 8 x 1024 x the logits' element size per row of workspace (32 KB in fp32).
 THRESHOLD_CANDIDATES = 8
-# Entries per row of the workspaces: (m, S, U, greedy value, best score, bad, race threshold) and (greedy
-# index, best index). The threshold (-inf: no filter) is the same in every split: the partial kernel
-# passes it on so that the combine kernel's overflow rerun keeps the same entries without a filtered
+# Entries per chunk of the workspaces: (m, S, U, greedy value, best score, bad, race threshold) and
+# (greedy index, best index). The threshold (-inf: no filter) is the same in every chunk: the partial
+# kernel passes it on so that the combine kernel's overflow rerun keeps the same entries without a filtered
 # configuration of its own.
 PARTIAL_FLOATS = 7
 PARTIAL_INTS = 2
@@ -128,7 +131,7 @@ _EXP_FLOOR = tl.constexpr(-128.0)
 def _sampling_row_coordinates(positions):
     """(row, b, j) of this program's row of logits, row = b * positions + j (grid axis 0): row and b int64,
     j int32. Every address is taken in int64 but an entry's index in a row (below MAX_VOCAB) or a lane's in a
-    tile: an int32 product wraps once it passes 2^31, e.g. row * splits * 7 floats of the partials past 306M
+    tile: an int32 product wraps once it passes 2^31, e.g. row * chunks * 7 floats of the partials past 306M
     rows, or b times the stride of a strided seed, offset or filter view (a stride typed i32 below 2^31)."""
     row = tl.program_id(0)
     return row.to(tl.int64), (row // positions).to(tl.int64), row % positions
@@ -596,48 +599,17 @@ def _sampling_threshold_kernel(
     tl.store(threshold_ptr + row, tl.maximum(tl.load(threshold_ptr + row), _sampling_key_value(key_p)))
 
 
-@unspecialised_jit
-def _sampling_partial_kernel(
-    logits_ptr, stride_b, stride_k, seed_ptr, seed_stride, offset_ptr, offset_stride,
-    temperature_ptr, temperature_stride, temperature_val, compute_mask_ptr, threshold_ptr, partial_f_ptr,
-    partial_i_ptr, positions, vocab, mask_token_id, tiles_per_split, num_splits,
-    HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
-    BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
-):
-    row, b, j = _sampling_row_coordinates(positions)
-    split = tl.program_id(1)
-    # The last split stops at the row's last tile ((V - 1) // BLOCK; splits x tiles_per_split can pass it), so
-    # that no tile starts at 2^31 or beyond, where int32 entry indices wrap to -2^31 and pass `v < vocab`.
-    num_tiles = tl.minimum(tiles_per_split, (vocab - 1) // BLOCK + 1 - split * tiles_per_split)
-    if HAS_COMPUTE_MASK:
-        num_tiles = tl.where(tl.load(compute_mask_ptr + row) != 0, num_tiles, 0)
-    if HAS_TEMPERATURE:
-        temperature = tl.load(temperature_ptr + b * temperature_stride)
-    else:
-        temperature = temperature_val
-    threshold = -float("inf")
-    if HAS_THRESHOLD:
-        threshold = tl.load(threshold_ptr + row)  # filters: the race keeps x >= threshold only
-    seed = tl.load(seed_ptr + b * seed_stride)
-    offset = tl.load(offset_ptr + b * offset_stride)
-    c1 = j.to(tl.uint32)
-    c2 = (offset & 0xFFFFFFFF).to(tl.uint32)
-    c3 = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    row_ptr = logits_ptr + b * stride_b + j.to(tl.int64) * stride_k
-
-    ROWS: tl.constexpr = BLOCK // 64
-    local = (tl.arange(0, ROWS)[:, None, None] * 64 + tl.arange(0, 4)[None, :, None] * 16
-             + tl.arange(0, 16)[None, None, :])                             # [ROWS, 4, 16]
+@triton.jit
+def _sampling_chunk(row_ptr, local, vocab, mask_token_id, first_tile, num_tiles, temperature, threshold,
+                    seed, c1, c2, c3, bad, greedy, greedy_idx, best, best_idx, HAS_THRESHOLD: tl.constexpr,
+                    BLOCK: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr):
+    """(m, S, U) of tiles [first_tile, first_tile + num_tiles) of a row, and the races and NaN flag carried on
+    over them: returns (m, S, U, bad, greedy, greedy_idx, best, best_idx)."""
     m = -float("inf")
     sum_exp = 0.0
     sum_xexp = 0.0
-    bad = 0.0
-    greedy = -float("inf")
-    greedy_idx = -1
-    best = -float("inf")
-    best_idx = -1
     for t in range(num_tiles):
-        start = (split * tiles_per_split + t) * BLOCK
+        start = (first_tile + t) * BLOCK
         v = start + local
         ptrs, in_row = _sampling_tile_ptrs(row_ptr, v, vocab, ALIGNED)
         x = tl.load(ptrs, mask=in_row, other=-float("inf")).to(tl.float32)
@@ -670,18 +642,72 @@ def _sampling_partial_kernel(
                 score_arg = tl.min(tl.where(score == score_max, v, _INT32_MAX))
                 best_idx = tl.where(score_max > best, score_arg, best_idx)
                 best = tl.maximum(best, score_max)
+    return m, sum_exp, sum_xexp, bad, greedy, greedy_idx, best, best_idx
 
-    out_f = partial_f_ptr + (row * num_splits + split) * _PARTIAL_FLOATS
-    tl.store(out_f + 0, m)
-    tl.store(out_f + 1, sum_exp)
-    tl.store(out_f + 2, sum_xexp)
-    tl.store(out_f + 3, greedy)
-    tl.store(out_f + 4, best)
-    tl.store(out_f + 5, bad)
-    tl.store(out_f + 6, threshold)
-    out_i = partial_i_ptr + (row * num_splits + split) * _PARTIAL_INTS
-    tl.store(out_i + 0, greedy_idx)
-    tl.store(out_i + 1, best_idx)
+
+@unspecialised_jit
+def _sampling_partial_kernel(
+    logits_ptr, stride_b, stride_k, seed_ptr, seed_stride, offset_ptr, offset_stride,
+    temperature_ptr, temperature_stride, temperature_val, compute_mask_ptr, threshold_ptr, partial_f_ptr,
+    partial_i_ptr, positions, vocab, mask_token_id, tiles_per_chunk, num_chunks, chunks_per_split,
+    HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
+    BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    row, b, j = _sampling_row_coordinates(positions)
+    split = tl.program_id(1)
+    # This program's chunks [first_chunk, first_chunk + split_chunks): the last split's run may be shorter.
+    first_chunk = split * chunks_per_split
+    split_chunks = tl.minimum(chunks_per_split, num_chunks - first_chunk)
+    last_tile = (vocab - 1) // BLOCK
+    computed = True
+    if HAS_COMPUTE_MASK:
+        computed = tl.load(compute_mask_ptr + row) != 0  # else every chunk gets 0 tiles, its partial still written
+    if HAS_TEMPERATURE:
+        temperature = tl.load(temperature_ptr + b * temperature_stride)
+    else:
+        temperature = temperature_val
+    threshold = -float("inf")
+    if HAS_THRESHOLD:
+        threshold = tl.load(threshold_ptr + row)  # filters: the race keeps x >= threshold only
+    seed = tl.load(seed_ptr + b * seed_stride)
+    offset = tl.load(offset_ptr + b * offset_stride)
+    c1 = j.to(tl.uint32)
+    c2 = (offset & 0xFFFFFFFF).to(tl.uint32)
+    c3 = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    row_ptr = logits_ptr + b * stride_b + j.to(tl.int64) * stride_k
+
+    ROWS: tl.constexpr = BLOCK // 64
+    local = (tl.arange(0, ROWS)[:, None, None] * 64 + tl.arange(0, 4)[None, :, None] * 16
+             + tl.arange(0, 16)[None, None, :])                             # [ROWS, 4, 16]
+    # The races (greedy maximum, Gumbel score) and the NaN flag run over the program's whole run of chunks, so
+    # later chunks skip more noise; (m, S, U) start afresh in each chunk and end in its partial, whatever
+    # the run it belongs to.
+    bad = 0.0
+    greedy = -float("inf")
+    greedy_idx = -1
+    best = -float("inf")
+    best_idx = -1
+    for c in range(split_chunks):
+        chunk = first_chunk + c
+        # The last chunk stops at the row's last tile (chunks x tiles_per_chunk can pass it), so that no tile
+        # starts at 2^31 or beyond, where int32 entry indices wrap to -2^31 and pass `v < vocab`.
+        num_tiles = tl.minimum(tiles_per_chunk, last_tile + 1 - chunk * tiles_per_chunk)
+        if HAS_COMPUTE_MASK:
+            num_tiles = tl.where(computed, num_tiles, 0)
+        m, sum_exp, sum_xexp, bad, greedy, greedy_idx, best, best_idx = _sampling_chunk(
+            row_ptr, local, vocab, mask_token_id, chunk * tiles_per_chunk, num_tiles, temperature, threshold,
+            seed, c1, c2, c3, bad, greedy, greedy_idx, best, best_idx, HAS_THRESHOLD, BLOCK, ALIGNED, ROWS)
+        out_f = partial_f_ptr + (row * num_chunks + chunk) * _PARTIAL_FLOATS
+        tl.store(out_f + 0, m)
+        tl.store(out_f + 1, sum_exp)
+        tl.store(out_f + 2, sum_xexp)
+        tl.store(out_f + 3, greedy)
+        tl.store(out_f + 4, best)
+        tl.store(out_f + 5, bad)
+        tl.store(out_f + 6, threshold)
+        out_i = partial_i_ptr + (row * num_chunks + chunk) * _PARTIAL_INTS
+        tl.store(out_i + 0, greedy_idx)
+        tl.store(out_i + 1, best_idx)
 
 
 @unspecialised_jit
@@ -689,9 +715,10 @@ def _sampling_combine_kernel(
     logits_ptr, stride_b, stride_k, temperature_ptr, temperature_stride, temperature_val, compute_mask_ptr,
     seed_ptr, seed_stride, offset_ptr, offset_stride,
     partial_f_ptr, partial_i_ptr, tokens_ptr, entropy_ptr, logprob_ptr, valid_ptr,
-    positions, vocab, mask_token_id, num_splits,
+    positions, vocab, mask_token_id, num_chunks,
     HAS_TEMPERATURE: tl.constexpr, HAS_COMPUTE_MASK: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    # SPLITS (MAX_CHUNKS): the block of a row's chunk partials, read at once; the name keeps the spec names.
     row, b, j = _sampling_row_coordinates(positions)
     computed = True
     if HAS_COMPUTE_MASK:
@@ -702,9 +729,9 @@ def _sampling_combine_kernel(
         temperature = temperature_val
 
     s = tl.arange(0, SPLITS)
-    live = s < num_splits
-    part_f = partial_f_ptr + row * num_splits * _PARTIAL_FLOATS + s * _PARTIAL_FLOATS
-    part_i = partial_i_ptr + row * num_splits * _PARTIAL_INTS + s * _PARTIAL_INTS
+    live = s < num_chunks
+    part_f = partial_f_ptr + row * num_chunks * _PARTIAL_FLOATS + s * _PARTIAL_FLOATS
+    part_i = partial_i_ptr + row * num_chunks * _PARTIAL_INTS + s * _PARTIAL_INTS
     m = tl.load(part_f + 0, mask=live, other=-float("inf"))
     sum_exp = tl.load(part_f + 1, mask=live, other=0.0)
     sum_xexp = tl.load(part_f + 2, mask=live, other=0.0)
@@ -733,7 +760,7 @@ def _sampling_combine_kernel(
     # on (x - m) / T + g; the loop has no trip for any other row.
     row_ptr = logits_ptr + b * stride_b + j.to(tl.int64) * stride_k
     rerun = valid & (temperature > 0) & ((best_max == float("inf")) | (best_max == -float("inf")))
-    threshold = tl.load(partial_f_ptr + row * num_splits * _PARTIAL_FLOATS + 6)
+    threshold = tl.load(partial_f_ptr + row * num_chunks * _PARTIAL_FLOATS + 6)
     seed = tl.load(seed_ptr + b * seed_stride)
     offset = tl.load(offset_ptr + b * offset_stride)
     c1 = j.to(tl.uint32)
@@ -775,13 +802,21 @@ def _num_warps(block: int) -> int:
     return NUM_WARPS if block == BLOCK_V else SMALL_NUM_WARPS
 
 
-def _split_plan(rows: int, vocab: int, target_programs: int) -> tuple[int, int]:
-    """(tiles per split, number of splits) for rows x vocab: about `target_programs` programs
-    (PROGRAMS_PER_SM per SM), not too little work each."""
+def _chunk_plan(vocab: int) -> tuple[int, int]:
+    """(tiles per chunk, number of chunks) of a row of `vocab` entries: V alone fixes them, so that a row's
+    partial sums, and so its entropy and logprob, do not depend on the batch or the GPU. At least
+    MIN_TILES_PER_CHUNK tiles a chunk, at most MAX_CHUNKS chunks a row."""
     num_tiles = cdiv(vocab, _block_size(vocab))
-    wanted = max(1, min(MAX_SPLITS, cdiv(target_programs, rows), num_tiles // MIN_TILES_PER_SPLIT))
-    tiles_per_split = cdiv(num_tiles, wanted)
-    return tiles_per_split, cdiv(num_tiles, tiles_per_split)
+    tiles_per_chunk = max(MIN_TILES_PER_CHUNK, cdiv(num_tiles, MAX_CHUNKS))
+    return tiles_per_chunk, cdiv(num_tiles, tiles_per_chunk)
+
+
+def _split_plan(rows: int, num_chunks: int, target_programs: int) -> tuple[int, int]:
+    """(chunks per split, number of splits) for rows of `num_chunks` chunks: about `target_programs`
+    programs (PROGRAMS_PER_SM per SM), each a run of whole chunks."""
+    wanted = max(1, min(num_chunks, cdiv(target_programs, rows)))
+    chunks_per_split = cdiv(num_chunks, wanted)
+    return chunks_per_split, cdiv(num_chunks, chunks_per_split)
 
 
 FLOAT32_MIN_NORMAL = 2.0**-126
@@ -865,9 +900,10 @@ def _sampling_launches(logits: torch.Tensor, seed: torch.Tensor, offset: torch.T
     # tile's mask): most vocabularies (32000, 128256, 151936), not 50257.
     aligned = rows_aligned(logits) and vocab * logits.element_size() % 16 == 0
 
-    tiles_per_split, num_splits = _split_plan(rows, vocab, PROGRAMS_PER_SM * sm_count(device))
-    partial_f = torch.empty(rows, num_splits, PARTIAL_FLOATS, dtype=torch.float32, device=device)
-    partial_i = torch.empty(rows, num_splits, PARTIAL_INTS, dtype=torch.int32, device=device)
+    tiles_per_chunk, num_chunks = _chunk_plan(vocab)
+    chunks_per_split, num_splits = _split_plan(rows, num_chunks, PROGRAMS_PER_SM * sm_count(device))
+    partial_f = torch.empty(rows, num_chunks, PARTIAL_FLOATS, dtype=torch.float32, device=device)
+    partial_i = torch.empty(rows, num_chunks, PARTIAL_INTS, dtype=torch.int32, device=device)
     # Unused pointer arguments (constexpr flags off) get a workspace of the right element type.
     temperature_arg = temperature if temperature is not None else partial_f
     mask_arg = (compute_mask.contiguous() if compute_mask is not None else valid).view(torch.uint8)
@@ -907,7 +943,7 @@ def _sampling_launches(logits: torch.Tensor, seed: torch.Tensor, offset: torch.T
         **row_args, "seed_ptr": seed, "seed_stride": _per_row_stride(seed), "offset_ptr": offset,
         "offset_stride": _per_row_stride(offset), "threshold_ptr": threshold, "partial_f_ptr": partial_f,
         "partial_i_ptr": partial_i, "positions": positions, "vocab": vocab, "mask_token_id": mask_token_id,
-        "tiles_per_split": tiles_per_split, "num_splits": num_splits,
+        "tiles_per_chunk": tiles_per_chunk, "num_chunks": num_chunks, "chunks_per_split": chunks_per_split,
     }, {**flags, "HAS_THRESHOLD": has_threshold, "BLOCK": block,
         # The small tile (V < SMALL_VOCAB, 128 entries a step) has one configuration: vectors gain nothing there.
         "ALIGNED": aligned and block == BLOCK_V}, _num_warps(block)))
@@ -915,8 +951,8 @@ def _sampling_launches(logits: torch.Tensor, seed: torch.Tensor, offset: torch.T
         **row_args, "seed_ptr": seed, "seed_stride": _per_row_stride(seed), "offset_ptr": offset,
         "offset_stride": _per_row_stride(offset), "partial_f_ptr": partial_f, "partial_i_ptr": partial_i,
         "tokens_ptr": tokens, "entropy_ptr": entropy, "logprob_ptr": logprob, "valid_ptr": valid.view(torch.int8),
-        "positions": positions, "vocab": vocab, "mask_token_id": mask_token_id, "num_splits": num_splits,
-    }, {**flags, "SPLITS": MAX_SPLITS, "BLOCK": RERUN_BLOCK}, 1))
+        "positions": positions, "vocab": vocab, "mask_token_id": mask_token_id, "num_chunks": num_chunks,
+    }, {**flags, "SPLITS": MAX_CHUNKS, "BLOCK": RERUN_BLOCK}, 1))
     return outputs, launches
 
 
