@@ -89,6 +89,9 @@ def get_extensions():
         CppExtension(
             "sbd_kernels._C",
             SOURCES,
+            # The headers too: setuptools rebuilds an extension only when one of these is newer than it, and
+            # the kernels themselves live in headers (attention_kernel.h, sampling_kernel.h).
+            depends=sorted(str(path.relative_to(ROOT)) for path in (ROOT / "csrc").rglob("*.h")),
             include_dirs=[str(ROOT / "csrc")],
             define_macros=[("SBD_PYTHON_MODULE", None)],
             extra_compile_args=COMMON_FLAGS,
