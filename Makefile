@@ -34,16 +34,16 @@ aot: $(BUILT)
 # On a machine with an NVIDIA GPU and a CUDA build of torch and triton already installed: no .venv, nothing
 # downloaded. Builds the extension in place with $(PYTHON), then runs the tests on CUDA, the benchmarks on the
 # GPU and writes bench/reference/<gpu>/ within 10 minutes on an H100 (`sbd gpu-check --dry-run`: the plan).
-# GPU_CHECK_FLAGS="--budget 480" fits the check into less time (the build counts against it: --spent);
+# GPU_CHECK_FLAGS="--budget 480" fits the check into less time (the build counts against it: --started-at);
 # "--only tests,bench-sampling" runs those stages alone, sharing the budget.
 GPU_CHECK_FLAGS ?=
-# The clock starts before the CUDA check (importing torch and starting CUDA take seconds), so that --spent holds
-# everything before the check's own stages.
+# The clock starts before the CUDA check (importing torch and starting CUDA take seconds), so that --started-at
+# puts everything before the check's own stages, its own start-up included, within its budget.
 gpu-check:
 	@start=$$(date +%s) && \
 	$(PYTHON) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make gpu-check: no NVIDIA GPU visible to torch ' + torch.__version__ + '; nothing was built or run')" && \
 	env $(BUILD_ENV) $(PYTHON) setup.py -q build_ext --inplace && \
-	$(PYTHON) -m sbd_kernels.cli gpu-check --spent $$(( $$(date +%s) - start )) $(GPU_CHECK_FLAGS)
+	$(PYTHON) -m sbd_kernels.cli gpu-check --started-at $$start $(GPU_CHECK_FLAGS)
 
 lint: $(DEPS)
 	$(BIN)/ruff check sbd_kernels tests bench tools

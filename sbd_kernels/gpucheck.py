@@ -1,8 +1,8 @@
 """`sbd gpu-check` (`make gpu-check`): on an NVIDIA GPU, the test suite on CUDA, the benchmarks on the GPU and
 their report, in one command that fits in 10 minutes on an H100.
 
-    make gpu-check                 # builds the extension in place with $(PYTHON), then `sbd gpu-check --spent
-                                   # <the build's seconds>`: the build counts against the 10 minutes
+    make gpu-check                 # builds the extension in place with $(PYTHON), then `sbd gpu-check
+                                   # --started-at <before the build>`: the build counts against the 10 minutes
     sbd gpu-check [--out DIR]      # at the root of a checkout whose extension is built
     sbd gpu-check --budget 480 --only tests,bench-sampling   # less time; some stages, sharing it
     sbd gpu-check --dry-run        # any machine: the plan and its commands, a report of stages not run
@@ -126,7 +126,9 @@ class Checkout:
     extension_current: bool  # the compiled extension is newer than every build input
     budget_s: int = TOTAL_BUDGET_S  # the whole check, at most (`--budget`): the stages' budgets are scaled to it
     only: tuple[str, ...] = ()  # the stages to run (`--only`; the build too when it has work); empty: all
-    spent_s: int = 0  # seconds of the check before this command (`--spent`: make gpu-check's build)
+    # Seconds of the check before its first stage (`--started-at`: make gpu-check's CUDA check and build, and this
+    # command's own start-up, its imports of torch and triton: 2-5 s).
+    spent_s: int = 0
 
     def wanted(self, name: str) -> bool:
         """Whether stage `name` is asked for: those of `only` (all when empty), the build when it has work, and
@@ -145,7 +147,7 @@ class Checkout:
         return tuple(name for name in BUDGETS_S if self.wanted(name) and self.cannot_run(name) is None)
 
     def stage_room_s(self) -> int:
-        """What the stages share: the budget less the seconds spent before this command, at least the least
+        """What the stages share: the budget less the seconds spent before the first stage, at least the least
         budget that gives each stage a second (a build slower than the whole budget still leaves a check)."""
         return max(least_budget_s(), self.budget_s - self.spent_s)
 
@@ -303,8 +305,8 @@ def plan(checkout: Checkout) -> list[Stage]:
 def build_stage(checkout: Checkout) -> Stage:
     what = "the C++ extension, in place, with this interpreter"
     if checkout.extension_current:
-        done = (f"built before this command, in {checkout.spent_s} s (`make gpu-check`)" if checkout.spent_s
-                else "up to date: newer than every source")
+        done = (f"built before this command (`make gpu-check`; {checkout.spent_s} s before the first stage)"
+                if checkout.spent_s else "up to date: newer than every source")
         return Stage("build", checkout.stage_budget("build"), what, nothing_to_do=done)
     # --force: distutils only compares the .cpp files with the library, not the headers. The build replaces the
     # library file (distutils unlinks it before copying), so this process's loaded copy stays intact.
@@ -373,7 +375,7 @@ def bench_stage(checkout: Checkout, family: str) -> Stage:
 
 def plan_text(stages: list[Stage], budget_s: int = TOTAL_BUDGET_S, spent_s: int = 0) -> str:
     """The stages with their budgets, and the commands each runs (or why it does not); spent_s, the seconds
-    the check took before this command, counts against budget_s."""
+    the check took before its first stage, counts against budget_s."""
     lines = []
     for s in stages:
         lines.append(f"{s.name:<16} {s.budget_s:>4} s  {s.what}")
@@ -381,7 +383,7 @@ def plan_text(stages: list[Stage], budget_s: int = TOTAL_BUDGET_S, spent_s: int 
             lines.append(f"    skipped: {s.skip}" if s.skip is not None else f"    nothing to run: {s.nothing_to_do}")
         lines += [f"    {line}" for line in s.command_lines()]
     total = spent_s + sum(s.budget_s for s in stages) + fixed_cost_s(sum(s.budget_s > 0 for s in stages))
-    before = f"the build before, {spent_s} s; " if spent_s else ""
+    before = f"before the stages, {spent_s} s; " if spent_s else ""
     lines.append(f"budget: {total} s at most of {budget_s} s ({before}stages, {GRACE_S} s grace each, report)")
     return "\n".join(lines)
 
@@ -622,7 +624,7 @@ def check_section(header: dict, results: list[StageResult], stages: list[Stage],
              (f"- torch {header['torch']} (CUDA {torch.version.cuda or 'none'}), triton {header['triton']}, python "
               f"{header['python']}, commit {header['commit']}, {header['date']}"),
              (f"- the check took {seconds:.0f} s"
-              f"{f' (the build before `sbd gpu-check`, {checkout.spent_s} s, included)' if checkout.spent_s else ''}; "
+              f"{f' ({checkout.spent_s} s before the first stage included: build, start-up)' if checkout.spent_s else ''}; "
               f"budget {checkout.budget_s} s (default {TOTAL_BUDGET_S} s: `make gpu-check` on an H100)"), "",
              "## Stages", "",
              ("Budget s: the stage's budget, + the seconds the stages before it left unused (its time to run, "
@@ -684,7 +686,7 @@ def write_report(checkout: Checkout, header: dict, stages: list[Stage], results:
     report.write_text(check_section(header, results, stages, checkout, seconds, dry_run, finished) + "\n" + tables)
     (checkout.out / "gpu-check.json").write_text(json.dumps(
         {"gpu": header.get("gpu"), "seconds": seconds, "dry_run": dry_run, "budget_s": checkout.budget_s,
-         "finished": finished, "stages": [asdict(r) for r in results], "missing": sorted(checkout.missing)},
+         "spent_s": checkout.spent_s, "finished": finished, "stages": [asdict(r) for r in results], "missing": sorted(checkout.missing)},
         indent=1))
     if finished and families and "matplotlib" not in checkout.missing:
         from sbd_kernels.bench_plots import write_plots
@@ -817,9 +819,16 @@ def preflight(missing: frozenset[str]) -> None:
         raise GpuCheckError("triton is not installed: the GPU kernels need it (CUDA builds of torch ship it)")
 
 
+def seconds_since(started_at: float | None) -> int:
+    """Whole seconds from Unix time `started_at` (`--started-at`) to now, rounded up; 0 without one, or for one
+    in the future (a clock set back in between)."""
+    return 0 if started_at is None else max(0, math.ceil(time.time() - started_at))
+
+
 def run(args: argparse.Namespace) -> int:
     """The whole check (or its dry run); returns the exit status."""
     started = time.monotonic()
+    spent_s = seconds_since(args.started_at)
     missing = missing_modules()
     if not args.dry_run:
         preflight(missing)
@@ -829,7 +838,7 @@ def run(args: argparse.Namespace) -> int:
                    else repo / "bench" / "reference" / gpu_slug((header.get("gpu") or {}).get("name", "")))
     checkout = Checkout(repo, (args.out or default_out).resolve(), sys.executable, os.cpu_count() or 1, missing,
                         extension_is_current(repo), args.budget, tuple(args.only.split(",")) if args.only else (),
-                        args.spent)
+                        spent_s)
     checkout.out.mkdir(parents=True, exist_ok=True)
     remove_earlier_outputs(checkout.out)
     stages = plan(checkout)
@@ -885,9 +894,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                metavar="STAGES", help="comma-separated stages to run (the build when needed and the compile stage "
                                       "always run too), e.g. bench-attention,bench-sampling; the budget is shared "
                                       "among them")
-    add_option(parser, "--spent", type=argtypes.non_negative_int, default=0, metavar="SECONDS",
-               help="seconds the check already took before this command (`make gpu-check` passes its build's): "
-                    "they count against --budget, the stages share the rest")
+    add_option(parser, "--started-at", type=argtypes.positive_float, metavar="UNIX_TIME",
+               help="when the check began, in seconds since 1970 (`make gpu-check` passes the time before its build): "
+                    "the time since, the build and this command's start-up included, counts against --budget, "
+                    "the stages share the rest")
     add_option(parser, "--dry-run", action="store_true",
                help="no GPU needed: print the plan and its commands, write the report of stages not run")
     return parser

@@ -761,7 +761,7 @@ def test_a_dry_run_with_a_budget_plans_and_reports_against_it(tmp_path, capsys, 
 @pytest.mark.parametrize("spent", [0, 45, 1000])
 def test_the_build_before_the_command_counts_against_the_budget(tmp_path, spent):
     """Guards against `make gpu-check` taking its build plus the whole budget (past 10 minutes on an H100):
-    the seconds spent before `sbd gpu-check` (--spent) leave the stages the rest, never less than the least
+    the seconds spent before the first stage (--started-at) leave the stages the rest, never less than the least
     budget that gives each a second, and the build's line says how long it took."""
     room = max(gpucheck.least_budget_s(), gpucheck.TOTAL_BUDGET_S - spent)
     given = dataclasses.replace(checkout(tmp_path), spent_s=spent)
@@ -770,20 +770,39 @@ def test_the_build_before_the_command_counts_against_the_budget(tmp_path, spent)
     worst = spent + sum(s.budget_s + gpucheck.GRACE_S for s in stages if s.budget_s) + gpucheck.REPORT_BUDGET_S
     assert worst <= gpucheck.TOTAL_BUDGET_S or room == gpucheck.least_budget_s()
     build = next(s for s in stages if s.name == "build")
-    assert build.nothing_to_do == (f"built before this command, in {spent} s (`make gpu-check`)" if spent
-                                   else "up to date: newer than every source")
+    assert build.nothing_to_do == (f"built before this command (`make gpu-check`; {spent} s before the first stage)"
+                                   if spent else "up to date: newer than every source")
     assert f"budget: {worst} s at most of 600 s" in gpucheck.plan_text(stages, given.budget_s, spent)
 
 
 def test_make_gpu_check_passes_the_time_of_its_build(capsys):
-    """Guards against the Makefile's build being left out of the check's time again, and a --spent that
-    takes a negative or fractional count."""
+    """Guards against the Makefile's build being left out of the check's time again, and a --started-at that
+    takes a negative, infinite or non-numeric time."""
     recipe = (REPO / "Makefile").read_text().split("\ngpu-check:\n", 1)[1].split("\n\n", 1)[0]
-    assert "start=$$(date +%s)" in recipe and "gpu-check --spent $$(( $$(date +%s) - start ))" in recipe
-    for text in ("-1", "2.5"):
+    assert recipe.index("start=$$(date +%s)") < recipe.index("torch.cuda.is_available()") < recipe.index("setup.py")
+    assert "gpu-check --started-at $$start" in recipe
+    for text in ("-1", "inf", "yesterday"):
         with pytest.raises(SystemExit) as info:
-            cli.main(["gpu-check", "--dry-run", "--spent", text])
-        assert info.value.code == 2 and "argument --spent" in capsys.readouterr().err
+            cli.main(["gpu-check", "--dry-run", "--started-at", text])
+        assert info.value.code == 2 and "argument --started-at" in capsys.readouterr().err
+
+
+def test_the_time_before_the_command_starts_counts_against_the_budget(tmp_path, capsys, monkeypatch):
+    """Guards against the check's clock starting after its own start-up (importing torch and triton, seconds
+    the budget did not hold when `make gpu-check` passed only its build's time) or double-counting the time
+    from the command's start to its first stage; a start in the future counts 0."""
+    monkeypatch.setattr(gpucheck, "extension_is_current", lambda repo: True)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["gpu-check", "--dry-run", "--out", str(tmp_path), "--started-at", str(time.time() - 45.5)])
+    assert info.value.code == 0
+    spent = json.loads((tmp_path / "gpu-check.json").read_text())["spent_s"]
+    assert 46 <= spent <= 50, spent  # 45.5 s rounded up, plus the command's few seconds before its first stage
+    given = dataclasses.replace(checkout(tmp_path), spent_s=spent)
+    out = capsys.readouterr().out
+    assert f"before the stages, {spent} s;" in out and f"{spent} s before the first stage included" in (
+        tmp_path / "report.md").read_text()
+    assert f"tests             {given.stage_budget('tests')} s" in out
+    assert gpucheck.seconds_since(time.time() + 60) == 0 and gpucheck.seconds_since(None) == 0
 
 
 def test_without_a_gpu_one_line_and_status_1(tmp_path, capsys, monkeypatch):
