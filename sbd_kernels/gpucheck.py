@@ -308,7 +308,8 @@ def build_stage(checkout: Checkout) -> Stage:
         done = (f"built before this command (`make gpu-check`; {checkout.spent_s} s before the first stage)"
                 if checkout.spent_s else "up to date: newer than every source")
         return Stage("build", checkout.stage_budget("build"), what, nothing_to_do=done)
-    # --force: distutils only compares the .cpp files with the library, not the headers. The build replaces the
+    # --force: distutils compares the sources and headers with the library, not csrc/sources.txt (its flags),
+    # setup.py or pyproject.toml, which BUILD_INPUT_GLOBS counts too. The build replaces the
     # library file (distutils unlinks it before copying), so this process's loaded copy stays intact.
     command = (checkout.python, "setup.py", "build_ext", "--inplace", "--force")
     return Stage("build", checkout.stage_budget("build"), what, commands=(command,))
