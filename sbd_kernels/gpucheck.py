@@ -872,7 +872,7 @@ def stage_result(stage: Stage, results: list[StageResult], checkout: Checkout, d
     if stage.skip is not None:
         return StageResult(stage.name, "skipped", 0.0, stage.budget_s, stage.skip)
     if stage.nothing_to_do is not None:
-        before = checkout.spent_s if stage.name == "build" else 0.0  # make gpu-check's build
+        before = checkout.spent_s if stage.name == "build" else 0.0  # make gpu-check's build and the start-up
         return StageResult(stage.name, "passed", before, stage.budget_s, stage.nothing_to_do)
     if dry_run:
         return not_run(stage, "dry run")

@@ -792,11 +792,15 @@ def test_the_time_before_the_command_starts_counts_against_the_budget(tmp_path, 
     the budget did not hold when `make gpu-check` passed only its build's time) or double-counting the time
     from the command's start to its first stage; a start in the future counts 0."""
     monkeypatch.setattr(gpucheck, "extension_is_current", lambda repo: True)
+    started_at = time.time() - 45.5
     with pytest.raises(SystemExit) as info:
-        cli.main(["gpu-check", "--dry-run", "--out", str(tmp_path), "--started-at", str(time.time() - 45.5)])
+        cli.main(["gpu-check", "--dry-run", "--out", str(tmp_path), "--started-at", str(started_at)])
     assert info.value.code == 0
-    spent = json.loads((tmp_path / "gpu-check.json").read_text())["spent_s"]
+    since_start = time.time() - started_at
+    written = json.loads((tmp_path / "gpu-check.json").read_text())
+    spent = written["spent_s"]
     assert 46 <= spent <= 50, spent  # 45.5 s rounded up, plus the command's few seconds before its first stage
+    assert written["seconds"] <= since_start + 1, (written["seconds"], since_start)  # + 1: spent_s is rounded up
     given = dataclasses.replace(checkout(tmp_path), spent_s=spent)
     out = capsys.readouterr().out
     assert f"before the stages, {spent} s;" in out and f"{spent} s before the first stage included" in (
