@@ -15,8 +15,9 @@ Run: `sbd train --objective ntp --steps 1500 --out ntp.pt`, then
 `sbd train --objective sbd --init-from ntp.pt --lr 5e-4 --out sbd.pt` (or `python -m sbd_kernels.train ...`).
 Data parallel: `torchrun --nproc-per-node 2 -m sbd_kernels.train ...` (gloo on CPU, nccl on CUDA);
 each rank draws its own batch, and the loss is one mean over the targets of every rank's batch
-(`global_mean_loss`: one all_reduce of the CE sums and target counts per step); with
---max-minutes, rank 0's clock decides for every rank when to stop and how far the cosine has run.
+(`global_mean_loss`: one all_reduce of the CE sums and target counts per step), and the gradients are
+averaged after backward (`average_gradients`: no DDP wrapper, whose collectives inside backward could
+deadlock a gloo rank); with --max-minutes, rank 0's clock decides for every rank when to stop and how far the cosine has run.
 """
 from __future__ import annotations
 
@@ -236,7 +237,7 @@ def _sbd_forward(model: nn.Module, tokens: Tensor, target_mask: Tensor, block_si
 def sbd_loss(model: nn.Module, tokens: Tensor, target_mask: Tensor, block_size: int, mask_token_id: int,
              generator: torch.Generator, attn_mask: Any = None) -> tuple[Tensor, dict[str, Tensor]]:
     """SBD loss (docs/algorithm.md §2.5): one mean of CE over NTP targets (clean half) and MATP targets (noisy
-    half). model: a Transformer or its DDP wrapper. Returns (loss, detached per-term means)."""
+    half). model: a Transformer or a module with its forward (`hf.SbdCausalLM`). Returns (loss, detached per-term means)."""
     return sbd_objective(*_sbd_forward(model, tokens, target_mask, block_size, mask_token_id, generator, attn_mask))
 
 
@@ -265,7 +266,7 @@ def global_mean_loss(terms: dict[str, tuple[Tensor, Tensor]], world: int, device
     {name: (CE sum, target count)} (`sbd_loss_terms`, `ntp_loss_terms`). Returns (loss, stats):
 
     loss = world * sum(this rank's CE sums) / N, N = the target count summed over the ranks, so that the gradient
-    DDP averages over the world ranks is that of sum(every rank's CE sums) / N;
+    averaged over the world ranks (`average_gradients`, or DDP's) is that of sum(every rank's CE sums) / N;
     stats (detached): "loss" = sum(every rank's CE sums) / N, and each term's CE sum / count over the ranks
     (NaN for a term without a target on any rank).
 
@@ -283,6 +284,57 @@ def global_mean_loss(terms: dict[str, tuple[Tensor, Tensor]], world: int, device
     stats = {"loss": global_sums.sum() / count,
              **{name: global_sums[i] / global_counts[i] for i, name in enumerate(terms)}}
     return sums.sum() * (world / count).to(sums.dtype), stats
+
+
+def _by_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:
+    """`tensors` in groups of one dtype each (one flat collective per group), in first-seen order."""
+    groups: dict[torch.dtype, list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    return list(groups.values())
+
+
+def _collective_in_place(tensors: list[Tensor], device: torch.device, collective: Any) -> None:
+    """Runs `collective` (a function of one tensor, in place) once on `tensors` of one dtype flattened into one
+    buffer on `device` (`collective_device`), then writes the result back into each tensor."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(device)
+    collective(flat)
+    with torch.no_grad():
+        for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+            tensor.copy_(part.view_as(tensor))
+
+
+def broadcast_parameters(model: nn.Module, device: torch.device) -> None:
+    """Every rank takes rank 0's parameters and buffers: one broadcast per dtype, on `device`
+    (`collective_device`). Ranks built alike already agree; this makes sure of it before the first step."""
+    for group in _by_dtype([*model.parameters(), *model.buffers()]):
+        _collective_in_place(group, device, lambda flat: dist.broadcast(flat, src=0))
+
+
+def average_gradients(model: nn.Module, world: int, device: torch.device) -> None:
+    """grad := the mean of the ranks' gradients, for every parameter that requires one, after backward: one
+    all_reduce (sum) per dtype of the gradients flattened, on `device` (`collective_device`), then / world.
+    A parameter without a gradient on this rank takes zeros, so that every rank reduces the same tensors.
+
+    Called from the training loop's thread once backward has returned, not from autograd hooks during backward
+    (as DistributedDataParallel's are): a gloo collective launched inside backward keeps a Python object of the
+    backward's thread-local state in its work item, and the gloo worker thread that drops the item takes the
+    GIL to free it. When DDP's wrapper, the last owner of the process group, was freed (train's return) before
+    that thread had, the group's destructor joined the thread while holding the GIL: a deadlock (a loop of 3
+    gloo training steps and return, 3 copies beside each other on 2 cores, hung in 4 of 6 runs within 100
+    iterations; with the collectives launched from this thread, none of 1200 iterations hung). Costs the overlap
+    of the reduction with backward that DDP gives: one all_reduce of every gradient after it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+    def mean_over_ranks(flat: Tensor) -> None:
+        dist.all_reduce(flat)
+        flat.div_(world)
+
+    for group in _by_dtype([p.grad for p in params]):
+        _collective_in_place(group, device, mean_over_ranks)
 
 
 def flex_block_mask(n: int, block_size: int, device: torch.device) -> Any:
@@ -591,7 +643,8 @@ def train(cfg: TrainConfig) -> Transformer:
         start, seconds_before, history, warmup_seconds = _resume_state(state_path, state, model, opt, cfg)
         del state  # its copy of the weights and of the optimizer's moments, loaded into model and opt
         _log(rank, f"resumed from {state_path} at step {start}")
-    ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    if world > 1:
+        broadcast_parameters(model, sync_device)
     _log(rank, f"model {cfg.preset if not cfg.init_from else cfg.init_from}: {model.num_parameters():,} "
                f"parameters; objective {cfg.objective}; tasks {tasks}; n = {n}; world {world}")
 
@@ -628,9 +681,9 @@ def train(cfg: TrainConfig) -> Transformer:
                 if k not in flex_masks:
                     flex_masks[k] = flex_block_mask(n, k, device)
                 attn_mask = flex_masks[k]
-            terms = sbd_loss_terms(ddp, tokens, target_mask, k, mask_id, gen, attn_mask)
+            terms = sbd_loss_terms(model, tokens, target_mask, k, mask_id, gen, attn_mask)
         else:
-            terms = ntp_loss_terms(ddp, tokens, target_mask)
+            terms = ntp_loss_terms(model, tokens, target_mask)
         loss, stats = global_mean_loss(terms, world, sync_device)
 
         lr = lr_at(step, cfg, used, warmup_share(warmup_seconds, cfg.max_minutes))
@@ -638,6 +691,8 @@ def train(cfg: TrainConfig) -> Transformer:
             group["lr"] = lr
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if world > 1:
+            average_gradients(model, world, sync_device)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         progress.update(step, tokens_per_step, {**stats, "lr": lr})
@@ -736,7 +791,9 @@ def exit_rank_without_finalization() -> NoReturn:
     AsyncWork destructor calls std::terminate. destroy_process_group does not stop those threads: the
     process group outlives it once DDP has wrapped a module. A barrier before it still let ranks abort.
     A 20-line DDP script (2 gloo ranks, 3 steps, on 2 cores, mostly beside another such run) aborted in 5 of
-    324 runs, every core dump with this stack (rank 0 or 1); ending with this exit, in none of 390.
+    324 runs, every core dump with this stack (rank 0 or 1); ending with this exit, in none of 390. The same
+    work item deadlocks a rank that frees DDP's wrapper before finalization (`average_gradients`): keep the
+    wrapper alive until this exit. `train` launches no collective inside backward; its ranks end so all the same.
 
     Raises RuntimeError while a default process group is still initialized: destroy it first, so that the
     other ranks are not left waiting on this one."""

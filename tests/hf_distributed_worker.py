@@ -31,7 +31,7 @@ def examples(rank: int, count: int) -> list[dict]:
     return [{"input_ids": list(range(3 + (i + rank) % 5, 20 + i % 7))} for i in range(count)]
 
 
-def trainer_ddp(out: str, rank: int) -> tuple[str, list[float]]:
+def trainer_ddp(out: str, rank: int) -> tuple[object, str, list[float]]:
     model = tiny_sbd_llama()
     args = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=3,
                                           learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no",
@@ -40,10 +40,11 @@ def trainer_ddp(out: str, rank: int) -> tuple[str, list[float]]:
                                    data_collator=hf.SbdDataCollator(model.config, rank=rank),
                                    compute_loss_func=hf.sbd_loss_func)
     trainer.train()
-    return type(trainer.model_wrapped).__name__, [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    return trainer, type(trainer.model_wrapped).__name__, losses
 
 
-def fsdp2_loop(rank: int) -> tuple[str, list[float]]:
+def fsdp2_loop(rank: int) -> tuple[object, str, list[float]]:
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
@@ -62,13 +63,15 @@ def fsdp2_loop(rank: int) -> tuple[str, list[float]]:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return type(model).__name__, losses
+    return model, type(model).__name__, losses
 
 
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
-    wrapper, losses = trainer_ddp(out, rank) if mode == "trainer-ddp" else fsdp2_loop(rank)
+    # The trainer (its DDP wrapper) or the sharded model lives until the rank exits: freeing a gloo wrapper
+    # right after backward can deadlock the rank (sbd_kernels.train.average_gradients).
+    _owner, wrapper, losses = trainer_ddp(out, rank) if mode == "trainer-ddp" else fsdp2_loop(rank)
     if rank == 0:
         print(json.dumps({"world": dist.get_world_size(), "wrapper": wrapper, "losses": losses}), flush=True)
     dist.barrier()

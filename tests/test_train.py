@@ -20,7 +20,9 @@ from sbd_kernels.train import (
     TrainConfig,
     add_arguments,
     add_noise,
+    average_gradients,
     block_size_for_step,
+    broadcast_parameters,
     collective_device,
     flex_block_mask,
     global_mean_loss,
@@ -422,8 +424,10 @@ def test_resume_counts_the_time_already_trained(tmp_path, monkeypatch):
 def test_every_rank_takes_rank_zeros_time_share(tmp_path, monkeypatch):
     """Guards against data-parallel ranks that set their learning rate from their own clocks under --max-minutes
     (only the stop was rank 0's, so the replicas drifted apart), and against a broadcast tensor that is not
-    where the process group's backend takes it (`collective_device`). Rank 1 of 2, whose broadcasts receive
-    rank 0's share 0.25, must train with that share."""
+    where the process group's backend takes it (`collective_device`). Rank 1 of 2, whose time-share broadcasts
+    (fp64) receive rank 0's share 0.25, must train with that share, after one broadcast of rank 0's weights.
+    Also guards against a DistributedDataParallel wrapper: its collectives inside backward deadlocked a gloo
+    rank as the wrapper was freed (`average_gradients`); this test, with one, hung now and then."""
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     monkeypatch.setattr(train_module, "init_distributed", lambda device: (1, 2))
     chosen = []
@@ -432,14 +436,20 @@ def test_every_rank_takes_rank_zeros_time_share(tmp_path, monkeypatch):
         chosen.append((backend, device))
         return collective_device(backend, device)
 
-    broadcast_devices = []
+    broadcasts = []
 
     def from_rank_zero(tensor, src):
-        broadcast_devices.append(tensor.device)
-        tensor.fill_(0.25 if tensor.is_floating_point() else 0)
+        """Rank 0's time share is 0.25; its weights are this rank's own (built from the same seed)."""
+        broadcasts.append((tensor.dtype, tensor.device))
+        if tensor.dtype == torch.float64:
+            tensor.fill_(0.25)
+
+    def no_wrapper(*args, **kwargs):
+        raise AssertionError("train wrapped its model in DistributedDataParallel")
 
     monkeypatch.setattr(train_module, "collective_device", choosing)
     monkeypatch.setattr(torch.distributed, "broadcast", from_rank_zero)
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", no_wrapper)
     shares = _recording_lr_at(monkeypatch)
     try:
         train(TrainConfig(preset="tiny", steps=3, max_minutes=60.0, batch_size=2, eval_examples=1, log_every=100,
@@ -448,7 +458,8 @@ def test_every_rank_takes_rank_zeros_time_share(tmp_path, monkeypatch):
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     assert shares == [0.25] * 3
-    assert chosen == [("gloo", torch.device("cpu"))] and broadcast_devices == [torch.device("cpu")] * 3
+    cpu = torch.device("cpu")
+    assert chosen == [("gloo", cpu)] and broadcasts == [(torch.float32, cpu)] + [(torch.float64, cpu)] * 3
 
 
 @pytest.mark.parametrize("backend, device, expected", [("gloo", "cpu", "cpu"), ("gloo", "cuda:1", "cpu"),
@@ -626,10 +637,26 @@ def test_rank_exit_refuses_a_live_process_group(monkeypatch):
         torch.distributed.destroy_process_group()
 
 
+def test_average_gradients_gives_zeros_to_a_parameter_without_one():
+    """Guards against ranks reducing different tensors: a parameter whose gradient is None on this rank (unused
+    by its batch) takes zeros before the all_reduce, so that every rank's flat buffer has the same layout;
+    gradients are divided by the world size (here 1 process standing for rank 0 of 1)."""
+    model = torch.nn.Linear(3, 2)
+    model.weight.grad = torch.full((2, 3), 4.0)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        average_gradients(model, 1, torch.device("cpu"))
+    finally:
+        torch.distributed.destroy_process_group()
+    assert torch.equal(model.weight.grad, torch.full((2, 3), 4.0))
+    assert torch.equal(model.bias.grad, torch.zeros(2))
+
+
 @pytest.mark.slow
 def test_torchrun_two_processes(tmp_path):
-    """Guards against data-parallel training breaking (process group set-up, DDP wrapping of the SBD
-    forward, per-rank data, rank-0-only checkpointing): 2 gloo processes on the CPU, 3 SBD steps."""
+    """Guards against data-parallel training breaking (process group set-up, weights from rank 0, gradients
+    averaged over the ranks, per-rank data, rank-0-only checkpointing): 2 gloo processes on the CPU, 3 SBD
+    steps."""
     out = str(tmp_path / "ddp.pt")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "sbd_kernels.train", "--preset", "tiny", "--steps", "3", "--batch-size", "2",
@@ -642,32 +669,39 @@ def test_torchrun_two_processes(tmp_path):
     assert meta["steps_done"] == 3
 
 
-DDP_SEQ = 20        # sequence length of the data-parallel gradient test
-DDP_BLOCK = 4       # its block size k
+DP_SEQ = 20        # sequence length of the data-parallel gradient test
+DP_BLOCK = 4       # its block size k
 
 
-def _ddp_rank_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+def _dp_rank_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
     """Rank 0: 1 sequence with 6 answer positions; rank 1: 3 sequences with 16 each (unequal target counts)."""
     rows, first = (1, 14) if rank == 0 else (3, 4)
-    tokens = torch.randint(4, 41, (rows, DDP_SEQ), generator=torch.Generator().manual_seed(10 + rank))
-    target = torch.zeros(rows, DDP_SEQ, dtype=torch.bool)
+    tokens = torch.randint(4, 41, (rows, DP_SEQ), generator=torch.Generator().manual_seed(10 + rank))
+    target = torch.zeros(rows, DP_SEQ, dtype=torch.bool)
     target[:, first:] = True
     return tokens, target, torch.Generator().manual_seed(rank)
 
 
-def _ddp_gradient_worker(rank: int, world: int, folder: str) -> None:
-    """One rank of test_data_parallel_gradient_is_that_of_one_global_mean: the loss of its own batch as the
-    training loop computes it on the DDP-wrapped tiny model; saves the (averaged) gradients and the stats."""
+def _dp_gradient_worker(rank: int, world: int, folder: str) -> None:
+    """One rank of test_data_parallel_gradient_is_that_of_one_global_mean: the loss of its own batch and the
+    gradients averaged over the ranks as the training loop computes them on the tiny model; saves the averaged
+    gradients and the stats."""
     torch.distributed.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
         torch.manual_seed(0)
         model = Transformer(ModelConfig.preset("tiny"))
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        tokens, target, gen = _ddp_rank_batch(rank)
-        terms = sbd_loss_terms(ddp, tokens, target, DDP_BLOCK, MASK, gen)
-        loss, stats = global_mean_loss(terms, world, collective_device("gloo", torch.device("cpu")))
+        cpu = collective_device("gloo", torch.device("cpu"))
+        if rank == 1:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)             # rank 0's weights must replace these
+        broadcast_parameters(model, cpu)
+        tokens, target, gen = _dp_rank_batch(rank)
+        terms = sbd_loss_terms(model, tokens, target, DP_BLOCK, MASK, gen)
+        loss, stats = global_mean_loss(terms, world, cpu)
         loss.backward()
+        average_gradients(model, world, cpu)
         torch.save({"grads": [p.grad for p in model.parameters()],
                     "stats": {name: float(v) for name, v in stats.items()}}, f"{folder}/rank{rank}.pt")
     finally:
@@ -678,17 +712,18 @@ def _ddp_gradient_worker(rank: int, world: int, folder: str) -> None:
 @pytest.mark.slow
 def test_data_parallel_gradient_is_that_of_one_global_mean(tmp_path):
     """Guards against a data-parallel loss that is a mean of per-rank means (each rank divided by its own target
-    count, DDP then averaged): with ranks holding 8 and 74 targets the gradient was off by 135% of its norm.
-    2 gloo processes on the CPU, each with its own batch; their gradient and logged loss terms must be those
-    of one process on the concatenated batch (same noise), the one mean of docs/algorithm.md §2.5."""
-    torch.multiprocessing.spawn(_ddp_gradient_worker, args=(2, str(tmp_path)), nprocs=2)
+    count, the gradients then averaged): with ranks holding 8 and 74 targets the gradient was off by 135% of its norm.
+    2 gloo processes on the CPU, each with its own batch, rank 1 starting from other weights than rank 0's
+    (`broadcast_parameters` replaces them); their gradient (`average_gradients`) and logged loss terms must be
+    those of one process on the concatenated batch (same noise), the one mean of docs/algorithm.md §2.5."""
+    torch.multiprocessing.spawn(_dp_gradient_worker, args=(2, str(tmp_path)), nprocs=2)
     torch.manual_seed(0)
     model = Transformer(ModelConfig.preset("tiny"))
-    batches = [_ddp_rank_batch(rank) for rank in range(2)]
+    batches = [_dp_rank_batch(rank) for rank in range(2)]
     noisy = torch.cat([add_noise(tokens, MASK, gen)[0] for tokens, _, gen in batches])
     tokens, target = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-    logits = model(torch.cat([tokens, noisy], 1), torch.arange(DDP_SEQ).repeat(2).expand(len(tokens), -1),
-                   torch.tensor(spec_table(DDP_SEQ, DDP_BLOCK))[None])
+    logits = model(torch.cat([tokens, noisy], 1), torch.arange(DP_SEQ).repeat(2).expand(len(tokens), -1),
+                   torch.tensor(spec_table(DP_SEQ, DP_BLOCK))[None])
     labels = sbd_labels(tokens, target, noisy, MASK)
     loss, terms = sbd_objective(logits, labels)
     loss.backward()
