@@ -17,7 +17,8 @@ Data parallel: `torchrun --nproc-per-node 2 -m sbd_kernels.train ...` (gloo on C
 each rank draws its own batch, and the loss is one mean over the targets of every rank's batch
 (`global_mean_loss`: one all_reduce of the CE sums and target counts per step), and the gradients are
 averaged after backward (`average_gradients`: no DDP wrapper, whose collectives inside backward could
-deadlock a gloo rank); with --max-minutes, rank 0's clock decides for every rank when to stop and how far the cosine has run.
+deadlock a gloo rank); with --max-minutes, rank 0's clock decides for every rank when to stop and how far
+the cosine has run.
 """
 from __future__ import annotations
 
@@ -237,7 +238,8 @@ def _sbd_forward(model: nn.Module, tokens: Tensor, target_mask: Tensor, block_si
 def sbd_loss(model: nn.Module, tokens: Tensor, target_mask: Tensor, block_size: int, mask_token_id: int,
              generator: torch.Generator, attn_mask: Any = None) -> tuple[Tensor, dict[str, Tensor]]:
     """SBD loss (docs/algorithm.md §2.5): one mean of CE over NTP targets (clean half) and MATP targets (noisy
-    half). model: a Transformer or a module with its forward (`hf.SbdCausalLM`). Returns (loss, detached per-term means)."""
+    half). model: a Transformer or a module with its forward (`hf.SbdCausalLM`). Returns (loss, detached
+    per-term means)."""
     return sbd_objective(*_sbd_forward(model, tokens, target_mask, block_size, mask_token_id, generator, attn_mask))
 
 
@@ -322,8 +324,8 @@ def average_gradients(model: nn.Module, world: int, device: torch.device) -> Non
     GIL to free it. When DDP's wrapper, the last owner of the process group, was freed (train's return) before
     that thread had, the group's destructor joined the thread while holding the GIL: a deadlock (a loop of 3
     gloo training steps and return, 3 copies beside each other on 2 cores, hung in 4 of 6 runs within 100
-    iterations; with the collectives launched from this thread, none of 1200 iterations hung). Costs the overlap
-    of the reduction with backward that DDP gives: one all_reduce of every gradient after it."""
+    iterations; with the collectives launched from this thread, none of 6 runs of 400 iterations hung). Costs
+    the overlap of the reduction with backward that DDP gives: one all_reduce of every gradient after it."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:

@@ -3,7 +3,6 @@ stack on stderr, so that a deadlock fails the run and names its place instead of
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -14,10 +13,6 @@ import time
 def test_sleeps_past_the_limit():
     time.sleep(120)
 """
-
-
-def pytest_settings() -> dict:
-    return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
 
 
 def test_a_test_past_the_limit_ends_its_process_with_the_stacks(tmp_path):
@@ -36,9 +31,8 @@ def test_a_test_past_the_limit_ends_its_process_with_the_stacks(tmp_path):
     assert f'File "{test_file}", line 6 in test_sleeps_past_the_limit' in proc.stderr, proc.stderr[-2000:]
 
 
-def test_the_limit_is_set_and_ends_the_process():
+def test_the_limit_is_set_and_ends_the_process(pytestconfig):
     """Guards against the settings above being dropped: without faulthandler_exit_on_timeout, pytest dumps the
     stacks and the hung test goes on waiting."""
-    settings = pytest_settings()
-    assert settings["faulthandler_exit_on_timeout"] is True
-    assert 300 <= settings["faulthandler_timeout"] <= 900
+    assert pytestconfig.getini("faulthandler_exit_on_timeout") is True
+    assert 300 <= float(pytestconfig.getini("faulthandler_timeout")) <= 900
