@@ -11,12 +11,15 @@ Xeon at 2.1 GHz took 16.4-18.7 minutes, and 10.1-12.1 once the interpreter patch
 launch (`sbd_kernels.testing.patch_the_interpreter_once_per_launch`) and the CMake build ran in one shard;
 a 2-core Xeon at 2.6 GHz, 7.7-10.6 minutes.
 Shard 0 prints as it runs; the others' output follows when they end. Exit status: 0 when every shard passed,
-else the first non-zero status among them.
+else the first non-zero status among them. SIGTERM (a CI job's time limit) stops every shard and prints the
+others' output so far before this process ends with status 143, so that a run cut short shows where each
+shard was.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,6 +50,21 @@ def shard_command(pytest_args: list[str], paths: list[str]) -> list[str]:
     return [sys.executable, "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider", *pytest_args]
 
 
+class Terminated(Exception):
+    """SIGTERM reached this process while its shards ran."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def _print_shard_logs(logs: list[Path], statuses: list[str]) -> None:
+    """The output of shards 1.. (shard 0 printed as it ran), each under a line with its exit status."""
+    for i in range(1, len(logs)):
+        print(f"\n---- shard {i}/{len(logs)} ({statuses[i]}) ----", flush=True)
+        sys.stdout.write(logs[i].read_text())
+
+
 def run(shards: int, pytest_args: list[str], paths: list[str] | None = None, cwd: Path = REPO,
         extra_env: dict[str, str] | None = None) -> int:
     """Runs pytest on `paths` (default: tests) in `shards` processes from `cwd`, with TRITON_INTERPRET=1 and
@@ -55,20 +73,31 @@ def run(shards: int, pytest_args: list[str], paths: list[str] | None = None, cwd
     command = shard_command(pytest_args, ["tests"] if paths is None else paths)
     if shards == 1:
         return subprocess.call(command, cwd=cwd, env=env)
+    previous_handler = signal.signal(signal.SIGTERM, _raise_terminated)
+    others: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="sbd-tests-") as tmp:
         logs = [Path(tmp) / f"shard-{i}.log" for i in range(shards)]
-        others = []
-        for i in range(1, shards):
-            with open(logs[i], "w") as log:
-                others.append(subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                               env={**env, "SBD_TEST_SHARD": f"{i}/{shards}"}))
-        print(f"run_tests: {shards} pytest processes side by side; shard 0/{shards} below, the others after it",
-              flush=True)
-        statuses = [subprocess.call(command, cwd=cwd, env={**env, "SBD_TEST_SHARD": f"0/{shards}"})]
-        statuses += [process.wait() for process in others]
-        for i in range(1, shards):
-            print(f"\n---- shard {i}/{shards} (exit status {statuses[i]}) ----", flush=True)
-            sys.stdout.write(logs[i].read_text())
+        try:
+            for i in range(1, shards):
+                with open(logs[i], "w") as log:
+                    others.append(subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                                   env={**env, "SBD_TEST_SHARD": f"{i}/{shards}"}))
+            print(f"run_tests: {shards} pytest processes side by side; shard 0/{shards} below, the others after "
+                  "it", flush=True)
+            # subprocess.call kills shard 0 when Terminated interrupts its wait.
+            statuses = [subprocess.call(command, cwd=cwd, env={**env, "SBD_TEST_SHARD": f"0/{shards}"})]
+            statuses += [process.wait() for process in others]
+        except Terminated:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            for process in others:
+                process.terminate()
+                process.wait()
+            _print_shard_logs(logs, ["stopped by SIGTERM"] * shards)
+            print("\nrun_tests: stopped by SIGTERM", flush=True)
+            return 128 + signal.SIGTERM
+        finally:
+            signal.signal(signal.SIGTERM, previous_handler)
+        _print_shard_logs(logs, [f"exit status {status}" for status in statuses])
     print(f"\nrun_tests: exit statuses of the {shards} shards: {statuses}")
     return next((status for status in statuses if status != 0), 0)
 
