@@ -29,6 +29,7 @@ import os
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -67,7 +68,10 @@ __all__ = [
     "TrainConfig",
     "add_arguments",
     "add_noise",
+    "average_gradients",
+    "broadcast_parameters",
     "evaluate",
+    "exit_rank_without_finalization",
     "global_mean_loss",
     "lr_at",
     "main",
@@ -296,7 +300,8 @@ def _by_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:
     return list(groups.values())
 
 
-def _collective_in_place(tensors: list[Tensor], device: torch.device, collective: Any) -> None:
+def _collective_in_place(tensors: list[Tensor], device: torch.device,
+                         collective: Callable[[Tensor], object]) -> None:
     """Runs `collective` (a function of one tensor, in place) once on `tensors` of one dtype flattened into one
     buffer on `device` (`collective_device`), then writes the result back into each tensor."""
     flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(device)

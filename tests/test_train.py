@@ -652,6 +652,18 @@ def test_average_gradients_gives_zeros_to_a_parameter_without_one():
     assert torch.equal(model.bias.grad, torch.zeros(2))
 
 
+@pytest.mark.parametrize("sync", [lambda model: average_gradients(model, 2, torch.device("cpu")),
+                                  lambda model: broadcast_parameters(model, torch.device("cpu"))],
+                         ids=["average_gradients", "broadcast_parameters"])
+def test_synchronising_without_a_process_group_says_so(sync):
+    """Guards against a single-process caller getting its model back unchanged: without
+    torch.distributed.init_process_group, both refuse with torch's error naming the missing call."""
+    model = torch.nn.Linear(3, 2)
+    model.weight.grad = torch.ones(2, 3)
+    with pytest.raises((RuntimeError, ValueError), match="init_process_group"):
+        sync(model)
+
+
 @pytest.mark.slow
 def test_torchrun_two_processes(tmp_path):
     """Guards against data-parallel training breaking (process group set-up, weights from rank 0, gradients
