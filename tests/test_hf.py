@@ -23,22 +23,26 @@ MASK_ID = 95
 # device: summation orders differ between the paths; CPU stays below 1e-4, an H200 gave 1.33e-4 (cuBLAS and
 # SDPA kernels). hf.check's own bound is looser (5.8e-4 there).
 MAX_FP32_LOGIT_ERROR = {"cpu": 1e-4, "cuda": 3e-4}
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = hf.SUPPORTED_MODEL_TYPES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(family: str, attn: str = "sdpa", **overrides):
-    """A 2-layer GQA config of `family` (head dim 8, 4 query heads, 2 KV heads), no sliding window."""
+    """A 2-layer GQA config of `family` (head dim 8, 4 query heads, 2 KV heads), no sliding window. head_dim is
+    set for every family: gemma and glm default to 256 and 128 whatever the hidden size. The family's own
+    departures from Llama that its real checkpoints use are switched on."""
     common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256,
               "attn_implementation": attn, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
-    if family == "mistral":
+    if family in ("mistral", "phi3", "starcoder2"):
         common["sliding_window"] = None
     if family in ("qwen2", "qwen3"):
         common["use_sliding_window"] = False
-    if family == "qwen3":
-        common["head_dim"] = 8
+    if family == "smollm3":
+        common["no_rope_layers"] = [1, 0]       # the second layer without RoPE (SmolLM3: every 4th)
+    if family == "cohere":
+        common["use_qk_norm"] = True            # Command R+
     common.update(overrides)
     return transformers.AutoConfig.for_model(family, **common)
 
@@ -138,7 +142,8 @@ def test_mask_token_is_added_and_embeddings_grow_only_when_needed():
     assert model.get_input_embeddings().weight.shape[0] == VOCAB + 1
 
 
-SUPPORTED = "Supported families: llama, mistral, qwen2, qwen3"
+SUPPORTED = ("Supported families: llama, mistral, qwen2, qwen3, gemma, granite, olmo, olmo2, phi, phi3, cohere, glm, "
+             "smollm3, starcoder2")
 
 
 @pytest.mark.parametrize("family,overrides,reason", [
@@ -146,7 +151,11 @@ SUPPORTED = "Supported families: llama, mistral, qwen2, qwen3"
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16}, "sliding-window"),
     ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
-], ids=["mistral-sliding", "qwen2-sliding", "qwen2-sliding-layer", "llama-dynamic-rope"])
+    ("phi3", {"sliding_window": 2047}, "sliding-window"),
+    ("phi3", {"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0] * 4, "short_factor": [1.0] * 4,
+                               "original_max_position_embeddings": 128}}, "longrope"),
+], ids=["mistral-sliding", "qwen2-sliding", "qwen2-sliding-layer", "llama-dynamic-rope", "phi3-mini-sliding",
+        "phi3-128k-longrope"])
 def test_enable_refuses_what_sbd_cannot_decode_exactly(family, overrides, reason):
     """Guards against SBD silently running on layers whose attention or positions differ between a cached pass
     and a recompute (a sliding layer named only in `layer_types` included)."""
@@ -412,6 +421,34 @@ def test_sbd_cache_refuses_a_plain_forward_and_missing_position_ids(sbd_model):
     with pytest.raises(hf.SbdCacheError, match="cannot be passed to a plain HF forward"):
         model(input_ids=torch.tensor([[3, 4]], device=DEVICE), position_ids=torch.tensor([[0, 1]], device=DEVICE),
               past_key_values=cache, use_cache=True)
+
+
+def test_decode_pass_refuses_a_sliding_window_set_after_enable():
+    """Guards against a config changed after enable_sbd: a Mistral layer passes config.sliding_window with every
+    attention call, and the op, which attends to the whole causal prefix, would have decoded a 4-token window
+    model with full attention, silently."""
+    model = tiny_model("mistral").to(DEVICE)
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    model.config.sliding_window = 4
+    prompt = torch.tensor([[3, 4, 5, 6, 7]], device=DEVICE)
+    with pytest.raises(RuntimeError, match=r"layer 0 asks for \{'sliding_window': 4\}"):
+        hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=8, method="sbd")
+
+
+@pytest.mark.parametrize("name,value", [("sliding_window", 4096), ("softcap", 50.0), ("s_aux", torch.zeros(4))],
+                         ids=["sliding_window", "softcap", "s_aux"])
+def test_decode_pass_refuses_attention_arguments_the_op_does_not_implement(name, value):
+    """Guards against a layer's window, score soft-capping (Gemma 2) or attention sinks (GPT-OSS) being dropped in
+    a decode pass: each set argument is refused by name; None (what supported layers pass) goes through."""
+    from sbd_kernels.hf.attention import SBD_PASS_MASK, SbdPass, sbd_attention
+
+    module = tiny_model("llama").model.layers[1].self_attn
+    q, kv = torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 2, 8)
+    sbd_pass = SbdPass(cache=None, num_causal=torch.zeros(1, dtype=torch.int32), block_size=2, attention_op=None)
+    with pytest.raises(RuntimeError, match=f"layer 1 asks for {{'{name}'"):
+        sbd_attention(module, q, kv, kv, SBD_PASS_MASK, sbd_pass=sbd_pass, **{name: value})
+    with pytest.raises(AttributeError, match="layer_buffers"):   # past the check, at the cache
+        sbd_attention(module, q, kv, kv, SBD_PASS_MASK, sbd_pass=sbd_pass, **{name: None})
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.int32], ids=str)

@@ -27,6 +27,12 @@ from torch import Tensor
 ATTN_IMPLEMENTATION = "sbd"
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
 
+# Attention arguments some HF layers pass that change which keys a row sees or how scores are weighed; the op
+# implements none of them, so a decode pass refuses any that is set rather than decode with full attention
+# (Mistral and Phi-3 layers pass their config's sliding_window on every call, Gemma 2 an attn_logit_softcapping,
+# GPT-OSS its sinks as s_aux).
+UNSUPPORTED_ATTENTION_ARGS = ("sliding_window", "softcap", "s_aux")
+
 # The 4-D attention_mask of an SBD decode pass: HF returns any 4-D mask unchanged (no mask is built for the pass;
 # the op's row layout is the mask), and `sbd_attention` checks that it received exactly this object.
 SBD_PASS_MASK = torch.empty(0, 0, 0, 0, dtype=torch.bool)
@@ -149,6 +155,12 @@ def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
             "(call the model through SbdCausalLM.decode_pass, which passes the right one)")
     if dropout:
         raise RuntimeError("sbd attention: decode passes run without dropout; put the model in eval mode")
+    unsupported = {name: kwargs[name] for name in UNSUPPORTED_ATTENTION_ARGS if kwargs.get(name) is not None}
+    if unsupported:
+        raise RuntimeError(
+            f"sbd attention: layer {module.layer_idx} asks for {unsupported}, which block_attention_with_kvcache "
+            "does not implement (every row attends to its whole causal prefix); enable_sbd refuses such configs, "
+            "so the config changed after it: set these back to None or decode without SBD")
     k_cache, v_cache = sbd_pass.cache.layer_buffers(module.layer_idx)
     out, _ = sbd_pass.attention_op(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), k_cache,
                                    v_cache, sbd_pass.cache.seqlens, sbd_pass.num_causal, sbd_pass.block_size, None,

@@ -30,8 +30,14 @@ from sbd_kernels.hf.cache import SbdCache
 from sbd_kernels.model import check_decode_pass, decode_positions
 
 # Decoder-only families whose attention layers call transformers' AttentionInterface with RoPE applied before
-# attention and no other position or mask input (checked by tests/test_hf.py on a tiny config of each).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# attention and no other position or mask input (checked by tests/test_hf.py on a tiny config of each: HF greedy
+# tokens, cached SBD passes against a recompute, the training masks of every base implementation). What sets them
+# apart from Llama happens before or after the attention call, in the model's own code: embedding, residual and
+# logit multipliers (gemma, granite, cohere), rotary embeddings on part of the head or interleaved (phi, glm,
+# cohere), layers without RoPE (smollm3), q / k norms (qwen3, olmo2, cohere), LayerNorm for RMSNorm (olmo, phi,
+# cohere, starcoder2), attention and MLP in parallel (phi, cohere).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi", "phi3",
+                         "cohere", "glm", "smollm3", "starcoder2")
 # Families whose attention adds ALiBi biases (MPT and Falcon say so in their config: attn_config.alibi, alibi).
 ALIBI_MODEL_TYPES = ("bloom",)
 # Config parts of models with non-text inputs (sub-configs of Llava, Qwen2-VL, Whisper-style models, ...).
