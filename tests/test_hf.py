@@ -215,6 +215,12 @@ def llama4_text():
         num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, num_local_experts=2))
 
 
+def gemma2():
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=VOCAB))
+
+
 def gpt2():
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
 
@@ -222,12 +228,13 @@ def gpt2():
 @pytest.mark.parametrize("build,reason", [
     (t5, "cross-attention"), (bart, "cross-attention"), (llava, "multimodal"), (qwen2_vl, "multimodal"),
     (bloom, "ALiBi"), (mpt, "ALiBi"), (falcon_alibi, "ALiBi"), (llama4_text, "chunked attention"),
+    (gemma2, "sliding-window"),
     (gpt2, "model type 'gpt2' is not supported"),
 ], ids=lambda v: getattr(v, "__name__", None))
 def test_enable_refuses_other_architectures_with_the_reason(build, reason):
     """Guards against enabling an architecture whose cached passes would not equal a recompute (cross-attention,
-    non-text inputs, ALiBi biases, chunked attention) or an untested family, and against a refusal that does not
-    say why in a user's words or which families work."""
+    non-text inputs, ALiBi biases, chunked attention, Gemma 2's alternating sliding layers) or an untested family,
+    and against a refusal that does not say why in a user's words or which families work."""
     with pytest.raises(hf.SbdUnsupportedModelError, match=reason) as err:
         hf.enable_sbd(build(), mask_token_id=5)
     assert SUPPORTED in str(err.value)
