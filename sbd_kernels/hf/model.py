@@ -35,9 +35,10 @@ from sbd_kernels.model import check_decode_pass, decode_positions
 # apart from Llama happens before or after the attention call, in the model's own code: embedding, residual and
 # logit multipliers (gemma, granite, cohere), rotary embeddings on part of the head or interleaved (phi, glm,
 # cohere), layers without RoPE (smollm3), q / k norms (qwen3, olmo2, cohere), LayerNorm for RMSNorm (olmo, phi,
-# cohere, starcoder2), attention and MLP in parallel (phi, cohere).
+# cohere, starcoder2), attention and MLP in parallel (phi, cohere), routed experts for the MLP (mixtral, qwen3_moe,
+# granitemoe: a token's experts follow from its own hidden state, so a cached pass routes as a recompute does).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi", "phi3",
-                         "cohere", "glm", "smollm3", "starcoder2")
+                         "cohere", "glm", "smollm3", "starcoder2", "mixtral", "qwen3_moe", "granitemoe")
 # Families whose attention adds ALiBi biases (MPT and Falcon say so in their config: attn_config.alibi, alibi).
 ALIBI_MODEL_TYPES = ("bloom",)
 # Config parts of models with non-text inputs (sub-configs of Llava, Qwen2-VL, Whisper-style models, ...).

@@ -212,7 +212,9 @@ class SbdDataCollator:
         self.mask_token_id = getattr(self.model_config, "sbd_mask_token_id", None)
         if self.mask_token_id is None:
             raise ValueError("SbdDataCollator: the config has no sbd_mask_token_id; run enable_sbd(model, ...) first")
-        # Refused here already when the model runs another attention than the recorded one, and again per batch.
+        # Refused here already when the model runs another attention than the recorded one or adds the router
+        # loss, and again per batch.
+        _refuse_router_loss(self.model_config)
         mask_implementation(self.model_config, "SbdDataCollator")
         self.pad_token_id = getattr(self.model_config, "pad_token_id", None) or 0
         if self.dtype is None:
@@ -222,7 +224,9 @@ class SbdDataCollator:
     def implementation(self) -> str:
         """The attention implementation the training mask is built for, read from the config at every batch: the
         model may have been switched (`set_attn_implementation`) since the collator was made, and a mask of the
-        wrong form is misread without an error (`sbd_kernels.hf.attention.mask_implementation` refuses)."""
+        wrong form is misread without an error (`sbd_kernels.hf.attention.mask_implementation` refuses). Also
+        refuses a mixture-of-experts config set to add its router loss (`_refuse_router_loss`)."""
+        _refuse_router_loss(self.model_config)
         return mask_implementation(self.model_config, "SbdDataCollator")
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -287,6 +291,17 @@ class SbdDataCollator:
             raise ValueError(f"SbdDataCollator: example {index} has the SBD mask token id {self.mask_token_id} in "
                              f"input_ids at positions {found.tolist()}; the mask token must not occur in the text "
                              "(choose another mask_token_id with enable_sbd, or remove it from the data)")
+
+
+def _refuse_router_loss(config: Any) -> None:
+    """Raises ValueError for an MoE config with `output_router_logits` on: HF's load-balancing loss reads the
+    batch's `attention_mask` as a 2-D padding mask, and an SBD batch's is the 4-D training mask (a tensor or a
+    BlockMask), so the model's forward fails on a shape mismatch deep in that loss (Mixtral, Qwen3-MoE)."""
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            "SbdDataCollator: model.config.output_router_logits is True, and HF's router load-balancing loss reads "
+            "attention_mask as a [B, T] padding mask, while an SBD batch's is the [B, 1, 2n, 2n] training mask; "
+            "set model.config.output_router_logits = False (the SBD objective is trained without the router loss)")
 
 
 def sbd_loss_func(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int | None = None) -> Tensor:
