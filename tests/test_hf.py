@@ -47,8 +47,8 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
         common["use_qk_norm"] = True            # Command R+
     if family in MOE_FAMILIES:
         # Every token takes both experts: with the default routing and std-1 weights a router near-tie flipped an
-        # expert choice between two
-        # attention implementations (3-13 of 6336 logits beyond the fp32 tolerance), an MoE property, not SBD's.
+        # expert choice between two attention implementations (3-13 of 6336 logits beyond the fp32 tolerance), an
+        # MoE property, not SBD's.
         common.update({"num_local_experts": 2, "num_experts": 2, "num_experts_per_tok": 2, "moe_intermediate_size": 32})
     common.update(overrides)
     return transformers.AutoConfig.for_model(family, **common)
