@@ -150,7 +150,7 @@ def test_mask_token_is_added_and_embeddings_grow_only_when_needed():
 
 
 SUPPORTED = ("Supported families: llama, mistral, qwen2, qwen3, gemma, granite, olmo, olmo2, phi, phi3, cohere, glm, "
-             "smollm3, starcoder2")
+             "smollm3, starcoder2, mixtral, qwen3_moe, granitemoe (decoder-only text models")
 
 
 @pytest.mark.parametrize("family,overrides,reason", [
