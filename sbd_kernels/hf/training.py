@@ -214,8 +214,7 @@ class SbdDataCollator:
             raise ValueError("SbdDataCollator: the config has no sbd_mask_token_id; run enable_sbd(model, ...) first")
         # Refused here already when the model runs another attention than the recorded one or adds the router
         # loss, and again per batch.
-        _refuse_router_loss(self.model_config)
-        mask_implementation(self.model_config, "SbdDataCollator")
+        _checked_mask_implementation(self.model_config)
         self.pad_token_id = getattr(self.model_config, "pad_token_id", None) or 0
         if self.dtype is None:
             self.dtype = _config_dtype(self.model_config)
@@ -225,9 +224,8 @@ class SbdDataCollator:
         """The attention implementation the training mask is built for, read from the config at every batch: the
         model may have been switched (`set_attn_implementation`) since the collator was made, and a mask of the
         wrong form is misread without an error (`sbd_kernels.hf.attention.mask_implementation` refuses). Also
-        refuses a mixture-of-experts config set to add its router loss (`_refuse_router_loss`)."""
-        _refuse_router_loss(self.model_config)
-        return mask_implementation(self.model_config, "SbdDataCollator")
+        refuses a mixture-of-experts config set to add its router loss (`_checked_mask_implementation`)."""
+        return _checked_mask_implementation(self.model_config)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         tokens, targets, lengths = self._pad(examples)
@@ -293,15 +291,18 @@ class SbdDataCollator:
                              "(choose another mask_token_id with enable_sbd, or remove it from the data)")
 
 
-def _refuse_router_loss(config: Any) -> None:
-    """Raises ValueError for an MoE config with `output_router_logits` on: HF's load-balancing loss reads the
-    batch's `attention_mask` as a 2-D padding mask, and an SBD batch's is the 4-D training mask (a tensor or a
-    BlockMask), so the model's forward fails on a shape mismatch deep in that loss (Mixtral, Qwen3-MoE)."""
+def _checked_mask_implementation(config: Any) -> str:
+    """The attention implementation an SBD batch's training mask is built for (`mask_implementation`, which refuses
+    a model switched to another base). Raises ValueError for an MoE config with `output_router_logits` on: HF's
+    load-balancing loss reads the batch's `attention_mask` as a 2-D padding mask, and an SBD batch's is the 4-D
+    training mask (a tensor or a BlockMask), so the model's forward fails on a shape mismatch deep in that loss
+    (Mixtral, Qwen3-MoE)."""
     if getattr(config, "output_router_logits", False):
         raise ValueError(
             "SbdDataCollator: model.config.output_router_logits is True, and HF's router load-balancing loss reads "
             "attention_mask as a [B, T] padding mask, while an SBD batch's is the [B, 1, 2n, 2n] training mask; "
             "set model.config.output_router_logits = False (the SBD objective is trained without the router loss)")
+    return mask_implementation(config, "SbdDataCollator")
 
 
 def sbd_loss_func(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int | None = None) -> Tensor:
