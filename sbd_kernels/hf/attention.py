@@ -141,6 +141,11 @@ def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if sbd_pass is None:
+        if attention_mask is SBD_PASS_MASK:
+            raise RuntimeError(
+                f"sbd attention: layer {getattr(module, 'layer_idx', '?')} of {type(module).__name__} got a decode "
+                "pass's mask without the pass: the model's decoder layers do not hand their keyword arguments on "
+                "to attention (StableLM and Nemotron layers drop them), so SBD cannot decode this model")
         base = base_implementation(module.config)
         _check_mask_form(base, attention_mask)
         if base == "flex_attention":

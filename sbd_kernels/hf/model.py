@@ -30,15 +30,22 @@ from sbd_kernels.hf.cache import SbdCache
 from sbd_kernels.model import check_decode_pass, decode_positions
 
 # Decoder-only families whose attention layers call transformers' AttentionInterface with RoPE applied before
-# attention and no other position or mask input (checked by tests/test_hf.py on a tiny config of each: HF greedy
-# tokens, cached SBD passes against a recompute, the training masks of every base implementation). What sets them
-# apart from Llama happens before or after the attention call, in the model's own code: embedding, residual and
-# logit multipliers (gemma, granite, cohere), rotary embeddings on part of the head or interleaved (phi, glm,
-# cohere), layers without RoPE (smollm3), q / k norms (qwen3, olmo2, cohere), LayerNorm for RMSNorm (olmo, phi,
-# cohere, starcoder2), attention and MLP in parallel (phi, cohere), routed experts for the MLP (mixtral, qwen3_moe,
-# granitemoe: a token's experts follow from its own hidden state, so a cached pass routes as a recompute does).
+# attention and no other position or mask input, and whose decoder layers hand their keyword arguments on to
+# attention (the decode pass travels in them; StableLM and Nemotron layers drop them and are left out). Each is
+# checked by tests/test_hf.py on a tiny config: HF greedy tokens, cached SBD passes against a recompute, the
+# training masks of every base implementation. What sets them apart from Llama happens before or after the
+# attention call, in the model's own code: embedding, residual and logit multipliers (gemma, granite, cohere),
+# rotary embeddings on part of the head or interleaved (phi, glm, glm4, cohere, gpt_neox), layers without RoPE
+# (smollm3), q / k norms (qwen3, olmo2, cohere, hunyuan_v1_dense, apertus, exaone4, olmoe), norms inside or after
+# the sublayers (glm4, bitnet, exaone4), LayerNorm for RMSNorm (olmo, phi, cohere, starcoder2, gpt_neox, phimoe),
+# attention and MLP in parallel (phi, cohere, gpt_neox), a fused QKV projection (gpt_neox, phi3), other MLP
+# activations (arcee's squared ReLU, apertus' xIELU), routed experts for the MLP (mixtral, qwen2_moe with a shared
+# expert, qwen3_moe, granitemoe, olmoe, phimoe: a token's experts follow from its own hidden state, so a cached
+# pass routes as a recompute does).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi", "phi3",
-                         "cohere", "glm", "smollm3", "starcoder2", "mixtral", "qwen3_moe", "granitemoe")
+                         "cohere", "glm", "glm4", "smollm3", "starcoder2", "gpt_neox", "helium", "ernie4_5", "arcee",
+                         "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "exaone4", "mixtral", "qwen2_moe",
+                         "qwen3_moe", "granitemoe", "olmoe", "phimoe")
 # Families whose attention adds ALiBi biases (MPT and Falcon say so in their config: attn_config.alibi, alibi).
 ALIBI_MODEL_TYPES = ("bloom",)
 # Config parts of models with non-text inputs (sub-configs of Llava, Qwen2-VL, Whisper-style models, ...).
@@ -84,7 +91,8 @@ def check_supported(config: Any) -> None:
         raise _unsupported(model_type, "ALiBi position biases are not supported (the SBD kernels take RoPE models: "
                                        "positions enter through the rotated keys, not as an attention bias)")
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if (getattr(config, "use_sliding_window", False) or getattr(config, "sliding_window", None) is not None
+    # A sliding_window of 0 means none: Qwen2-MoE configs store 0 when use_sliding_window is False.
+    if (getattr(config, "use_sliding_window", False) or getattr(config, "sliding_window", None)
             or "sliding_attention" in layer_types):
         raise _unsupported(model_type, "sliding-window attention layers are not supported (sliding_window="
                                        f"{getattr(config, 'sliding_window', None)}, layer types {sorted(layer_types)}): "
@@ -322,7 +330,9 @@ class SbdCausalLM(nn.Module):
         config = self.config
         weight = self.hf_model.get_input_embeddings().weight
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return SbdCache(config.num_hidden_layers, batch, max_len, config.num_key_value_heads, head_dim,
+        # Configs without grouped-query attention (GPT-NeoX) have no num_key_value_heads: one KV head per query head.
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return SbdCache(config.num_hidden_layers, batch, max_len, num_kv_heads, head_dim,
                         weight.dtype, weight.device)
 
     def decode_pass(self, tokens: Tensor, num_causal: Tensor, block_size: int, cache: SbdCache,
