@@ -25,19 +25,20 @@ MASK_ID = 95
 # (5.8e-4 there); a cached pass that reads a wrong key moves logits by O(1).
 MAX_FP32_LOGIT_ERROR = {"cpu": 2e-4, "cuda": 3e-4}
 FAMILIES = hf.SUPPORTED_MODEL_TYPES
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "granitemoe", "qwen2_moe", "olmoe", "phimoe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "olmoe", "flex_olmo", "phimoe",
+                "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(family: str, attn: str = "sdpa", **overrides):
-    """A 2-layer GQA config of `family` (head dim 8, 4 query heads, 2 KV heads; 4 for GPT-NeoX), no sliding
+    """A 2-layer GQA config of `family` (head dim 8, 4 query heads, 2 KV heads; 4 for GPT-NeoX and Persimmon), no sliding
     window. head_dim is set for every family: gemma and glm default to 256 and 128 whatever the hidden size. The
     family's own departures from Llama that its real checkpoints use are switched on."""
     common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256,
               "attn_implementation": attn, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
-    if family == "gpt_neox":
+    if family in ("gpt_neox", "persimmon"):
         del common["num_key_value_heads"]     # no grouped-query attention: the cache takes one KV head per query head
     if family in ("mistral", "phi3", "starcoder2"):
         common["sliding_window"] = None
@@ -53,7 +54,11 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
         # Every token takes both experts: with the default routing and std-1 weights a router near-tie flipped an
         # expert choice between two attention implementations (3-13 of 6336 logits beyond the fp32 tolerance), an
         # MoE property, not SBD's.
-        common.update({"num_local_experts": 2, "num_experts": 2, "num_experts_per_tok": 2, "moe_intermediate_size": 32})
+        # The families name the expert count and top-k differently; a config takes the names it knows. glm4_moe's
+        # first layer stays dense (first_k_dense_replace 1), ernie4_5_moe's too (moe_layer_start_index 1).
+        common.update({"num_local_experts": 2, "num_experts": 2, "n_routed_experts": 2, "moe_num_experts": 2,
+                       "num_experts_per_tok": 2, "moe_k": 2, "moe_topk": 2, "n_group": 1, "topk_group": 1,
+                       "n_shared_experts": 1, "moe_intermediate_size": 32})
     common.update(overrides)
     return transformers.AutoConfig.for_model(family, **common)
 
@@ -154,8 +159,10 @@ def test_mask_token_is_added_and_embeddings_grow_only_when_needed():
 
 
 SUPPORTED = ("Supported families: llama, mistral, qwen2, qwen3, gemma, granite, olmo, olmo2, phi, phi3, cohere, glm, "
-             "glm4, smollm3, starcoder2, gpt_neox, helium, ernie4_5, arcee, apertus, seed_oss, hunyuan_v1_dense, "
-             "bitnet, exaone4, mixtral, qwen2_moe, qwen3_moe, granitemoe, olmoe, phimoe (decoder-only text models")
+             "glm4, smollm3, starcoder2, gpt_neox, persimmon, helium, ernie4_5, arcee, apertus, seed_oss, "
+             "hunyuan_v1_dense, bitnet, exaone4, nanochat, mixtral, qwen2_moe, qwen3_moe, granitemoe, granitemoeshared, "
+             "olmoe, flex_olmo, phimoe, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open (decoder-only text "
+             "models")
 
 
 @pytest.mark.parametrize("family,overrides,reason", [
@@ -168,8 +175,10 @@ SUPPORTED = ("Supported families: llama, mistral, qwen2, qwen3, gemma, granite, 
                                "original_max_position_embeddings": 128}}, "longrope"),
     ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 16}, "sliding-window"),
     ("exaone4", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
+    ("dots1", {"max_window_layers": 1}, "sliding-window"),
+    ("mixtral", {"sliding_window": 16}, "sliding-window"),
 ], ids=["mistral-sliding", "qwen2-sliding", "qwen2-sliding-layer", "llama-dynamic-rope", "phi3-mini-sliding",
-        "phi3-128k-longrope", "qwen2_moe-sliding", "exaone4-hybrid"])
+        "phi3-128k-longrope", "qwen2_moe-sliding", "exaone4-hybrid", "dots1-sliding-layer", "mixtral-sliding"])
 def test_enable_refuses_what_sbd_cannot_decode_exactly(family, overrides, reason):
     """Guards against SBD silently running on layers whose attention or positions differ between a cached pass
     and a recompute (a sliding layer named only in `layer_types` included)."""
@@ -239,6 +248,13 @@ def gpt2():
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
 
 
+def deepseek_v3():
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=2, num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16,
+        q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, vocab_size=VOCAB))
+
+
 def stablelm():
     return tiny_model("stablelm")
 
@@ -252,12 +268,13 @@ def nemotron():
     (bloom, "ALiBi"), (mpt, "ALiBi"), (falcon_alibi, "ALiBi"), (llama4_text, "chunked attention"),
     (gemma2, "sliding-window"),
     (gpt2, "model type 'gpt2' is not supported"), (stablelm, "model type 'stablelm' is not supported"),
-    (nemotron, "model type 'nemotron' is not supported"),
+    (nemotron, "model type 'nemotron' is not supported"), (deepseek_v3, "multi-head latent attention"),
 ], ids=lambda v: getattr(v, "__name__", None))
 def test_enable_refuses_other_architectures_with_the_reason(build, reason):
     """Guards against enabling an architecture whose cached passes would not equal a recompute (cross-attention,
-    non-text inputs, ALiBi biases, chunked attention, Gemma 2's alternating sliding layers) or an untested family,
-    and against a refusal that does not say why in a user's words or which families work."""
+    non-text inputs, ALiBi biases, chunked attention, Gemma 2's alternating sliding layers, DeepSeek's latent
+    attention) or an untested family, and against a refusal that does not say why in a user's words or which
+    families work."""
     with pytest.raises(hf.SbdUnsupportedModelError, match=reason) as err:
         hf.enable_sbd(build(), mask_token_id=5)
     assert SUPPORTED in str(err.value)

@@ -5,7 +5,8 @@
 
 `enable_sbd` refuses, with the reason, what SBD cannot be applied to as implemented here: families other than
 `SUPPORTED_MODEL_TYPES` (each tested), sliding-window or chunked attention layers (the block of a pass must see the
-whole causal prefix), encoder-decoders / cross-attention, multimodal models, ALiBi attention biases, and position
+whole causal prefix), encoder-decoders / cross-attention, multimodal models, ALiBi attention biases, multi-head
+latent attention (keys and values of different head sizes), and position
 encodings whose values depend on the sequence length ("dynamic" / "longrope" RoPE scaling: the cached prefix would
 have been encoded differently from the recomputed one). Every refusal names the reason and the supported families.
 """
@@ -35,17 +36,27 @@ from sbd_kernels.model import check_decode_pass, decode_positions
 # checked by tests/test_hf.py on a tiny config: HF greedy tokens, cached SBD passes against a recompute, the
 # training masks of every base implementation. What sets them apart from Llama happens before or after the
 # attention call, in the model's own code: embedding, residual and logit multipliers (gemma, granite, cohere),
-# rotary embeddings on part of the head or interleaved (phi, glm, glm4, cohere, gpt_neox), layers without RoPE
-# (smollm3), q / k norms (qwen3, olmo2, cohere, hunyuan_v1_dense, apertus, exaone4, olmoe), norms inside or after
-# the sublayers (glm4, bitnet, exaone4), LayerNorm for RMSNorm (olmo, phi, cohere, starcoder2, gpt_neox, phimoe),
-# attention and MLP in parallel (phi, cohere, gpt_neox), a fused QKV projection (gpt_neox, phi3), other MLP
-# activations (arcee's squared ReLU, apertus' xIELU), routed experts for the MLP (mixtral, qwen2_moe with a shared
-# expert, qwen3_moe, granitemoe, olmoe, phimoe: a token's experts follow from its own hidden state, so a cached
-# pass routes as a recompute does).
+# logit soft-capping (nanochat), rotary embeddings on part of the head or interleaved (phi, glm, glm4, cohere,
+# gpt_neox, persimmon, glm4_moe, solar_open), layers without RoPE (smollm3), q / k norms (qwen3, olmo2, cohere,
+# persimmon, hunyuan_v1_dense, apertus, exaone4, nanochat, olmoe, flex_olmo, hunyuan_v1_moe, glm4_moe, dots1), norms
+# inside or after the sublayers (glm4, bitnet, exaone4, flex_olmo), LayerNorm for RMSNorm (olmo, phi, cohere,
+# starcoder2, gpt_neox, persimmon, phimoe), attention and MLP in parallel (phi, cohere, gpt_neox), a fused QKV
+# projection (gpt_neox, persimmon, phi3), other MLP activations (arcee's squared ReLU, apertus' xIELU), routed
+# experts for the MLP (mixtral, qwen2_moe, qwen3_moe, granitemoe, olmoe, flex_olmo, phimoe; beside shared experts in
+# qwen2_moe, granitemoeshared, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open; after dense first layers in
+# ernie4_5_moe and glm4_moe): a token's experts follow from its own hidden state, so a cached pass routes as a
+# recompute does.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi", "phi3",
-                         "cohere", "glm", "glm4", "smollm3", "starcoder2", "gpt_neox", "helium", "ernie4_5", "arcee",
-                         "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "exaone4", "mixtral", "qwen2_moe",
-                         "qwen3_moe", "granitemoe", "olmoe", "phimoe")
+                         "cohere", "glm", "glm4", "smollm3", "starcoder2", "gpt_neox", "persimmon", "helium",
+                         "ernie4_5", "arcee", "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "exaone4",
+                         "nanochat", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "olmoe",
+                         "flex_olmo", "phimoe", "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open")
+# Families whose attention layers read config.sliding_window only where config.layer_types says
+# "sliding_attention" (and whose masks HF builds by layer type): for them the layer types alone say whether a window
+# applies. dots.llm1 configs keep the default window of 4096 with every layer typed full (its windowed layers would
+# start at max_window_layers = 62, past the last). Other families pass the window to every layer (Mistral, Phi-3,
+# Qwen3-MoE), so a window in their config is refused whatever the layer types.
+LAYER_TYPED_WINDOW_MODEL_TYPES = ("qwen2", "qwen3", "qwen2_moe", "dots1")
 # Families whose attention adds ALiBi biases (MPT and Falcon say so in their config: attn_config.alibi, alibi).
 ALIBI_MODEL_TYPES = ("bloom",)
 # Config parts of models with non-text inputs (sub-configs of Llava, Qwen2-VL, Whisper-style models, ...).
@@ -92,8 +103,8 @@ def check_supported(config: Any) -> None:
                                        "positions enter through the rotated keys, not as an attention bias)")
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     # A sliding_window of 0 means none: Qwen2-MoE configs store 0 when use_sliding_window is False.
-    if (getattr(config, "use_sliding_window", False) or getattr(config, "sliding_window", None)
-            or "sliding_attention" in layer_types):
+    window_applies = bool(getattr(config, "sliding_window", None)) and model_type not in LAYER_TYPED_WINDOW_MODEL_TYPES
+    if getattr(config, "use_sliding_window", False) or window_applies or "sliding_attention" in layer_types:
         raise _unsupported(model_type, "sliding-window attention layers are not supported (sliding_window="
                                        f"{getattr(config, 'sliding_window', None)}, layer types {sorted(layer_types)}): "
                                        "an SBD block must attend to the whole causal prefix")
@@ -101,6 +112,10 @@ def check_supported(config: Any) -> None:
         raise _unsupported(model_type, "chunked attention layers are not supported (attention_chunk_size="
                                        f"{getattr(config, 'attention_chunk_size', None)}): an SBD block must attend "
                                        "to the whole causal prefix")
+    if getattr(config, "kv_lora_rank", None):
+        raise _unsupported(model_type, "multi-head latent attention is not supported (kv_lora_rank="
+                                       f"{config.kv_lora_rank}): its keys and values have different head sizes "
+                                       "(qk_head_dim, v_head_dim), and the SBD cache and kernels take one head size")
     if layer_types != {"full_attention"}:
         raise _unsupported(model_type, f"only full-attention layers are supported, the config has layer types "
                                        f"{sorted(layer_types)}")
