@@ -634,6 +634,18 @@ def test_dtype_names_are_aten_names_on_every_backend():
         assert len(messages) == 1, (dtype, messages)
 
 
+@pytest.mark.skipif(not hasattr(torch._C, "TensorType"), reason="this torch has no JIT tensor type to compare with")
+def test_dtype_name_rule_gives_c10_names_for_every_dtype():
+    """Guards against the checks' rule for ATen dtype names drifting from c10::toString on a dtype torch adds
+    (the JIT's tensor type prints c10's name; the quantized dtypes included)."""
+    from sbd_kernels.ops.sampling._checks import _dtype_name
+
+    dtypes = {d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    assert len(dtypes) > 40
+    for dtype in dtypes:
+        assert _dtype_name(dtype) == torch._C.TensorType.get().with_dtype(dtype).scalarType(), dtype
+
+
 # ------------------------------------------------------------------------------------------- bad inputs
 def _bad_cases():
     logits = torch.randn(2, 3, 10)

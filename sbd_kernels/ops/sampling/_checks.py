@@ -40,11 +40,27 @@ def _check_float32_scalar(name: str, value: float, in_range: Callable[[float], b
     _fail(f"{name} must be {rule}, got {exact_g(value)}{rounded}")
 
 
+# c10's names of the ScalarTypes whose name is not the Python one with its prefix capitalised.
+_ATEN_NAMES = {"float64": "Double", "float32": "Float", "float16": "Half", "bfloat16": "BFloat16", "int64": "Long",
+               "int32": "Int", "int16": "Short", "int8": "Char", "uint8": "Byte", "bool": "Bool",
+               "complex128": "ComplexDouble", "complex64": "ComplexFloat", "complex32": "ComplexHalf"}
+# Prefixes of the other dtypes and c10's spelling of them ("uint16" -> "UInt16", "float8_e4m3fn" ->
+# "Float8_e4m3fn", "quint4x2" -> "QUInt4x2"), longest first.
+_ATEN_PREFIXES = (("quint", "QUInt"), ("qint", "QInt"), ("uint", "UInt"), ("int", "Int"), ("bits", "Bits"),
+                  ("float", "Float"))
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     """ATen's name of `dtype` ("Double", "Long", "Float8_e4m3fn"), as `TORCH_CHECK(..., t.scalar_type())`
-    prints it: the JIT's tensor type names its ScalarType with c10::toString, for every dtype, with no
-    tensor made (the fake kernel calls this too)."""
-    return torch._C.TensorType.get().with_dtype(dtype).scalarType()
+    prints it (c10::toString), with no tensor made (the fake kernel calls this too). Derived by rule rather
+    than read from a private torch API; a dtype the rule does not know is named as Python names it."""
+    name = str(dtype).removeprefix("torch.")
+    if name in _ATEN_NAMES:
+        return _ATEN_NAMES[name]
+    for prefix, aten in _ATEN_PREFIXES:
+        if name.startswith(prefix):
+            return aten + name[len(prefix):]
+    return name
 
 
 def _check_per_row_int64(name: str, t: torch.Tensor, batch: int, device: torch.device) -> None:
