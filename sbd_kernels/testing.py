@@ -277,24 +277,31 @@ SHARD_VARIABLE = "SBD_TEST_SHARD"
 PLAN_VARIABLE = "SBD_TEST_PLAN"
 
 
-def select_shard(items: list, spec: str, group_of: Callable[[Any], str | None] = lambda item: None
-                 ) -> tuple[list, list]:
-    """(kept, dropped) for SBD_TEST_SHARD=`spec` "i/n": every n-th unit from the i-th on is kept, so n runs
-    with i = 0..n-1 run each item once between them, heavy parametrisations spread over all of them. A unit
-    is one item, or all the items of one `group_of` name (tests that share an expensive module fixture: one
-    shard builds it, not every shard), at the place of its first item. Raises ValueError unless 0 <= i < n."""
+def select_shard(items: list, spec: str, group_of: Callable[[Any], str | None] = lambda item: None,
+                 weight_of: Callable[[Any], int] = lambda item: 1) -> tuple[list, list]:
+    """(kept, dropped) for SBD_TEST_SHARD=`spec` "i/n": the units are dealt in order, each to the shard with the
+    least weight so far (the lowest index on a tie), and shard i keeps its own, so n runs with i = 0..n-1 run each
+    item once between them, heavy parametrisations spread over all of them. A unit is one item, or all the items
+    of one `group_of` name (tests that share an expensive module fixture: one shard builds it, not every shard),
+    at the place of its first item, weighing `weight_of` that item. With every weight 1 this is every n-th unit
+    from the i-th on; a group that weighs w tests makes the next units go to the other shards until they have
+    caught up. Raises ValueError unless 0 <= i < n."""
     try:
         index, count = (int(part) for part in spec.split("/"))
     except ValueError:
         raise ValueError(f"{SHARD_VARIABLE} must be i/n, e.g. 0/4, got {spec!r}") from None
     if not 0 <= index < count:
         raise ValueError(f"{SHARD_VARIABLE}={spec}: needs 0 <= i < n")
-    units: dict[int | str, int] = {}  # an item's position, or its group's name: the unit's number, in order
+    shard_of: dict[int | str, int] = {}  # an item's position, or its group's name: the shard of its unit
+    loads = [0] * count
     kept, dropped = [], []
     for position, item in enumerate(items):
         group = group_of(item)
-        unit = units.setdefault(position if group is None else group, len(units))
-        (kept if unit % count == index else dropped).append(item)
+        unit = position if group is None else group
+        if unit not in shard_of:
+            shard_of[unit] = loads.index(min(loads))
+            loads[shard_of[unit]] += weight_of(item)
+        (kept if shard_of[unit] == index else dropped).append(item)
     return kept, dropped
 
 

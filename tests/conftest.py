@@ -7,8 +7,9 @@ the CUDA-only tests run, and the oracles still run on the CPU (`sbd_kernels.test
 settings collect the same tests.
 
 SBD_TEST_SHARD=i/n keeps every n-th test from the i-th on (0 <= i < n; the tests of one `same_shard` name count
-as one), so that n pytest processes started side by side run the suite once between them (`make test` does, one
-per core, and `sbd gpu-check`, to compile Triton kernels on several cores). On CUDA the tests run in
+as one, of the weight the marker gives it, and the other shards take more tests after it), so that n pytest
+processes started side by side run the suite once between them (`make test` does, one per core, and
+`sbd gpu-check`, to compile Triton kernels on several cores). On CUDA the tests run in
 `gpu_run_order`: the `cuda_only` ones first, then the kernel test files in turns.
 SBD_TEST_PLAN=path writes the node ids about to run there, in order, unless the file exists.
 """
@@ -62,13 +63,23 @@ def shard_group(item) -> str | None:
     return marker.args[0]
 
 
+def shard_weight(item) -> int:
+    """`@pytest.mark.same_shard(name, weight=w)`: the group's time in average tests, so that the shards that do
+    not run it take more of the others (default 1)."""
+    marker = item.get_closest_marker("same_shard")
+    weight = 1 if marker is None else marker.kwargs.get("weight", 1)
+    if not isinstance(weight, int) or isinstance(weight, bool) or weight < 1:
+        raise pytest.UsageError(f"{item.nodeid}: same_shard's weight must be an integer >= 1, got {weight!r}")
+    return weight
+
+
 def pytest_collection_modifyitems(config, items):
     if TRITON_DEVICE == "cuda":
         items[:] = gpu_run_order(items, lambda item: item.path.name,
                                  lambda item: item.get_closest_marker("cuda_only") is not None)
     spec = os.environ.get(SHARD_VARIABLE)
     if spec:
-        kept, dropped = select_shard(items, spec, shard_group)
+        kept, dropped = select_shard(items, spec, shard_group, shard_weight)
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
 

@@ -182,6 +182,20 @@ def test_a_shard_group_runs_in_one_shard():
     assert select_shard(items, "0/2", group)[1] == kept[1]
 
 
+def test_a_heavy_shard_group_gives_the_other_shards_more_of_the_rest():
+    """Guards against the shard that runs a heavy group (the CMake build, ~95 s) also taking its 1 / n of the
+    other tests: it ended 118 s after the other shard. The units after a group of weight w go to the other
+    shards until their loads catch up, then in turns; every item still runs once."""
+    items = ["a", "cmake1", "b", "c", "cmake2", "d", "e", "f", "g"]
+    group = {"cmake1": "cmake", "cmake2": "cmake"}.get
+    weight = {"cmake1": 3, "cmake2": 3}.get
+    kept = [select_shard(items, f"{i}/2", group, lambda item: weight(item, 1))[0] for i in range(2)]
+    assert kept == [["a", "b", "c", "d", "f"], ["cmake1", "cmake2", "e", "g"]]
+    three = [select_shard(items, f"{i}/3", group, lambda item: weight(item, 1))[0] for i in range(3)]
+    assert sorted(i for shard in three for i in shard) == sorted(items)
+    assert three[1] == ["cmake1", "cmake2"]
+
+
 def test_a_same_shard_marker_without_its_name_stops_the_run():
     """Guards against a bare `@pytest.mark.same_shard` (no group name) failing with an IndexError in the
     collection hook, or a marker's name not reaching select_shard."""
@@ -196,6 +210,22 @@ def test_a_same_shard_marker_without_its_name_stops_the_run():
     for args in ((), ("a", "b"), (3,)):
         with pytest.raises(pytest.UsageError, match=r"test_x.py::test_y: same_shard takes one name"):
             conftest.shard_group(item(*args))
+
+
+def test_a_same_shard_weight_must_be_a_positive_integer():
+    """Guards against a weight of 0 or below (its shard would take every following test) or a string reaching
+    the dealing arithmetic: the marker's weight is checked by name, and absent it weighs 1."""
+    import conftest
+
+    def item(**kwargs):
+        marker = pytest.mark.same_shard("cmake_build", **kwargs).mark
+        return types.SimpleNamespace(nodeid="tests/test_x.py::test_y",
+                                     get_closest_marker=lambda name: marker if name == "same_shard" else None)
+
+    assert (conftest.shard_weight(item()), conftest.shard_weight(item(weight=550))) == (1, 550)
+    for weight in (0, -3, "550", 2.5, True):
+        with pytest.raises(pytest.UsageError, match=r"test_x.py::test_y: same_shard's weight must be an integer"):
+            conftest.shard_weight(item(weight=weight))
 
 
 def test_the_cmake_tests_share_a_shard():
