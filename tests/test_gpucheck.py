@@ -188,12 +188,22 @@ def test_a_heavy_shard_group_gives_the_other_shards_more_of_the_rest():
     shards until their loads catch up, then in turns; every item still runs once."""
     items = ["a", "cmake1", "b", "c", "cmake2", "d", "e", "f", "g"]
     group = {"cmake1": "cmake", "cmake2": "cmake"}.get
-    weight = {"cmake1": 3, "cmake2": 3}.get
-    kept = [select_shard(items, f"{i}/2", group, lambda item: weight(item, 1))[0] for i in range(2)]
+
+    def weight(item):
+        return 3 if item.startswith("cmake") else 1
+
+    kept = [select_shard(items, f"{i}/2", group, weight)[0] for i in range(2)]
     assert kept == [["a", "b", "c", "d", "f"], ["cmake1", "cmake2", "e", "g"]]
-    three = [select_shard(items, f"{i}/3", group, lambda item: weight(item, 1))[0] for i in range(3)]
+    three = [select_shard(items, f"{i}/3", group, weight)[0] for i in range(3)]
     assert sorted(i for shard in three for i in shard) == sorted(items)
     assert three[1] == ["cmake1", "cmake2"]
+
+
+def same_shard_item(*args, **kwargs):
+    """A stand-in for a test item marked `@pytest.mark.same_shard(*args, **kwargs)`."""
+    marker = pytest.mark.same_shard(*args, **kwargs).mark
+    return types.SimpleNamespace(nodeid="tests/test_x.py::test_y",
+                                 get_closest_marker=lambda name: marker if name == "same_shard" else None)
 
 
 def test_a_same_shard_marker_without_its_name_stops_the_run():
@@ -201,15 +211,10 @@ def test_a_same_shard_marker_without_its_name_stops_the_run():
     collection hook, or a marker's name not reaching select_shard."""
     import conftest
 
-    def item(*args):
-        marker = pytest.mark.same_shard(*args).mark
-        return types.SimpleNamespace(nodeid="tests/test_x.py::test_y",
-                                     get_closest_marker=lambda name: marker if name == "same_shard" else None)
-
-    assert conftest.shard_group(item("cmake_build")) == "cmake_build"
+    assert conftest.shard_group(same_shard_item("cmake_build")) == "cmake_build"
     for args in ((), ("a", "b"), (3,)):
         with pytest.raises(pytest.UsageError, match=r"test_x.py::test_y: same_shard takes one name"):
-            conftest.shard_group(item(*args))
+            conftest.shard_group(same_shard_item(*args))
 
 
 def test_a_same_shard_weight_must_be_a_positive_integer():
@@ -217,15 +222,11 @@ def test_a_same_shard_weight_must_be_a_positive_integer():
     the dealing arithmetic: the marker's weight is checked by name, and absent it weighs 1."""
     import conftest
 
-    def item(**kwargs):
-        marker = pytest.mark.same_shard("cmake_build", **kwargs).mark
-        return types.SimpleNamespace(nodeid="tests/test_x.py::test_y",
-                                     get_closest_marker=lambda name: marker if name == "same_shard" else None)
-
-    assert (conftest.shard_weight(item()), conftest.shard_weight(item(weight=550))) == (1, 550)
+    assert conftest.shard_weight(same_shard_item("cmake_build")) == 1
+    assert conftest.shard_weight(same_shard_item("cmake_build", weight=550)) == 550
     for weight in (0, -3, "550", 2.5, True):
         with pytest.raises(pytest.UsageError, match=r"test_x.py::test_y: same_shard's weight must be an integer"):
-            conftest.shard_weight(item(weight=weight))
+            conftest.shard_weight(same_shard_item("cmake_build", weight=weight))
 
 
 def test_the_cmake_tests_share_a_shard():

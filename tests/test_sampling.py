@@ -609,10 +609,15 @@ def test_scalar_temperature_is_checked_as_the_float32_used(backend, value, as_fl
     assert torch.equal(tokens, naive.entropy_sample(logits, seed, offset, temperature=per_row)[0])
 
 
+def every_dtype() -> set[torch.dtype]:
+    """Every dtype torch has (an ATen ScalarType each)."""
+    return {d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
 def every_dtype_but_int64():
-    """Every dtype torch has (an ATen ScalarType each) but int64 and the quantized ones, whose tensors
-    dispatch to a quantized backend the op has no kernel for."""
-    dtypes = {d for d in vars(torch).values() if isinstance(d, torch.dtype)} - {torch.int64}
+    """Every dtype but int64 and the quantized ones, whose tensors dispatch to a quantized backend the op has
+    no kernel for."""
+    dtypes = every_dtype() - {torch.int64}
     return sorted((d for d in dtypes if not str(d).startswith(("torch.qint", "torch.quint"))), key=str)
 
 
@@ -640,7 +645,7 @@ def test_dtype_name_rule_gives_c10_names_for_every_dtype():
     (the JIT's tensor type prints c10's name; the quantized dtypes included)."""
     from sbd_kernels.ops.sampling._checks import _dtype_name
 
-    dtypes = {d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    dtypes = every_dtype()
     assert len(dtypes) > 40
     for dtype in dtypes:
         assert _dtype_name(dtype) == torch._C.TensorType.get().with_dtype(dtype).scalarType(), dtype

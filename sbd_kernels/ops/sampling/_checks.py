@@ -45,7 +45,7 @@ _ATEN_NAMES = {"float64": "Double", "float32": "Float", "float16": "Half", "bflo
                "int32": "Int", "int16": "Short", "int8": "Char", "uint8": "Byte", "bool": "Bool",
                "complex128": "ComplexDouble", "complex64": "ComplexFloat", "complex32": "ComplexHalf"}
 # Prefixes of the other dtypes and c10's spelling of them ("uint16" -> "UInt16", "float8_e4m3fn" ->
-# "Float8_e4m3fn", "quint4x2" -> "QUInt4x2"), longest first.
+# "Float8_e4m3fn", "quint4x2" -> "QUInt4x2"); none is the start of another.
 _ATEN_PREFIXES = (("quint", "QUInt"), ("qint", "QInt"), ("uint", "UInt"), ("int", "Int"), ("bits", "Bits"),
                   ("float", "Float"))
 
