@@ -26,7 +26,8 @@ MASK_ID = 95
 MAX_FP32_LOGIT_ERROR = {"cpu": 2e-4, "cuda": 3e-4}
 FAMILIES = hf.SUPPORTED_MODEL_TYPES
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "olmoe", "flex_olmo", "phimoe",
-                "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open")
+                "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open", "dbrx", "minimax_m2", "hy_v3",
+                "aria_text")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,6 +51,22 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
         common["no_rope_layers"] = [1, 0]       # the second layer without RoPE (SmolLM3: every 4th)
     if family == "cohere":
         common["use_qk_norm"] = True            # Command R+
+    if family == "hyperclovax":
+        # HyperCLOVA X SEED's multipliers (muP): none of them 1, the attention scale not head_dim ** -0.5.
+        common.update(embedding_multiplier=2.0, attention_multiplier=0.25, residual_multiplier=0.5, logits_scaling=0.5)
+    if family == "ministral3":
+        # Mistral 3's query scale 1 + beta * log(1 + floor(position / original_max)) grows every 8 positions here
+        # (every 16384 in the real configs), so the tests' positions reach three of its steps.
+        common["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                                     "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.1}
+    if family == "minimax_m2":
+        common["rotary_dim"] = 4                # RoPE on half of each head (MiniMax-M2: 64 of 128)
+    if family == "dbrx":
+        # DBRX nests its attention and expert settings and names the sizes d_model, n_heads, n_layers (given as
+        # hidden_size alone, the expert router is built for the default d_model of 2048).
+        common.update(d_model=32, n_heads=4, n_layers=2, max_seq_len=256,
+                      attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                      ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 2, "moe_top_k": 2})
     if family in MOE_FAMILIES:
         # Every token takes both experts: with the default routing and std-1 weights a router near-tie flipped an
         # expert choice between two attention implementations (3-13 of 6336 logits beyond the fp32 tolerance), an
@@ -160,8 +177,9 @@ def test_mask_token_is_added_and_embeddings_grow_only_when_needed():
 
 SUPPORTED = ("Supported families: llama, mistral, qwen2, qwen3, gemma, granite, olmo, olmo2, phi, phi3, cohere, glm, "
              "glm4, smollm3, starcoder2, gpt_neox, persimmon, helium, ernie4_5, arcee, apertus, seed_oss, "
-             "hunyuan_v1_dense, bitnet, exaone4, nanochat, mixtral, qwen2_moe, qwen3_moe, granitemoe, granitemoeshared, "
-             "olmoe, flex_olmo, phimoe, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open (decoder-only text "
+             "hunyuan_v1_dense, bitnet, exaone4, nanochat, internlm3, iquestcoder, hyperclovax, jais2, ministral3, "
+             "mixtral, qwen2_moe, qwen3_moe, granitemoe, granitemoeshared, olmoe, flex_olmo, phimoe, ernie4_5_moe, "
+             "hunyuan_v1_moe, glm4_moe, dots1, solar_open, dbrx, minimax_m2, hy_v3, aria_text (decoder-only text "
              "models")
 
 
@@ -279,6 +297,16 @@ def test_enable_refuses_other_architectures_with_the_reason(build, reason):
         hf.enable_sbd(build(), mask_token_id=5)
     assert SUPPORTED in str(err.value)
 
+
+
+def test_readme_states_the_number_of_supported_families():
+    """Guards against a family added to (or dropped from) SUPPORTED_MODEL_TYPES while the README still states the
+    old count, and against a name listed twice."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert len(set(hf.SUPPORTED_MODEL_TYPES)) == len(hf.SUPPORTED_MODEL_TYPES)
+    assert f"`hf.SUPPORTED_MODEL_TYPES`, {len(hf.SUPPORTED_MODEL_TYPES)} families" in readme
 
 def test_enable_refuses_attention_implementations_that_cannot_take_the_mask():
     """Guards against enabling an attention implementation that cannot take the SBD training mask."""

@@ -35,22 +35,26 @@ from sbd_kernels.model import check_decode_pass, decode_positions
 # attention (the decode pass travels in them; StableLM and Nemotron layers drop them and are left out). Each is
 # checked by tests/test_hf.py on a tiny config: HF greedy tokens, cached SBD passes against a recompute, the
 # training masks of every base implementation. What sets them apart from Llama happens before or after the
-# attention call, in the model's own code: embedding, residual and logit multipliers (gemma, granite, cohere),
-# logit soft-capping (nanochat), rotary embeddings on part of the head or interleaved (phi, glm, glm4, cohere,
-# gpt_neox, persimmon, glm4_moe, solar_open), layers without RoPE (smollm3), q / k norms (qwen3, olmo2, cohere,
-# persimmon, hunyuan_v1_dense, apertus, exaone4, nanochat, olmoe, flex_olmo, hunyuan_v1_moe, glm4_moe, dots1), norms
-# inside or after the sublayers (glm4, bitnet, exaone4, flex_olmo), LayerNorm for RMSNorm (olmo, phi, cohere,
-# starcoder2, gpt_neox, persimmon, phimoe), attention and MLP in parallel (phi, cohere, gpt_neox), a fused QKV
-# projection (gpt_neox, persimmon, phi3), other MLP activations (arcee's squared ReLU, apertus' xIELU), routed
-# experts for the MLP (mixtral, qwen2_moe, qwen3_moe, granitemoe, olmoe, flex_olmo, phimoe; beside shared experts in
-# qwen2_moe, granitemoeshared, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open; after dense first layers in
-# ernie4_5_moe and glm4_moe): a token's experts follow from its own hidden state, so a cached pass routes as a
-# recompute does.
+# attention call, in the model's own code: embedding, residual and logit multipliers (gemma, granite, cohere,
+# hyperclovax), logit soft-capping (nanochat), query scaling that grows with the position (ministral3, from the
+# position ids a pass carries), rotary embeddings on part of the head or interleaved (phi, glm, glm4, cohere,
+# gpt_neox, persimmon, glm4_moe, solar_open, minimax_m2), layers without RoPE (smollm3), q / k norms (qwen3, olmo2,
+# cohere, persimmon, hunyuan_v1_dense, apertus, exaone4, nanochat, olmoe, flex_olmo, hunyuan_v1_moe, glm4_moe, dots1,
+# minimax_m2, hy_v3), clipped q / k / v (dbrx), norms inside or after the sublayers (glm4, bitnet, exaone4,
+# flex_olmo, hyperclovax), LayerNorm for RMSNorm (olmo, phi, cohere, starcoder2, gpt_neox, persimmon, phimoe, jais2,
+# dbrx), attention and MLP in parallel (phi, cohere, gpt_neox), a fused QKV projection (gpt_neox, persimmon, phi3,
+# dbrx), other MLP activations (arcee's and jais2's squared ReLU, apertus' xIELU), routed experts for the MLP
+# (mixtral, qwen2_moe, qwen3_moe, granitemoe, olmoe, flex_olmo, phimoe, dbrx, minimax_m2; beside shared experts in
+# qwen2_moe, granitemoeshared, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open, hy_v3, aria_text; after
+# dense first layers in ernie4_5_moe, glm4_moe and hy_v3): a token's experts follow from its own hidden state, so a
+# cached pass routes as a recompute does. internlm3 and iquestcoder are Llama under their own names.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi", "phi3",
                          "cohere", "glm", "glm4", "smollm3", "starcoder2", "gpt_neox", "persimmon", "helium",
                          "ernie4_5", "arcee", "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "exaone4",
-                         "nanochat", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "olmoe",
-                         "flex_olmo", "phimoe", "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open")
+                         "nanochat", "internlm3", "iquestcoder", "hyperclovax", "jais2", "ministral3", "mixtral",
+                         "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "olmoe", "flex_olmo", "phimoe",
+                         "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open", "dbrx", "minimax_m2",
+                         "hy_v3", "aria_text")
 # Families whose attention layers read config.sliding_window only where config.layer_types says
 # "sliding_attention" (and whose masks HF builds by layer type): for them the layer types alone say whether a window
 # applies. dots.llm1 configs keep the default window of 4096 with every layer typed full (its windowed layers would
