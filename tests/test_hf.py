@@ -27,7 +27,13 @@ MAX_FP32_LOGIT_ERROR = {"cpu": 2e-4, "cuda": 3e-4}
 FAMILIES = hf.SUPPORTED_MODEL_TYPES
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "olmoe", "flex_olmo", "phimoe",
                 "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open", "dbrx", "minimax_m2", "hy_v3",
-                "aria_text")
+                "aria_text", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam")
+# Families whose released configs have sliding-window layers: their tiny models take a window of WINDOW, above the
+# longest span of the per-family tests (22 positions: a decode pass's cache slots plus its block), with a full layer
+# after a windowed one unless the family orders them itself.
+WINDOWED_FAMILIES = ("gemma3_text", "olmo3", "cohere2", "ministral", "cwm", "exaone_moe", "afmoe", "mellum", "laguna",
+                     "kolibri1", "beam")
+WINDOW = 24
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -76,6 +82,10 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
         common.update({"num_local_experts": 2, "num_experts": 2, "n_routed_experts": 2, "moe_num_experts": 2,
                        "num_experts_per_tok": 2, "moe_k": 2, "moe_topk": 2, "n_group": 1, "topk_group": 1,
                        "n_shared_experts": 1, "moe_intermediate_size": 32})
+    if family in WINDOWED_FAMILIES:
+        common["sliding_window"] = WINDOW
+        if family not in ("cwm", "beam"):         # their own orders: cwm [full, sliding], beam [sliding, full]
+            common["layer_types"] = ["sliding_attention", "full_attention"]
     common.update(overrides)
     return transformers.AutoConfig.for_model(family, **common)
 
@@ -179,27 +189,21 @@ SUPPORTED = ("Supported families: llama, mistral, qwen2, qwen3, gemma, granite, 
              "glm4, smollm3, starcoder2, gpt_neox, persimmon, helium, ernie4_5, arcee, apertus, seed_oss, "
              "hunyuan_v1_dense, bitnet, exaone4, nanochat, internlm3, iquestcoder, hyperclovax, jais2, ministral3, "
              "mixtral, qwen2_moe, qwen3_moe, granitemoe, granitemoeshared, olmoe, flex_olmo, phimoe, ernie4_5_moe, "
-             "hunyuan_v1_moe, glm4_moe, dots1, solar_open, dbrx, minimax_m2, hy_v3, aria_text (decoder-only text "
-             "models")
+             "hunyuan_v1_moe, glm4_moe, dots1, solar_open, dbrx, minimax_m2, hy_v3, aria_text, gemma3_text, olmo3, "
+             "cohere2, ministral, cwm, exaone_moe, afmoe, mellum, laguna, kolibri1, beam (decoder-only text models")
 
 
 @pytest.mark.parametrize("family,overrides,reason", [
-    ("mistral", {"sliding_window": 16}, "sliding-window"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 16}, "sliding-window"),
-    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
+    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "no sliding_window"),
+    ("exaone4", {"layer_types": ["sliding_attention", "full_attention"]}, "no sliding_window"),
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
-    ("phi3", {"sliding_window": 2047}, "sliding-window"),
     ("phi3", {"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0] * 4, "short_factor": [1.0] * 4,
                                "original_max_position_embeddings": 128}}, "longrope"),
-    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 16}, "sliding-window"),
-    ("exaone4", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
-    ("dots1", {"max_window_layers": 1}, "sliding-window"),
-    ("mixtral", {"sliding_window": 16}, "sliding-window"),
-], ids=["mistral-sliding", "qwen2-sliding", "qwen2-sliding-layer", "llama-dynamic-rope", "phi3-mini-sliding",
-        "phi3-128k-longrope", "qwen2_moe-sliding", "exaone4-hybrid", "dots1-sliding-layer", "mixtral-sliding"])
+], ids=["qwen2-sliding-layer-without-window", "exaone4-sliding-layer-without-window", "llama-dynamic-rope",
+        "phi3-128k-longrope"])
 def test_enable_refuses_what_sbd_cannot_decode_exactly(family, overrides, reason):
     """Guards against SBD silently running on layers whose attention or positions differ between a cached pass
-    and a recompute (a sliding layer named only in `layer_types` included)."""
+    and a recompute: a sliding layer whose window the config does not state, length-dependent RoPE."""
     with pytest.raises(hf.SbdUnsupportedModelError, match=reason) as err:
         hf.enable_sbd(tiny_model(family, **overrides), mask_token_id=MASK_ID)
     assert SUPPORTED in str(err.value)
@@ -284,7 +288,7 @@ def nemotron():
 @pytest.mark.parametrize("build,reason", [
     (t5, "cross-attention"), (bart, "cross-attention"), (llava, "multimodal"), (qwen2_vl, "multimodal"),
     (bloom, "ALiBi"), (mpt, "ALiBi"), (falcon_alibi, "ALiBi"), (llama4_text, "chunked attention"),
-    (gemma2, "sliding-window"),
+    (gemma2, "soft-capping"),             # attn_logit_softcapping 50: the op has no input for it
     (gpt2, "model type 'gpt2' is not supported"), (stablelm, "model type 'stablelm' is not supported"),
     (nemotron, "model type 'nemotron' is not supported"), (deepseek_v3, "multi-head latent attention"),
 ], ids=lambda v: getattr(v, "__name__", None))
@@ -498,15 +502,96 @@ def test_sbd_cache_refuses_a_plain_forward_and_missing_position_ids(sbd_model):
               past_key_values=cache, use_cache=True)
 
 
-def test_decode_pass_refuses_a_sliding_window_set_after_enable():
+@pytest.mark.parametrize("family,overrides,window", [
+    ("llama", {}, None),
+    ("mistral", {"sliding_window": 16}, 16),
+    ("mixtral", {"sliding_window": 16}, 16),
+    ("phi3", {"sliding_window": 2047}, 2047),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16}, None),     # max_window_layers 28: no layer
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, 16),
+    ("qwen2_moe", {}, None),                                                # sliding_window 0
+    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 16}, 16),
+    ("exaone4", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}, 16),
+    ("dots1", {}, None),                                                    # 4096, every layer full
+    ("dots1", {"max_window_layers": 1}, 4096),
+], ids=["llama", "mistral", "mixtral", "phi3-mini", "qwen2-no-sliding-layer", "qwen2-sliding-layer",
+        "qwen2_moe-zero", "qwen2_moe-sliding", "exaone4-hybrid", "dots1-full", "dots1-sliding-layer"])
+def test_attention_window_is_the_window_some_layer_applies(family, overrides, window):
+    """Guards against a window read where no layer applies it (Qwen2 below max_window_layers, Qwen2-MoE's 0,
+    dots.llm1's default 4096 with every layer full: needless refusals) or missed where one does."""
+    assert hf.model.attention_window(tiny_config(family, **overrides)) == window
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("mistral", {}),
+    ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}),
+    ("exaone4", {"layer_types": ["sliding_attention", "full_attention"]}),
+    ("gemma3_text", {}),
+    ("cohere2", {}),
+], ids=["mistral", "qwen2-sliding-layer", "exaone4-hybrid", "gemma3_text", "cohere2"])
+def test_windowed_layers_decode_exactly_up_to_the_window_and_refuse_past_it(family, overrides):
+    """Guards against an off-by-one at the window: HF's windowed layer lets index q attend to q - W < kv <= q (its
+    eager attention weights: row W - 1 still weighs key 0, row W gives it exactly 0), so a pass spanning W
+    positions attends as full attention and one spanning W + 1 does not. A prompt of W tokens decoded through the
+    op gives HF's own windowed logits; a cache of W + 1 slots, or of W slots and a block, is refused. The weights
+    come from HF's own initialisation (std 0.02: near-uniform attention; at std 1 some weights underflow to 0)."""
+    tokens = torch.randint(3, MASK_ID, (1, WINDOW + 1), generator=torch.Generator().manual_seed(0))
+    hf_init = transformers.AutoModelForCausalLM.from_config(tiny_config(family, "eager", sliding_window=WINDOW,
+                                                                         **overrides))
+    with torch.no_grad():
+        weights = hf_init(input_ids=tokens, output_attentions=True).attentions        # per layer [1, H, T, T]
+    assert all((layer[0, :, WINDOW - 1, 0] > 0).all() for layer in weights)
+    assert any((layer[0, :, WINDOW, 0] == 0).all() for layer in weights)           # a windowed layer bites
+
+    model = tiny_model(family, sliding_window=WINDOW, **overrides).to(DEVICE)
+    sbd_model = hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    tokens = tokens.to(DEVICE)
+    with torch.no_grad():
+        cached = sbd_model.decode_pass(tokens[:, :WINDOW], torch.tensor([WINDOW], dtype=torch.int32, device=DEVICE),
+                                       0, sbd_model.new_cache(1, WINDOW))
+        windowed = model(input_ids=tokens[:, :WINDOW]).logits                       # HF builds the windowed mask
+    assert_logits_close(cached.float(), windowed.float(), "cached pass of W tokens")
+    with pytest.raises(ValueError, match=f"span {WINDOW + 1} positions, past the model's sliding window of {WINDOW}"):
+        sbd_model.decode_pass(tokens, torch.tensor([WINDOW + 1], dtype=torch.int32, device=DEVICE), 0,
+                              sbd_model.new_cache(1, WINDOW + 1))
+    with pytest.raises(ValueError, match=f"the cache's {WINDOW} slots and the block of 4 span {WINDOW + 4}"):
+        sbd_model.decode_pass(tokens[:, :4], torch.zeros(1, dtype=torch.int32, device=DEVICE), 4,
+                              sbd_model.new_cache(1, WINDOW))
+    prompt = tokens[:, :8]
+    with pytest.raises(ValueError, match="past the model's sliding window"):
+        hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=WINDOW, method="sbd")
+
+
+def test_windowed_training_refuses_examples_and_positions_past_the_window():
+    """Guards against training a windowed model with full attention over more positions than its window (the
+    SBD training mask and a mask given to SbdCausalLM.forward replace HF's windowed one): an example of W tokens
+    is taken, W + 1 refused, and so are positions spanning W + 1."""
+    model = tiny_model("mistral", sliding_window=WINDOW)
+    sbd_model = hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    collator = hf.SbdDataCollator(model.config)
+    collator([{"input_ids": list(range(3, 3 + WINDOW))}])
+    with pytest.raises(ValueError, match=f"SbdDataCollator: the longest example's {WINDOW + 1} tokens span"):
+        collator([{"input_ids": [5, 6]}, {"input_ids": [4] * (WINDOW + 1)}])
+    tokens = torch.full((1, WINDOW + 1), 4)
+    causal = torch.ones(1, WINDOW + 1, WINDOW + 1, dtype=torch.bool).tril()
+    sbd_model(tokens[:, :WINDOW], torch.arange(WINDOW)[None], causal[:, :WINDOW, :WINDOW])
+    with pytest.raises(ValueError, match=f"positions 0 to {WINDOW} span {WINDOW + 1} positions"):
+        sbd_model(tokens, torch.arange(WINDOW + 1)[None], causal)
+
+
+def test_decode_pass_refuses_a_sliding_window_shrunk_after_enable(monkeypatch):
     """Guards against a config changed after enable_sbd: a Mistral layer passes config.sliding_window with every
     attention call, and the op, which attends to the whole causal prefix, would have decoded a 4-token window
-    model with full attention, silently."""
+    model with full attention, silently. decode_pass refuses from the config; past that check (switched off here),
+    the layer's own window is refused in attention."""
     model = tiny_model("mistral").to(DEVICE)
     hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
     model.config.sliding_window = 4
     prompt = torch.tensor([[3, 4, 5, 6, 7]], device=DEVICE)
-    with pytest.raises(RuntimeError, match=r"layer 0 asks for \{'sliding_window': 4\}"):
+    with pytest.raises(ValueError, match="past the model's sliding window of 4"):
+        hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=8, method="sbd")
+    monkeypatch.setattr(hf.model, "check_within_window", lambda *args: None)
+    with pytest.raises(RuntimeError, match="layer 0 has a sliding window of 4, and this pass spans"):
         hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=8, method="sbd")
 
 
@@ -522,11 +607,10 @@ def test_decode_pass_fails_loudly_in_layers_that_drop_the_pass(monkeypatch):
         hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=8, method="sbd")
 
 
-@pytest.mark.parametrize("name,value", [("sliding_window", 4096), ("softcap", 50.0), ("s_aux", torch.zeros(4))],
-                         ids=["sliding_window", "softcap", "s_aux"])
+@pytest.mark.parametrize("name,value", [("softcap", 50.0), ("s_aux", torch.zeros(4))], ids=["softcap", "s_aux"])
 def test_decode_pass_refuses_attention_arguments_the_op_does_not_implement(name, value):
-    """Guards against a layer's window, score soft-capping (Gemma 2) or attention sinks (GPT-OSS) being dropped in
-    a decode pass: each set argument is refused by name; None (what supported layers pass) goes through."""
+    """Guards against a layer's score soft-capping (Gemma 2) or attention sinks (GPT-OSS) being dropped in a decode
+    pass: each set argument is refused by name; None (what supported layers pass) goes through."""
     from sbd_kernels.hf.attention import SBD_PASS_MASK, SbdPass, sbd_attention
 
     module = tiny_model("llama").model.layers[1].self_attn

@@ -27,11 +27,11 @@ from torch import Tensor
 ATTN_IMPLEMENTATION = "sbd"
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
 
-# Attention arguments some HF layers pass that change which keys a row sees or how scores are weighed; the op
-# implements none of them, so a decode pass refuses any that is set rather than decode with full attention
-# (Mistral and Phi-3 layers pass their config's sliding_window on every call, Gemma 2 an attn_logit_softcapping,
-# GPT-OSS its sinks as s_aux).
-UNSUPPORTED_ATTENTION_ARGS = ("sliding_window", "softcap", "s_aux")
+# Attention arguments some HF layers pass that change how scores are weighed; the op implements neither, so a decode
+# pass refuses either when set rather than decode without it (Gemma 2 passes its attn_logit_softcapping, GPT-OSS its
+# sinks as s_aux). A sliding_window (Mistral and Phi-3 layers pass their config's on every call) is taken when the
+# pass lies within it (`_check_window`).
+UNSUPPORTED_ATTENTION_ARGS = ("softcap", "s_aux")
 
 # The 4-D attention_mask of an SBD decode pass: HF returns any 4-D mask unchanged (no mask is built for the pass;
 # the op's row layout is the mask), and `sbd_attention` checks that it received exactly this object.
@@ -166,11 +166,24 @@ def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
             f"sbd attention: layer {module.layer_idx} asks for {unsupported}, which block_attention_with_kvcache "
             "does not implement (every row attends to its whole causal prefix); enable_sbd refuses such configs, "
             "so the config changed after it: set these back to None or decode without SBD")
+    _check_window(module, kwargs.get("sliding_window"), sbd_pass)
     k_cache, v_cache = sbd_pass.cache.layer_buffers(module.layer_idx)
     out, _ = sbd_pass.attention_op(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), k_cache,
                                    v_cache, sbd_pass.cache.seqlens, sbd_pass.num_causal, sbd_pass.block_size, None,
                                    scaling)
     return out, None
+
+
+def _check_window(module: Any, window: int | None, sbd_pass: SbdPass) -> None:
+    """RuntimeError when a layer's sliding window is smaller than the span of the pass: the cache's slots plus the
+    block (`SbdCausalLM.decode_pass` checks the config's window before the pass; a layer passing a smaller one
+    means the config changed after `enable_sbd`). Within its window a windowed layer attends as a full one."""
+    if window and sbd_pass.cache.max_len + sbd_pass.block_size > window:
+        raise RuntimeError(
+            f"sbd attention: layer {module.layer_idx} has a sliding window of {window}, and this pass spans "
+            f"{sbd_pass.cache.max_len + sbd_pass.block_size} positions (the cache's slots plus the block), which block_attention_with_kvcache would attend "
+            "to in full (the config changed after enable_sbd): decode with a cache of at most "
+            f"{window - sbd_pass.block_size} slots")
 
 
 def sbd_mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:

@@ -4,11 +4,15 @@
     sbd_model = enable_sbd(model, tokenizer, block_size=16)       # picks / adds the mask token, registers "sbd"
 
 `enable_sbd` refuses, with the reason, what SBD cannot be applied to as implemented here: families other than
-`SUPPORTED_MODEL_TYPES` (each tested), sliding-window or chunked attention layers (the block of a pass must see the
-whole causal prefix), encoder-decoders / cross-attention, multimodal models, ALiBi attention biases, multi-head
+`SUPPORTED_MODEL_TYPES` (each tested), chunked attention layers and attention-score soft-capping (the op has no
+input for either), encoder-decoders / cross-attention, multimodal models, ALiBi attention biases, multi-head
 latent attention (keys and values of different head sizes), and position
 encodings whose values depend on the sequence length ("dynamic" / "longrope" RoPE scaling: the cached prefix would
 have been encoded differently from the recomputed one). Every refusal names the reason and the supported families.
+
+Sliding-window layers are taken within their window (`attention_window`): while every key a row attends to lies
+fewer than W positions back, a window of W leaves attention unchanged. A decode pass refuses a cache whose slots
+plus the block exceed W and training an example longer than W: no computation spans more than W positions.
 """
 from __future__ import annotations
 
@@ -48,18 +52,23 @@ from sbd_kernels.model import check_decode_pass, decode_positions
 # qwen2_moe, granitemoeshared, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open, hy_v3, aria_text; after
 # dense first layers in ernie4_5_moe, glm4_moe and hy_v3): a token's experts follow from its own hidden state, so a
 # cached pass routes as a recompute does. internlm3 and iquestcoder are Llama under their own names.
+# Families with sliding-window layers (gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum, laguna,
+# kolibri1, beam; mistral, phi3, starcoder2, qwen2 and others when configured with one) decode and train within the
+# window (`attention_window`); their full layers may differ as well (cohere2's and kolibri1's take no RoPE, gemma3's
+# another RoPE base), output gates follow attention (afmoe, laguna, beam), and most of them route experts.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi", "phi3",
                          "cohere", "glm", "glm4", "smollm3", "starcoder2", "gpt_neox", "persimmon", "helium",
                          "ernie4_5", "arcee", "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "exaone4",
                          "nanochat", "internlm3", "iquestcoder", "hyperclovax", "jais2", "ministral3", "mixtral",
                          "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "olmoe", "flex_olmo", "phimoe",
                          "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open", "dbrx", "minimax_m2",
-                         "hy_v3", "aria_text")
+                         "hy_v3", "aria_text", "gemma3_text", "olmo3", "cohere2", "ministral", "cwm", "exaone_moe",
+                         "afmoe", "mellum", "laguna", "kolibri1", "beam")
 # Families whose attention layers read config.sliding_window only where config.layer_types says
 # "sliding_attention" (and whose masks HF builds by layer type): for them the layer types alone say whether a window
 # applies. dots.llm1 configs keep the default window of 4096 with every layer typed full (its windowed layers would
 # start at max_window_layers = 62, past the last). Other families pass the window to every layer (Mistral, Phi-3,
-# Qwen3-MoE), so a window in their config is refused whatever the layer types.
+# Qwen3-MoE), so a window in their config applies whatever the layer types.
 LAYER_TYPED_WINDOW_MODEL_TYPES = ("qwen2", "qwen3", "qwen2_moe", "dots1")
 # Families whose attention adds ALiBi biases (MPT and Falcon say so in their config: attn_config.alibi, alibi).
 ALIBI_MODEL_TYPES = ("bloom",)
@@ -80,7 +89,7 @@ class SbdUnsupportedModelError(ValueError):
 def _unsupported(model_type: Any, reason: str) -> SbdUnsupportedModelError:
     return SbdUnsupportedModelError(
         f"{model_type}: {reason}. Supported families: {', '.join(SUPPORTED_MODEL_TYPES)} (decoder-only text "
-        "models with RoPE and full causal attention in every layer)")
+        "models with RoPE and causal attention, full or within a sliding window, in every layer)")
 
 
 def _is_multimodal(config: Any) -> bool:
@@ -106,12 +115,13 @@ def check_supported(config: Any) -> None:
         raise _unsupported(model_type, "ALiBi position biases are not supported (the SBD kernels take RoPE models: "
                                        "positions enter through the rotated keys, not as an attention bias)")
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    # A sliding_window of 0 means none: Qwen2-MoE configs store 0 when use_sliding_window is False.
-    window_applies = bool(getattr(config, "sliding_window", None)) and model_type not in LAYER_TYPED_WINDOW_MODEL_TYPES
-    if getattr(config, "use_sliding_window", False) or window_applies or "sliding_attention" in layer_types:
-        raise _unsupported(model_type, "sliding-window attention layers are not supported (sliding_window="
-                                       f"{getattr(config, 'sliding_window', None)}, layer types {sorted(layer_types)}): "
-                                       "an SBD block must attend to the whole causal prefix")
+    if "sliding_attention" in layer_types and not getattr(config, "sliding_window", None):
+        raise _unsupported(model_type, "the layer types name sliding_attention layers but the config has no "
+                                       "sliding_window, so the window they apply is unknown")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise _unsupported(model_type, "attention-score soft-capping is not supported (attn_logit_softcapping="
+                                       f"{config.attn_logit_softcapping}): block_attention_with_kvcache has no input "
+                                       "for it")
     if getattr(config, "attention_chunk_size", None) or "chunked_attention" in layer_types:
         raise _unsupported(model_type, "chunked attention layers are not supported (attention_chunk_size="
                                        f"{getattr(config, 'attention_chunk_size', None)}): an SBD block must attend "
@@ -120,9 +130,9 @@ def check_supported(config: Any) -> None:
         raise _unsupported(model_type, "multi-head latent attention is not supported (kv_lora_rank="
                                        f"{config.kv_lora_rank}): its keys and values have different head sizes "
                                        "(qk_head_dim, v_head_dim), and the SBD cache and kernels take one head size")
-    if layer_types != {"full_attention"}:
-        raise _unsupported(model_type, f"only full-attention layers are supported, the config has layer types "
-                                       f"{sorted(layer_types)}")
+    if not layer_types <= {"full_attention", "sliding_attention"}:
+        raise _unsupported(model_type, f"only full and sliding-window attention layers are supported, the config has "
+                                       f"layer types {sorted(layer_types)}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _unsupported(model_type, f"model type {model_type!r} is not supported")
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -130,6 +140,31 @@ def check_supported(config: Any) -> None:
     if rope_type in LENGTH_DEPENDENT_ROPE:
         raise _unsupported(model_type, f"RoPE scaling {rope_type!r} changes with the sequence length, so cached keys "
                                        "would not match a recompute; use a model without it")
+
+
+def attention_window(config: Any) -> int | None:
+    """W, the window of the config's sliding-window layers, or None when every layer attends to its whole prefix.
+    HF's windowed layer lets the query at index q attend to the keys at q - W < kv <= q. A sliding_window of 0 means
+    none (Qwen2-MoE configs store 0 when use_sliding_window is off); in LAYER_TYPED_WINDOW_MODEL_TYPES it applies
+    only when a layer is typed sliding_attention (dots.llm1 configs keep 4096 with every layer full)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if (getattr(config, "model_type", None) in LAYER_TYPED_WINDOW_MODEL_TYPES
+            and "sliding_attention" not in (getattr(config, "layer_types", None) or ())):
+        return None
+    return int(window)
+
+
+def check_within_window(config: Any, caller: str, span: int, what: str) -> None:
+    """ValueError when `span` positions (the first to the last a computation reaches) do not fit the model's
+    sliding window: SBD computes windowed layers with full attention, which is the same only while every key a row
+    attends to is fewer than W positions back, i.e. span <= W. `what` says which lengths make up the span."""
+    window = attention_window(config)
+    if window is not None and span > window:
+        raise ValueError(f"{caller}: {what} span {span} positions, past the model's sliding window of {window}; "
+                         "its windowed layers are computed with full attention, which is exact only while every "
+                         f"key a row attends to lies in its window: keep the span within {window} positions")
 
 
 def _special_token_ids(model: nn.Module, tokenizer: Any = None) -> dict[str, set[int]]:
@@ -341,6 +376,12 @@ class SbdCausalLM(nn.Module):
             mask = mask_for_implementation(attn_mask, implementation, weight.dtype)
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        if attn_mask is not None and attention_window(self.config) is not None:
+            # HF takes the mask as given, with no window: within the window that is exact. One sync, windowed
+            # models only.
+            low, high = torch.aminmax(positions)
+            check_within_window(self.config, "SbdCausalLM.forward", int(high - low) + 1,
+                                f"positions {int(low)} to {int(high)}")
         out = self.hf_model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False)
         return out.logits.float()
 
@@ -362,6 +403,9 @@ class SbdCausalLM(nn.Module):
         if not isinstance(cache, SbdCache):
             raise TypeError(f"SbdCausalLM.decode_pass: cache must be an SbdCache, got {type(cache).__name__}")
         check_decode_pass("SbdCausalLM.decode_pass", tokens, num_causal, block_size, cache.seqlens, keep_last)
+        # Rows reach positions up to the cache's last slot plus the block: static sizes, no sync.
+        check_within_window(self.config, "SbdCausalLM.decode_pass", cache.max_len + block_size,
+                            f"the cache's {cache.max_len} slots and the block of {block_size}")
         if attention_op is None:
             attention_op = torch.ops.sbd.block_attention_with_kvcache
         positions = decode_positions(cache.seqlens, num_causal, tokens.shape[1] - block_size, block_size)

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from sbd_kernels.hf.attention import mask_implementation
-from sbd_kernels.hf.model import mask_for_implementation
+from sbd_kernels.hf.model import check_within_window, mask_for_implementation
 from sbd_kernels.model import SbdMaskMod, sbd_train_inputs
 from sbd_kernels.train import IGNORE, add_noise, sbd_labels, sbd_objective
 
@@ -172,7 +172,9 @@ class SbdDataCollator:
     `remove_unused_columns=True` keeps `labels` and `attention_mask` but drops a `loss_mask` column before the
     collator sees it, which then trains on the prompts (the collator cannot tell those examples from unlabelled ones).
     A real token equal to the SBD mask token id is refused (ValueError naming the example and the position): the
-    objective takes every mask token of the noisy half for one the noise put there.
+    objective takes every mask token of the noisy half for one the noise put there. For a model with sliding-window
+    layers, an example longer than the window is refused: the training mask is full attention, which a window of W
+    leaves unchanged only over at most W positions (`attention_window`).
 
     model_config: `model.config` after `enable_sbd` (mask id, base attention implementation, recorded dtype): the
     model's own config object, from which each batch reads the attention implementation the model runs; one other
@@ -251,6 +253,9 @@ class SbdDataCollator:
             raise ValueError("SbdDataCollator: empty batch")
         rows, row_targets = zip(*(self._example(i, ex) for i, ex in enumerate(examples)))
         lengths = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
+        # Both halves of an example take positions 0..m-1, and its rows attend only within it.
+        check_within_window(self.model_config, "SbdDataCollator", int(lengths.max()),
+                            f"the longest example's {int(lengths.max())} tokens")
         n = -(-int(lengths.max()) // self.pad_to_multiple_of) * self.pad_to_multiple_of
         tokens = torch.full((len(rows), n), self.pad_token_id, dtype=torch.int64)
         targets = torch.zeros(len(rows), n, dtype=torch.bool)
