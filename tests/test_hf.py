@@ -558,8 +558,10 @@ def test_windowed_layers_decode_exactly_up_to_the_window_and_refuse_past_it(fami
         sbd_model.decode_pass(tokens[:, :4], torch.zeros(1, dtype=torch.int32, device=DEVICE), 4,
                               sbd_model.new_cache(1, WINDOW))
     prompt = tokens[:, :8]
-    with pytest.raises(ValueError, match="past the model's sliding window"):
-        hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=WINDOW, method="sbd")
+    hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=WINDOW - 8 - 4, method="sbd")
+    with pytest.raises(ValueError, match=r"generate: the longest prompt's 8 tokens, max_new_tokens 13 and a block of "
+                                         f"4 span {WINDOW + 1} positions"):
+        hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=WINDOW - 8 - 3, method="sbd")
 
 
 def test_windowed_training_refuses_examples_and_positions_past_the_window():
@@ -591,6 +593,7 @@ def test_decode_pass_refuses_a_sliding_window_shrunk_after_enable(monkeypatch):
     with pytest.raises(ValueError, match="past the model's sliding window of 4"):
         hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=8, method="sbd")
     monkeypatch.setattr(hf.model, "check_within_window", lambda *args: None)
+    monkeypatch.setattr(hf.generation, "check_within_window", lambda *args: None)
     with pytest.raises(RuntimeError, match="layer 0 has a sliding window of 4, and this pass spans"):
         hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=8, method="sbd")
 
