@@ -178,12 +178,15 @@ def _check_window(module: Any, window: int | None, sbd_pass: SbdPass) -> None:
     """RuntimeError when a layer's sliding window is smaller than the span of the pass: the cache's slots plus the
     block (`SbdCausalLM.decode_pass` checks the config's window before the pass; a layer passing a smaller one
     means the config changed after `enable_sbd`). Within its window a windowed layer attends as a full one."""
-    if window and sbd_pass.cache.max_len + sbd_pass.block_size > window:
+    if not window:
+        return
+    span = sbd_pass.cache.max_len + sbd_pass.block_size
+    if span > window:
         raise RuntimeError(
-            f"sbd attention: layer {module.layer_idx} has a sliding window of {window}, and this pass spans "
-            f"{sbd_pass.cache.max_len + sbd_pass.block_size} positions (the cache's slots plus the block), which block_attention_with_kvcache would attend "
-            "to in full (the config changed after enable_sbd): decode with a cache of at most "
-            f"{window - sbd_pass.block_size} slots")
+            f"sbd attention: layer {module.layer_idx} has a sliding window of {window}, and this pass spans {span} "
+            "positions (the cache's slots plus the block), which block_attention_with_kvcache would attend to in "
+            f"full (the config changed after enable_sbd): decode with a cache of at most {window - sbd_pass.block_size}"
+            " slots")
 
 
 def sbd_mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
