@@ -514,11 +514,17 @@ def test_sbd_cache_refuses_a_plain_forward_and_missing_position_ids(sbd_model):
     ("exaone4", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}, 16),
     ("dots1", {}, None),                                                    # 4096, every layer full
     ("dots1", {"max_window_layers": 1}, 4096),
+    ("exaone4", {"sliding_window": 16, "layer_types": ["full_attention"] * 2}, None),
+    ("gemma3_text", {}, WINDOW),
+    ("gemma3_text", {"layer_types": ["full_attention"] * 2}, None),
+    ("starcoder2", {"sliding_window": 16, "layer_types": ["full_attention"] * 2}, 16),   # passed to every layer
 ], ids=["llama", "mistral", "mixtral", "phi3-mini", "qwen2-no-sliding-layer", "qwen2-sliding-layer",
-        "qwen2_moe-zero", "qwen2_moe-sliding", "exaone4-hybrid", "dots1-full", "dots1-sliding-layer"])
+        "qwen2_moe-zero", "qwen2_moe-sliding", "exaone4-hybrid", "dots1-full", "dots1-sliding-layer", "exaone4-full",
+        "gemma3_text", "gemma3_text-full", "starcoder2"])
 def test_attention_window_is_the_window_some_layer_applies(family, overrides, window):
     """Guards against a window read where no layer applies it (Qwen2 below max_window_layers, Qwen2-MoE's 0,
-    dots.llm1's default 4096 with every layer full: needless refusals) or missed where one does."""
+    dots.llm1's default 4096 or a Gemma 3 config with every layer full: needless refusals) or missed where one does
+    (a family that passes its window to every layer, whatever the layer types)."""
     assert hf.model.attention_window(tiny_config(family, **overrides)) == window
 
 

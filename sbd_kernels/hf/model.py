@@ -65,11 +65,13 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite
                          "hy_v3", "aria_text", "gemma3_text", "olmo3", "cohere2", "ministral", "cwm", "exaone_moe",
                          "afmoe", "mellum", "laguna", "kolibri1", "beam")
 # Families whose attention layers read config.sliding_window only where config.layer_types says
-# "sliding_attention" (and whose masks HF builds by layer type): for them the layer types alone say whether a window
-# applies. dots.llm1 configs keep the default window of 4096 with every layer typed full (its windowed layers would
-# start at max_window_layers = 62, past the last). Other families pass the window to every layer (Mistral, Phi-3,
-# Qwen3-MoE), so a window in their config applies whatever the layer types.
-LAYER_TYPED_WINDOW_MODEL_TYPES = ("qwen2", "qwen3", "qwen2_moe", "dots1")
+# "sliding_attention" (and whose masks HF builds by layer type), read in their modeling code: for them the layer
+# types alone say whether a window applies. dots.llm1 configs keep the default window of 4096 with every layer typed
+# full (its windowed layers would start at max_window_layers = 62, past the last). Other families pass the window to
+# every layer (Mistral, Mixtral, Phi-3, StarCoder2, Qwen3-MoE), so a window in their config applies whatever the
+# layer types.
+LAYER_TYPED_WINDOW_MODEL_TYPES = ("qwen2", "qwen3", "qwen2_moe", "dots1", "exaone4", "gemma3_text", "olmo3", "cohere2",
+                                  "ministral", "cwm", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam")
 # Families whose attention adds ALiBi biases (MPT and Falcon say so in their config: attn_config.alibi, alibi).
 ALIBI_MODEL_TYPES = ("bloom",)
 # Config parts of models with non-text inputs (sub-configs of Llava, Qwen2-VL, Whisper-style models, ...).
