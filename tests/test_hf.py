@@ -305,11 +305,13 @@ def test_enable_refuses_other_architectures_with_the_reason(build, reason):
 
 def test_readme_states_the_number_of_supported_families():
     """Guards against a family added to (or dropped from) SUPPORTED_MODEL_TYPES while the README still states the
-    old count, and against a name listed twice."""
+    old count, against a name listed twice, and against a window rule for a family not in the list."""
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert len(set(hf.SUPPORTED_MODEL_TYPES)) == len(hf.SUPPORTED_MODEL_TYPES)
+    # A misspelt name there would leave its family bounded by a window that none of its full layers applies.
+    assert set(hf.model.LAYER_TYPED_WINDOW_MODEL_TYPES) <= set(hf.SUPPORTED_MODEL_TYPES)
     assert f"`hf.SUPPORTED_MODEL_TYPES`, {len(hf.SUPPORTED_MODEL_TYPES)} families" in readme
 
 def test_enable_refuses_attention_implementations_that_cannot_take_the_mask():
