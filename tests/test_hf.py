@@ -2,6 +2,7 @@
 enable, fine-tuning inputs and loss, decoding through the `torch.ops.sbd` kernels, and each trap that used to give
 a silently wrong result. The decoding tests run the model on CUDA (the Triton kernels) with SBD_TEST_DEVICE=cuda,
 on the CPU otherwise; training stays on the CPU."""
+import contextlib
 import re
 
 import pytest
@@ -188,9 +189,10 @@ def test_mask_token_is_added_and_embeddings_grow_only_when_needed():
 SUPPORTED = ("Supported families: llama, mistral, qwen2, qwen3, gemma, granite, olmo, olmo2, phi, phi3, cohere, glm, "
              "glm4, smollm3, starcoder2, gpt_neox, persimmon, helium, ernie4_5, arcee, apertus, seed_oss, "
              "hunyuan_v1_dense, bitnet, exaone4, nanochat, internlm3, iquestcoder, hyperclovax, jais2, ministral3, "
-             "mixtral, qwen2_moe, qwen3_moe, granitemoe, granitemoeshared, olmoe, flex_olmo, phimoe, ernie4_5_moe, "
-             "hunyuan_v1_moe, glm4_moe, dots1, solar_open, dbrx, minimax_m2, hy_v3, aria_text, gemma3_text, olmo3, "
-             "cohere2, ministral, cwm, exaone_moe, afmoe, mellum, laguna, kolibri1, beam (decoder-only text models")
+             "stablelm, nemotron, mixtral, qwen2_moe, qwen3_moe, granitemoe, granitemoeshared, olmoe, flex_olmo, "
+             "phimoe, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open, dbrx, minimax_m2, hy_v3, aria_text, "
+             "gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum, laguna, kolibri1, beam "
+             "(decoder-only text models")
 
 
 @pytest.mark.parametrize("family,overrides,reason", [
@@ -277,25 +279,16 @@ def deepseek_v3():
         q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, vocab_size=VOCAB))
 
 
-def stablelm():
-    return tiny_model("stablelm")
-
-
-def nemotron():
-    return tiny_model("nemotron")
-
-
 @pytest.mark.parametrize("build,reason", [
     (t5, "cross-attention"), (bart, "cross-attention"), (llava, "multimodal"), (qwen2_vl, "multimodal"),
     (bloom, "ALiBi"), (mpt, "ALiBi"), (falcon_alibi, "ALiBi"), (llama4_text, "chunked attention"),
     (gemma2, "soft-capping"),             # attn_logit_softcapping 50: the op has no input for it
-    (gpt2, "model type 'gpt2' is not supported"), (stablelm, "model type 'stablelm' is not supported"),
-    (nemotron, "model type 'nemotron' is not supported"), (deepseek_v3, "multi-head latent attention"),
+    (gpt2, "model type 'gpt2' is not supported"), (deepseek_v3, "multi-head latent attention"),
 ], ids=lambda v: getattr(v, "__name__", None))
 def test_enable_refuses_other_architectures_with_the_reason(build, reason):
     """Guards against enabling an architecture whose cached passes would not equal a recompute (cross-attention,
-    non-text inputs, ALiBi biases, chunked attention, Gemma 2's alternating sliding layers, DeepSeek's latent
-    attention) or an untested family, and against a refusal that does not say why in a user's words or which
+    non-text inputs, ALiBi biases, chunked attention, Gemma 2's soft-capped scores, DeepSeek's latent attention)
+    or an untested family, and against a refusal that does not say why in a user's words or which
     families work."""
     with pytest.raises(hf.SbdUnsupportedModelError, match=reason) as err:
         hf.enable_sbd(build(), mask_token_id=5)
@@ -606,15 +599,28 @@ def test_decode_pass_refuses_a_sliding_window_shrunk_after_enable(monkeypatch):
         hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=8, method="sbd")
 
 
-def test_decode_pass_fails_loudly_in_layers_that_drop_the_pass(monkeypatch):
-    """Guards against a family whose decoder layers do not hand their keyword arguments on to attention (StableLM:
-    refused by enable_sbd for this reason) decoding with the pass's empty mask under the base attention: forced
-    past enable_sbd's check, the first layer names the cause instead of failing in SDPA on a size-0 mask."""
-    monkeypatch.setattr(hf.model, "SUPPORTED_MODEL_TYPES", hf.SUPPORTED_MODEL_TYPES + ("stablelm",))
-    model = tiny_model("stablelm").to(DEVICE)
-    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+@pytest.mark.parametrize("family", ["stablelm", "nemotron"])
+def test_layers_that_drop_their_kwargs_take_the_pass_from_the_config(family, monkeypatch):
+    """Guards against a family whose decoder layers call attention without their keyword arguments (StableLM,
+    Nemotron) decoding with the pass's empty mask under the base attention: the pass reaches attention through the
+    config, which every attention module shares. Without that record (switched off here) the first layer names the
+    cause; the record is gone after a pass, also one that failed, and a plain forward given the pass's mask is
+    refused."""
+    from sbd_kernels.hf.attention import ACTIVE_PASS_ATTRIBUTE, SBD_PASS_MASK
+
+    model = tiny_model(family).to(DEVICE)
+    sbd_model = hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
     prompt = torch.tensor([[3, 4, 5, 6, 7]], device=DEVICE)
-    with pytest.raises(RuntimeError, match="layer 0 of StableLmAttention got a decode pass's mask without the pass"):
+    hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=8, method="sbd")
+    assert not hasattr(model.config, ACTIVE_PASS_ATTRIBUTE)
+    with pytest.raises(RuntimeError, match="num_causal must be in"):                 # raised inside the pass
+        sbd_model.decode_pass(prompt, torch.tensor([9], dtype=torch.int32, device=DEVICE), 0,
+                              sbd_model.new_cache(1, 16))
+    assert not hasattr(model.config, ACTIVE_PASS_ATTRIBUTE)
+    with pytest.raises(RuntimeError, match="got a decode pass's mask outside a decode pass"):
+        model(input_ids=prompt, attention_mask=SBD_PASS_MASK)
+    monkeypatch.setattr(hf.model, "active_pass", lambda config, sbd_pass: contextlib.nullcontext())
+    with pytest.raises(RuntimeError, match="layer 0 of .*Attention got a decode pass's mask outside a decode pass"):
         hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=8, method="sbd")
 
 
@@ -1533,7 +1539,8 @@ def test_flex_attention_training_mask_gives_the_sdpa_logits(family):
     boolean sdpa form inside a real model of each family (HF's flex_attention path, compiled on the CPU here), on
     every row of a padded batch, and against the model's own loss differing. FlexAttention compiled on the CPU sums
     in another order than SDPA: up to 1.4e-4 apart on logits of magnitude up to 25 (granitemoe, glm4, phimoe on an
-    AMD EPYC Zen 4; the MoE routers' softmax widens it), hence atol 2e-4; a wrong mask cell moves logits by O(1)."""
+    AMD EPYC Zen 4; the MoE routers' softmax widens it), 4.9e-4 on nemotron (squared-ReLU MLP), hence atol 6e-4; a
+    wrong mask cell moves logits by O(1)."""
     if not transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(tiny_config(family))]._supports_flex_attn:
         pytest.skip(f"transformers has no flex_attention path for {family} (it refuses to load one)")
     out = {}
@@ -1543,7 +1550,7 @@ def test_flex_attention_training_mask_gives_the_sdpa_logits(family):
         with torch.no_grad():
             out[attn] = model(**padded_batch(model, k=4))
     assert_close(out["flex_attention"].logits, out["sdpa"].logits, torch.float32, name=f"{family} flex vs sdpa",
-                 atol_scale=10)
+                 atol_scale=30)
     torch.testing.assert_close(out["flex_attention"].loss, out["sdpa"].loss, atol=1e-5, rtol=1e-5)
 
 

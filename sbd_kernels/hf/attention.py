@@ -3,7 +3,7 @@
 A model prepared by `sbd_kernels.hf.enable_sbd` runs every attention layer through `sbd_attention`:
 
 - inside an SBD decode pass (`SbdCausalLM.decode_pass` passes `sbd_pass=SbdPass(...)` down through the model's
-  kwargs), it calls `sbd.block_attention_with_kvcache` on the layer's slice of the `SbdCache`: causal rows are
+  kwargs, and records it on the config for decoder layers that drop their kwargs: `active_pass`), it calls `sbd.block_attention_with_kvcache` on the layer's slice of the `SbdCache`: causal rows are
   appended to the cache, the block is never cached, and the mask is the op's row layout (no mask tensor);
 - in every other call (training, HF `generate`, a plain forward) it runs the attention implementation the model
   had before (`config.sbd_base_attn_implementation`: "sdpa", "eager" or "flex_attention"), with the mask HF or the
@@ -16,8 +16,9 @@ below are views, read in place by the op.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,22 @@ class SbdPass:
     num_causal: Tensor
     block_size: int
     attention_op: Callable
+
+
+# The config attribute holding the pass while `active_pass` runs: the attention modules of every family share the
+# model's config, also those whose decoder layers call attention without their keyword arguments (StableLM,
+# Nemotron), where `sbd_pass` never arrives.
+ACTIVE_PASS_ATTRIBUTE = "_sbd_active_pass"
+
+
+@contextlib.contextmanager
+def active_pass(config: Any, sbd_pass: SbdPass) -> Iterator[None]:
+    """Records `sbd_pass` on `config` for the duration of one decode pass (removed after, also on an error)."""
+    setattr(config, ACTIVE_PASS_ATTRIBUTE, sbd_pass)
+    try:
+        yield
+    finally:
+        delattr(config, ACTIVE_PASS_ATTRIBUTE)
 
 
 def base_implementation(config: Any) -> str:
@@ -140,12 +157,13 @@ def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if sbd_pass is None:
-        if attention_mask is SBD_PASS_MASK:
+    if sbd_pass is None and attention_mask is SBD_PASS_MASK:
+        sbd_pass = getattr(module.config, ACTIVE_PASS_ATTRIBUTE, None)   # layers that drop their kwargs
+        if sbd_pass is None:
             raise RuntimeError(
                 f"sbd attention: layer {getattr(module, 'layer_idx', '?')} of {type(module).__name__} got a decode "
-                "pass's mask without the pass: the model's decoder layers do not hand their keyword arguments on "
-                "to attention (StableLM and Nemotron layers drop them), so SBD cannot decode this model")
+                "pass's mask outside a decode pass; call the model through SbdCausalLM.decode_pass")
+    if sbd_pass is None:
         base = base_implementation(module.config)
         _check_mask_form(base, attention_mask)
         if base == "flex_attention":

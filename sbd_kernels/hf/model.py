@@ -28,6 +28,7 @@ from sbd_kernels.hf.attention import (
     BASE_IMPLEMENTATIONS,
     SBD_PASS_MASK,
     SbdPass,
+    active_pass,
     mask_implementation,
     register,
 )
@@ -35,19 +36,19 @@ from sbd_kernels.hf.cache import SbdCache
 from sbd_kernels.model import check_decode_pass, decode_positions
 
 # Decoder-only families whose attention layers call transformers' AttentionInterface with RoPE applied before
-# attention and no other position or mask input, and whose decoder layers hand their keyword arguments on to
-# attention (the decode pass travels in them; StableLM and Nemotron layers drop them and are left out). Each is
+# attention and no other position or mask input. The decode pass travels in the decoder layers' keyword arguments,
+# and on the config for StableLM and Nemotron, whose layers call attention without them (`active_pass`). Each is
 # checked by tests/test_hf.py on a tiny config: HF greedy tokens, cached SBD passes against a recompute, the
 # training masks of every base implementation. What sets them apart from Llama happens before or after the
 # attention call, in the model's own code: embedding, residual and logit multipliers (gemma, granite, cohere,
 # hyperclovax), logit soft-capping (nanochat), query scaling that grows with the position (ministral3, from the
 # position ids a pass carries), rotary embeddings on part of the head or interleaved (phi, glm, glm4, cohere,
-# gpt_neox, persimmon, glm4_moe, solar_open, minimax_m2), layers without RoPE (smollm3), q / k norms (qwen3, olmo2,
+# gpt_neox, persimmon, glm4_moe, solar_open, minimax_m2, stablelm, nemotron), layers without RoPE (smollm3), q / k norms (qwen3, olmo2,
 # cohere, persimmon, hunyuan_v1_dense, apertus, exaone4, nanochat, olmoe, flex_olmo, hunyuan_v1_moe, glm4_moe, dots1,
 # minimax_m2, hy_v3), clipped q / k / v (dbrx), norms inside or after the sublayers (glm4, bitnet, exaone4,
 # flex_olmo, hyperclovax), LayerNorm for RMSNorm (olmo, phi, cohere, starcoder2, gpt_neox, persimmon, phimoe, jais2,
-# dbrx), attention and MLP in parallel (phi, cohere, gpt_neox), a fused QKV projection (gpt_neox, persimmon, phi3,
-# dbrx), other MLP activations (arcee's and jais2's squared ReLU, apertus' xIELU), routed experts for the MLP
+# dbrx, stablelm, nemotron), attention and MLP in parallel (phi, cohere, gpt_neox), a fused QKV projection (gpt_neox, persimmon, phi3,
+# dbrx), other MLP activations (arcee's, jais2's and nemotron's squared ReLU, apertus' xIELU), routed experts for the MLP
 # (mixtral, qwen2_moe, qwen3_moe, granitemoe, olmoe, flex_olmo, phimoe, dbrx, minimax_m2; beside shared experts in
 # qwen2_moe, granitemoeshared, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open, hy_v3, aria_text; after
 # dense first layers in ernie4_5_moe, glm4_moe and hy_v3): a token's experts follow from its own hidden state, so a
@@ -59,11 +60,11 @@ from sbd_kernels.model import check_decode_pass, decode_positions
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi", "phi3",
                          "cohere", "glm", "glm4", "smollm3", "starcoder2", "gpt_neox", "persimmon", "helium",
                          "ernie4_5", "arcee", "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "exaone4",
-                         "nanochat", "internlm3", "iquestcoder", "hyperclovax", "jais2", "ministral3", "mixtral",
-                         "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "olmoe", "flex_olmo", "phimoe",
-                         "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open", "dbrx", "minimax_m2",
-                         "hy_v3", "aria_text", "gemma3_text", "olmo3", "cohere2", "ministral", "cwm", "exaone_moe",
-                         "afmoe", "mellum", "laguna", "kolibri1", "beam")
+                         "nanochat", "internlm3", "iquestcoder", "hyperclovax", "jais2", "ministral3", "stablelm",
+                         "nemotron", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "olmoe",
+                         "flex_olmo", "phimoe", "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open",
+                         "dbrx", "minimax_m2", "hy_v3", "aria_text", "gemma3_text", "olmo3", "cohere2", "ministral",
+                         "cwm", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam")
 # Families whose attention layers read config.sliding_window only where config.layer_types says
 # "sliding_attention" (and whose masks HF builds by layer type), read in their modeling code: for them the layer
 # types alone say whether a window applies. dots.llm1 configs keep the default window of 4096 with every layer typed
@@ -411,11 +412,12 @@ class SbdCausalLM(nn.Module):
         if attention_op is None:
             attention_op = torch.ops.sbd.block_attention_with_kvcache
         positions = decode_positions(cache.seqlens, num_causal, tokens.shape[1] - block_size, block_size)
-        with cache.decode_pass():
+        sbd_pass = SbdPass(cache, num_causal, block_size, attention_op)
+        with cache.decode_pass(), active_pass(self.config, sbd_pass):
             out = self.hf_model(input_ids=tokens, position_ids=positions, attention_mask=SBD_PASS_MASK,
                                 past_key_values=cache, use_cache=True,
                                 logits_to_keep=_last_rows(tokens.shape[1], keep_last, tokens.device),
-                                sbd_pass=SbdPass(cache, num_causal, block_size, attention_op))
+                                sbd_pass=sbd_pass)
         cache.advance(num_causal)
         # In the model's dtype: `sbd.entropy_sample` reads bf16 / fp16 logits and computes in fp32, and an fp32
         # copy of [B, K, V] logits cost 8% of a batch-16 decode of a small model here.
