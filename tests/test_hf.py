@@ -606,22 +606,50 @@ def test_layers_that_drop_their_kwargs_take_the_pass_from_the_config(family, mon
     config, which every attention module shares. Without that record (switched off here) the first layer names the
     cause; the record is gone after a pass, also one that failed, and a plain forward given the pass's mask is
     refused."""
-    from sbd_kernels.hf.attention import ACTIVE_PASS_ATTRIBUTE, SBD_PASS_MASK
+    from sbd_kernels.hf.attention import SBD_PASS_MASK, current_pass
 
     model = tiny_model(family).to(DEVICE)
     sbd_model = hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
     prompt = torch.tensor([[3, 4, 5, 6, 7]], device=DEVICE)
     hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=8, method="sbd")
-    assert not hasattr(model.config, ACTIVE_PASS_ATTRIBUTE)
+    assert current_pass(model.config) is None
     with pytest.raises(RuntimeError, match="num_causal must be in"):                 # raised inside the pass
         sbd_model.decode_pass(prompt, torch.tensor([9], dtype=torch.int32, device=DEVICE), 0,
                               sbd_model.new_cache(1, 16))
-    assert not hasattr(model.config, ACTIVE_PASS_ATTRIBUTE)
+    assert current_pass(model.config) is None
     with pytest.raises(RuntimeError, match="got a decode pass's mask outside a decode pass"):
         model(input_ids=prompt, attention_mask=SBD_PASS_MASK)
     monkeypatch.setattr(hf.model, "active_pass", lambda config, sbd_pass: contextlib.nullcontext())
     with pytest.raises(RuntimeError, match="layer 0 of .*Attention got a decode pass's mask outside a decode pass"):
         hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=8, method="sbd")
+
+
+@pytest.mark.parametrize("family", ["llama", "stablelm"])
+def test_threads_decoding_with_one_model_each_use_their_own_pass(family):
+    """Guards against the decode pass recorded for layers that drop their kwargs being shared between threads: with
+    the record on the config itself, threads decoding with one model overwrote and removed each other's (an
+    AttributeError in every family; a wrong cache read for StableLM). Four threads, three decodes each, give the
+    tokens of the same decodes run one after another."""
+    import threading
+
+    model = tiny_model(family).to(DEVICE)
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    prompts = [torch.tensor([[3 + i, 4, 5, 6, 7 + i]], device=DEVICE) for i in range(4)]
+
+    def decode(prompt):
+        return hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=16, method="sbd").sequences
+
+    expected = [decode(prompt) for prompt in prompts]
+    results: dict[int, list] = {i: [] for i in range(4)}
+    threads = [threading.Thread(target=lambda i=i: results[i].extend(decode(prompts[i]) for _ in range(3)))
+               for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i in range(4):
+        assert len(results[i]) == 3, f"thread {i} failed (its exception is printed above)"
+        assert all(torch.equal(tokens, expected[i]) for tokens in results[i]), f"thread {i}: other tokens"
 
 
 @pytest.mark.parametrize("name,value", [("softcap", 50.0), ("s_aux", torch.zeros(4))], ids=["softcap", "s_aux"])

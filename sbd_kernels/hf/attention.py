@@ -3,8 +3,9 @@
 A model prepared by `sbd_kernels.hf.enable_sbd` runs every attention layer through `sbd_attention`:
 
 - inside an SBD decode pass (`SbdCausalLM.decode_pass` passes `sbd_pass=SbdPass(...)` down through the model's
-  kwargs, and records it on the config for decoder layers that drop their kwargs: `active_pass`), it calls `sbd.block_attention_with_kvcache` on the layer's slice of the `SbdCache`: causal rows are
-  appended to the cache, the block is never cached, and the mask is the op's row layout (no mask tensor);
+  kwargs, and records it for decoder layers that drop their kwargs: `active_pass`), it calls
+  `sbd.block_attention_with_kvcache` on the layer's slice of the `SbdCache`: causal rows are appended to the cache,
+  the block is never cached, and the mask is the op's row layout (no mask tensor);
 - in every other call (training, HF `generate`, a plain forward) it runs the attention implementation the model
   had before (`config.sbd_base_attn_implementation`: "sdpa", "eager" or "flex_attention"), with the mask HF or the
   SBD data collator built for that implementation. The mask function of "sbd" likewise delegates to the base
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -54,20 +56,34 @@ class SbdPass:
     attention_op: Callable
 
 
-# The config attribute holding the pass while `active_pass` runs: the attention modules of every family share the
+# The passes in flight, per thread, by the id of the model's config: the attention modules of every family share the
 # model's config, also those whose decoder layers call attention without their keyword arguments (StableLM,
-# Nemotron), where `sbd_pass` never arrives.
-ACTIVE_PASS_ATTRIBUTE = "_sbd_active_pass"
+# Nemotron), where `sbd_pass` never arrives. Per thread, so that threads decoding with one model each find their own
+# pass (a record on the config itself was overwritten and removed by the other threads' passes).
+_ACTIVE_PASSES = threading.local()
+
+
+def _thread_passes() -> dict[int, SbdPass]:
+    if not hasattr(_ACTIVE_PASSES, "by_config"):
+        _ACTIVE_PASSES.by_config = {}
+    return _ACTIVE_PASSES.by_config
+
+
+def current_pass(config: Any) -> SbdPass | None:
+    """The decode pass this thread is running on the model of `config` (`active_pass`), or None."""
+    return _thread_passes().get(id(config))
 
 
 @contextlib.contextmanager
 def active_pass(config: Any, sbd_pass: SbdPass) -> Iterator[None]:
-    """Records `sbd_pass` on `config` for the duration of one decode pass (removed after, also on an error)."""
-    setattr(config, ACTIVE_PASS_ATTRIBUTE, sbd_pass)
+    """Records `sbd_pass` as this thread's pass on the model of `config` for the duration of one decode pass
+    (removed after, also on an error)."""
+    passes = _thread_passes()
+    passes[id(config)] = sbd_pass
     try:
         yield
     finally:
-        delattr(config, ACTIVE_PASS_ATTRIBUTE)
+        del passes[id(config)]
 
 
 def base_implementation(config: Any) -> str:
@@ -158,7 +174,7 @@ def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if sbd_pass is None and attention_mask is SBD_PASS_MASK:
-        sbd_pass = getattr(module.config, ACTIVE_PASS_ATTRIBUTE, None)   # layers that drop their kwargs
+        sbd_pass = current_pass(module.config)                          # layers that drop their kwargs
         if sbd_pass is None:
             raise RuntimeError(
                 f"sbd attention: layer {getattr(module, 'layer_idx', '?')} of {type(module).__name__} got a decode "

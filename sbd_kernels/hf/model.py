@@ -37,26 +37,29 @@ from sbd_kernels.model import check_decode_pass, decode_positions
 
 # Decoder-only families whose attention layers call transformers' AttentionInterface with RoPE applied before
 # attention and no other position or mask input. The decode pass travels in the decoder layers' keyword arguments,
-# and on the config for StableLM and Nemotron, whose layers call attention without them (`active_pass`). Each is
-# checked by tests/test_hf.py on a tiny config: HF greedy tokens, cached SBD passes against a recompute, the
-# training masks of every base implementation. What sets them apart from Llama happens before or after the
-# attention call, in the model's own code: embedding, residual and logit multipliers (gemma, granite, cohere,
-# hyperclovax), logit soft-capping (nanochat), query scaling that grows with the position (ministral3, from the
-# position ids a pass carries), rotary embeddings on part of the head or interleaved (phi, glm, glm4, cohere,
-# gpt_neox, persimmon, glm4_moe, solar_open, minimax_m2, stablelm, nemotron), layers without RoPE (smollm3), q / k norms (qwen3, olmo2,
+# and, for StableLM and Nemotron, whose layers call attention without them, as this thread's pass of the model's
+# config (`active_pass`). Each is
+# checked by tests/test_hf.py on a tiny config: HF greedy tokens, cached SBD passes against a recompute, the training
+# masks of every base implementation. What sets them apart from Llama happens before or after the attention call, in
+# the model's own code: embedding, residual and logit multipliers (gemma, granite, cohere, hyperclovax), logit
+# soft-capping (nanochat), query scaling that grows with the position (ministral3, from the position ids a pass
+# carries), rotary embeddings on part of the head or interleaved (phi, glm, glm4, cohere, gpt_neox, persimmon,
+# glm4_moe, solar_open, minimax_m2, stablelm, nemotron), layers without RoPE (smollm3), q / k norms (qwen3, olmo2,
 # cohere, persimmon, hunyuan_v1_dense, apertus, exaone4, nanochat, olmoe, flex_olmo, hunyuan_v1_moe, glm4_moe, dots1,
 # minimax_m2, hy_v3), clipped q / k / v (dbrx), norms inside or after the sublayers (glm4, bitnet, exaone4,
 # flex_olmo, hyperclovax), LayerNorm for RMSNorm (olmo, phi, cohere, starcoder2, gpt_neox, persimmon, phimoe, jais2,
-# dbrx, stablelm, nemotron), attention and MLP in parallel (phi, cohere, gpt_neox), a fused QKV projection (gpt_neox, persimmon, phi3,
-# dbrx), other MLP activations (arcee's, jais2's and nemotron's squared ReLU, apertus' xIELU), routed experts for the MLP
-# (mixtral, qwen2_moe, qwen3_moe, granitemoe, olmoe, flex_olmo, phimoe, dbrx, minimax_m2; beside shared experts in
-# qwen2_moe, granitemoeshared, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open, hy_v3, aria_text; after
-# dense first layers in ernie4_5_moe, glm4_moe and hy_v3): a token's experts follow from its own hidden state, so a
-# cached pass routes as a recompute does. internlm3 and iquestcoder are Llama under their own names.
-# Families with sliding-window layers (gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum, laguna,
-# kolibri1, beam; mistral, phi3, starcoder2, qwen2 and others when configured with one) decode and train within the
-# window (`attention_window`); their full layers may differ as well (cohere2's and kolibri1's take no RoPE, gemma3's
-# another RoPE base), output gates follow attention (afmoe, laguna, beam), and most of them route experts.
+# dbrx, stablelm, nemotron), attention and MLP in parallel (phi, cohere, gpt_neox), a fused QKV projection (gpt_neox,
+# persimmon, phi3, dbrx), other MLP activations (arcee's, jais2's and nemotron's squared ReLU, apertus' xIELU),
+# routed experts for the MLP (mixtral, qwen2_moe, qwen3_moe, granitemoe, olmoe, flex_olmo, phimoe, dbrx, minimax_m2;
+# beside shared experts in qwen2_moe, granitemoeshared, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open,
+# hy_v3, aria_text; after dense first layers in ernie4_5_moe, glm4_moe and hy_v3): a token's experts follow from its
+# own hidden state, so a cached pass routes as a recompute does. internlm3 and iquestcoder are Llama under their own
+# names.
+# Families with sliding-window layers (gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum,
+# laguna, kolibri1, beam; mistral, phi3, starcoder2, qwen2 and others when configured with one) decode and train
+# within the window (`attention_window`); their full layers may differ as well (cohere2's and kolibri1's take no
+# RoPE, gemma3's another RoPE base), output gates follow attention (afmoe, laguna, beam), and most of them route
+# experts.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi", "phi3",
                          "cohere", "glm", "glm4", "smollm3", "starcoder2", "gpt_neox", "persimmon", "helium",
                          "ernie4_5", "arcee", "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "exaone4",
