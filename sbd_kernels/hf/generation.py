@@ -128,7 +128,8 @@ def _decode_batch(sbd_model: SbdCausalLM, input_ids: Tensor, attention_mask: Ten
     cfg = DecodeConfig(block_size=block_size, **settings)
     prompts = prompts_from_batch(input_ids, attention_mask)
     # Refused before any pass, in the caller's terms; decode_pass refuses it too, at the first pass past the window.
-    longest, block = max(map(len, prompts)), cfg.block_size if cfg.method == "sbd" else 0
+    longest = max(map(len, prompts))
+    block = cfg.block_size if cfg.method == "sbd" else 0
     check_within_window(sbd_model.config, caller, longest + cfg.max_new_tokens + block,
                         f"the longest prompt's {longest} tokens, max_new_tokens {cfg.max_new_tokens} and a block of "
                         f"{block}")

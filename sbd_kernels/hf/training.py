@@ -253,10 +253,10 @@ class SbdDataCollator:
             raise ValueError("SbdDataCollator: empty batch")
         rows, row_targets = zip(*(self._example(i, ex) for i, ex in enumerate(examples)))
         lengths = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
+        longest = int(lengths.max())
         # Both halves of an example take positions 0..m-1, and its rows attend only within it.
-        check_within_window(self.model_config, "SbdDataCollator", int(lengths.max()),
-                            f"the longest example's {int(lengths.max())} tokens")
-        n = -(-int(lengths.max()) // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        check_within_window(self.model_config, "SbdDataCollator", longest, f"the longest example's {longest} tokens")
+        n = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         tokens = torch.full((len(rows), n), self.pad_token_id, dtype=torch.int64)
         targets = torch.zeros(len(rows), n, dtype=torch.bool)
         for i, (row, target) in enumerate(zip(rows, row_targets)):
