@@ -41,7 +41,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny_config(family: str, attn: str = "sdpa", **overrides):
     """A 2-layer GQA config of `family` (head dim 8, 4 query heads, 2 KV heads; 4 for GPT-NeoX and Persimmon),
-    no sliding window. head_dim is set for every family: gemma and glm default to 256 and 128 whatever the hidden
+    no sliding window but a window of WINDOW in WINDOWED_FAMILIES. head_dim is set for every family: gemma and glm default to 256 and 128 whatever the hidden
     size. The family's own departures from Llama that its real checkpoints use are switched on."""
     common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256,
