@@ -272,7 +272,9 @@ class SbdMaskMod:
     n: tokens per half of `[clean ; noisy]` (an int). block_size: the block size k, an int or a 0-d integer
     tensor. lengths: `[B]` real tokens of each right-padded sequence, or None (no padding). Allowed:
     `sbd_mask_allows(q, kv, n, k)` and, with lengths, kv a real token of sequence b (kv mod n < lengths[b]);
-    padded query rows keep position 0 of their half, so no row is empty.
+    padded query rows keep position 0 of their half, so no row is empty. window: W, an int or a 0-d integer tensor,
+    or None: a real query row at position p = q mod n attends only to keys at positions kv mod n > p - W (a
+    sliding-window layer's mask; every real row keeps its own position, padded rows are left unbounded).
 
     The mask_mod reads n and k as 0-d tensors (`n_tensor`, `block_size`, made on the device of `lengths` when
     given as ints), none as a Python int: a compiled FlexAttention kernel reads tensors anew at each call but may
@@ -289,6 +291,7 @@ class SbdMaskMod:
     block_size: int | Tensor
     lengths: Tensor | None = None
     n_tensor: Tensor | None = dataclasses.field(default=None, repr=False)
+    window: int | Tensor | None = None
 
     def __post_init__(self) -> None:
         device = self.lengths.device if self.lengths is not None else (
@@ -301,20 +304,27 @@ class SbdMaskMod:
             object.__setattr__(self, "block_size", torch.tensor(self.block_size, dtype=torch.int64, device=device))
         if self.n_tensor is None:
             object.__setattr__(self, "n_tensor", torch.tensor(self.n, dtype=torch.int64, device=device))
+        if self.window is not None and not isinstance(self.window, Tensor):
+            object.__setattr__(self, "window", torch.tensor(self.window, dtype=torch.int64, device=device))
 
     def __call__(self, b: Tensor, h: Any, q: Tensor, kv: Tensor) -> Tensor:
         allowed = sbd_mask_allows(q, kv, self.n_tensor, self.block_size)
+        if self.window is not None:
+            q_pos = q % self.n_tensor
+            near = q_pos - kv % self.n_tensor < self.window
+            allowed = allowed & (near if self.lengths is None else near | (q_pos >= self.lengths[b]))
         if self.lengths is None:
             return allowed
         return allowed & (kv % self.n_tensor < self.lengths[b])
 
     def tensors(self) -> list[Tensor]:
-        return [t for t in (self.n_tensor, self.block_size, self.lengths) if t is not None]
+        return [t for t in (self.n_tensor, self.block_size, self.lengths, self.window) if t is not None]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SbdMaskMod:
         move = functools.partial(Tensor.to, device=device, non_blocking=non_blocking)
         return dataclasses.replace(self, n_tensor=move(self.n_tensor), block_size=move(self.block_size),
-                                   lengths=None if self.lengths is None else move(self.lengths))
+                                   lengths=None if self.lengths is None else move(self.lengths),
+                                   window=None if self.window is None else move(self.window))
 
     def dense(self) -> Tensor:
         """`[B or 1, 2n, 2n]` bool (True = q may attend kv), evaluated cell by cell on the device of the mask."""

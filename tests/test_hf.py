@@ -304,7 +304,7 @@ def test_readme_states_the_number_of_supported_families():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert len(set(hf.SUPPORTED_MODEL_TYPES)) == len(hf.SUPPORTED_MODEL_TYPES)
     # A misspelt name there would leave its family bounded by a window that none of its full layers applies.
-    assert set(hf.model.LAYER_TYPED_WINDOW_MODEL_TYPES) <= set(hf.SUPPORTED_MODEL_TYPES)
+    assert set(hf.window.LAYER_TYPED_WINDOW_MODEL_TYPES) <= set(hf.SUPPORTED_MODEL_TYPES)
     assert f"`hf.SUPPORTED_MODEL_TYPES`, {len(hf.SUPPORTED_MODEL_TYPES)} families" in readme
 
 def test_enable_refuses_attention_implementations_that_cannot_take_the_mask():
@@ -520,7 +520,105 @@ def test_attention_window_is_the_window_some_layer_applies(family, overrides, wi
     """Guards against a window read where no layer applies it (Qwen2 below max_window_layers, Qwen2-MoE's 0,
     dots.llm1's default 4096 or a Gemma 3 config with every layer full: needless refusals) or missed where one does
     (a family that passes its window to every layer, whatever the layer types)."""
-    assert hf.model.attention_window(tiny_config(family, **overrides)) == window
+    assert hf.window.attention_window(tiny_config(family, **overrides)) == window
+
+
+def windowed_oracle(case, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, k_cache, v_cache) of a windowed layer's pass, literally: per sequence the op oracle's keys and mask
+    (`naive._decode_mask`), keys at positions <= p - W dropped from the row at position p, `naive._attend`; then
+    the causal rows appended. On copies of the caches."""
+    from sbd_kernels.ops.attention import naive
+    from sbd_kernels.ops.attention._checks import check_block_attention_args
+
+    dims = check_block_attention_args(*case.args())
+    scale = dims.head_dim ** -0.5 if case.softmax_scale is None else case.softmax_scale
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    out = torch.zeros(case.q.shape, dtype=torch.float32)
+    c_slots = dims.num_causal_slots
+    for b, (length, causal) in enumerate(zip(case.cache_seqlens.tolist(), case.num_causal.tolist())):
+        keys = torch.cat([k_cache[b, :length], case.k[b, :causal], case.k[b, c_slots:]]).float()
+        values = torch.cat([v_cache[b, :length], case.v[b, :causal], case.v[b, c_slots:]]).float()
+        query_pos = torch.tensor([length + i for i in range(c_slots)] + [length + causal + j
+                                                                           for j in range(dims.block_size)])
+        key_pos = torch.arange(length + causal + dims.block_size)
+        mask = naive._decode_mask(length, causal, dims, "cpu") & (query_pos[:, None] - key_pos[None] < window)
+        out[b] = naive._attend(case.q[b].float(), keys, values, mask, scale)[0]
+        k_cache[b, length:length + causal] = case.k[b, :causal]
+        v_cache[b, length:length + causal] = case.v[b, :causal]
+    return out.to(case.q.dtype), k_cache, v_cache
+
+
+def assert_same_cache(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """Equal element for element, NaN where expected is NaN (slots no call may write keep their poison)."""
+    assert torch.equal(actual.isnan(), expected.isnan()), f"{name}: NaN slots differ"
+    assert torch.equal(actual.nan_to_num(), expected.nan_to_num()), f"{name}: values differ"
+
+
+WINDOW_CASES = {                          # make_case's shapes; L_b of the 3 sequences: L, L - 37 mod, ...
+    "base": {},
+    "window-1": {"window": 1},
+    "window-2": {"window": 2},
+    "window-past-the-pass": {"window": 60},
+    "empty-cache": {"L": 0},
+    "one-slot": {"L": 1},
+    "no-causal-slots": {"C": 0},
+    "no-block": {"K": 0},
+    "one-row": {"C": 1, "K": 0},
+    "mha": {"Hq": 4, "Hkv": 4},
+    "gqa-8": {"Hq": 8, "Hkv": 1},
+    "fp16": {"dtype": torch.float16},
+    "bf16": {"dtype": torch.bfloat16},
+    "non-contiguous": {"contiguous": False},
+    "scale": {"softmax_scale": 0.3},
+}
+
+
+@pytest.mark.parametrize("overrides", WINDOW_CASES.values(), ids=WINDOW_CASES.keys())
+def test_windowed_attention_equals_the_literal_windowed_oracle(overrides):
+    """Guards against a windowed layer's pass past its window attending to a key W or more positions back, or
+    missing one within: `windowed_block_attention` against the op oracle's mask with the window cut out of it, over
+    ragged lengths (sequences with the full C causal rows, none, and half), W from 1 past the whole pass, every
+    dtype, GQA and strided inputs. Cache slots past L_b and padding rows of q and v are NaN (read, they would show),
+    padding rows of k 7777 (written to the cache, they would show), and the caches after the call equal the
+    oracle's: the causal rows appended, nothing else written."""
+    from attention_cases import make_case
+
+    from sbd_kernels.hf.window import windowed_block_attention
+
+    shape = {"B": 3, "C": 4, "K": 3, "L": 37, "Hq": 4, "Hkv": 2, "D": 16, "dtype": torch.float32}
+    shape.update({name: value for name, value in overrides.items() if name != "window"})
+    window = overrides.get("window", 9)
+    torch.manual_seed(0)
+    case = make_case(**shape)
+    for b, causal in enumerate(case.num_causal.tolist()):          # padding rows: never read, never written
+        for t, poison in ((case.q, float("nan")), (case.k, 7777.0), (case.v, float("nan"))):
+            t[b, causal:shape["C"]] = poison
+    expected, k_expected, v_expected = windowed_oracle(case, window)
+    case = case.to(DEVICE)
+    out = windowed_block_attention(case.q, case.k, case.v, case.k_cache, case.v_cache, case.cache_seqlens,
+                                   case.num_causal, case.block_size, window, case.softmax_scale)
+    assert out.dtype == case.q.dtype
+    assert_close(out.cpu(), expected, shape["dtype"], name="windowed out")
+    assert_same_cache(case.k_cache.cpu(), k_expected, "k_cache")
+    assert_same_cache(case.v_cache.cpu(), v_expected, "v_cache")
+
+
+def test_windowed_attention_refuses_what_the_op_refuses():
+    """Guards against the windowed path skipping the op's checks: an overflowing cache and a wrong layout are
+    refused in the op's words, and so is a window below 1."""
+    from attention_cases import make_case
+
+    from sbd_kernels.hf.window import windowed_block_attention
+
+    case = make_case(B=2, C=2, K=2, L=5, Hq=2, Hkv=1, D=8, dtype=torch.float32)
+    args = (case.q, case.k, case.v, case.k_cache, case.v_cache)
+    full = torch.full((2,), case.k_cache.shape[1] - 1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="cache_seqlens \\+ num_causal exceeds the cache capacity"):
+        windowed_block_attention(*args, full, case.num_causal.clamp(min=2), 2, 4)
+    with pytest.raises(RuntimeError, match="Hugging Face attention passes \\[B, H, S, D\\]"):
+        windowed_block_attention(case.q.transpose(1, 2), *args[1:], case.cache_seqlens, case.num_causal, 2, 4)
+    with pytest.raises(ValueError, match="window must be an int >= 1, got 0"):
+        windowed_block_attention(*args, case.cache_seqlens, case.num_causal, 2, 0)
 
 
 @pytest.mark.parametrize("family,overrides", [
@@ -530,17 +628,19 @@ def test_attention_window_is_the_window_some_layer_applies(family, overrides, wi
     ("gemma3_text", {}),
     ("cohere2", {}),
 ], ids=["mistral", "qwen2-sliding-layer", "exaone4-hybrid", "gemma3_text", "cohere2"])
-def test_windowed_layers_decode_exactly_up_to_the_window_and_refuse_past_it(family, overrides):
-    """Guards against an off-by-one at the window: HF's windowed layer lets index q attend to q - W < kv <= q (its
-    eager attention weights: row W - 1 still weighs key 0, row W gives it exactly 0), so a pass spanning W
-    positions attends as full attention and one spanning W + 1 does not. A prompt of W tokens decoded through the
-    op gives HF's own windowed logits; a cache of W + 1 slots, or of W slots and a block, is refused. The weights
-    come from HF's own initialisation (std 0.02: near-uniform attention; at std 1 some weights underflow to 0)."""
-    tokens = torch.randint(3, MASK_ID, (1, WINDOW + 1), generator=torch.Generator().manual_seed(0))
+def test_windowed_layers_give_hf_windowed_logits_up_to_and_past_the_window(family, overrides):
+    """Guards against an off-by-one at the window, and against a windowed layer attending past it: HF's windowed
+    layer lets index q attend to q - W < kv <= q (its eager attention weights: row W - 1 still weighs key 0, row W
+    gives it exactly 0). Cached passes give HF's own windowed logits (HF builds the windowed masks from its config)
+    for a prompt of W tokens (the op computes every layer), of W + 6 (windowed layers take the windowed path), and
+    for a token decoded after W + 6 cached ones; so does `SbdCausalLM.forward` given a causal mask over W + 7
+    tokens (the window added for the windowed layers). The weights come from HF's own initialisation for the
+    boundary (std 0.02: near-uniform attention; at std 1 some weights underflow to 0)."""
+    tokens = torch.randint(3, MASK_ID, (1, WINDOW + 7), generator=torch.Generator().manual_seed(0))
     hf_init = transformers.AutoModelForCausalLM.from_config(tiny_config(family, "eager", sliding_window=WINDOW,
                                                                          **overrides))
     with torch.no_grad():
-        weights = hf_init(input_ids=tokens, output_attentions=True).attentions        # per layer [1, H, T, T]
+        weights = hf_init(input_ids=tokens[:, :WINDOW + 1], output_attentions=True).attentions   # [1, H, T, T]
     assert all((layer[0, :, WINDOW - 1, 0] > 0).all() for layer in weights)
     assert any((layer[0, :, WINDOW, 0] == 0).all() for layer in weights)           # a windowed layer bites
 
@@ -548,55 +648,128 @@ def test_windowed_layers_decode_exactly_up_to_the_window_and_refuse_past_it(fami
     sbd_model = hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
     tokens = tokens.to(DEVICE)
     with torch.no_grad():
-        cached = sbd_model.decode_pass(tokens[:, :WINDOW], torch.tensor([WINDOW], dtype=torch.int32, device=DEVICE),
-                                       0, sbd_model.new_cache(1, WINDOW))
-        windowed = model(input_ids=tokens[:, :WINDOW]).logits                       # HF builds the windowed mask
-    assert_logits_close(cached.float(), windowed.float(), "cached pass of W tokens")
-    with pytest.raises(ValueError, match=f"span {WINDOW + 1} positions, past the model's sliding window of {WINDOW}"):
-        sbd_model.decode_pass(tokens, torch.tensor([WINDOW + 1], dtype=torch.int32, device=DEVICE), 0,
-                              sbd_model.new_cache(1, WINDOW + 1))
-    with pytest.raises(ValueError, match=f"the cache's {WINDOW} slots and the block of 4 span {WINDOW + 4}"):
-        sbd_model.decode_pass(tokens[:, :4], torch.zeros(1, dtype=torch.int32, device=DEVICE), 4,
-                              sbd_model.new_cache(1, WINDOW))
-    prompt = tokens[:, :8]
-    hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=WINDOW - 8 - 4, method="sbd")
-    with pytest.raises(ValueError, match=r"generate: the longest prompt's 8 tokens, max_new_tokens 13 and a block of "
-                                         f"4 span {WINDOW + 1} positions"):
-        hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=WINDOW - 8 - 3, method="sbd")
+        expected = model(input_ids=tokens).logits.float()                           # HF builds the windowed masks
+        for length in (WINDOW, WINDOW + 6):
+            cached = sbd_model.decode_pass(tokens[:, :length], torch.tensor([length], dtype=torch.int32,
+                                                                             device=DEVICE), 0,
+                                           sbd_model.new_cache(1, length))
+            assert_logits_close(cached.float(), expected[:, :length], f"cached pass of {length} tokens")
+        cache = sbd_model.new_cache(1, WINDOW + 8)
+        one = torch.ones(1, dtype=torch.int32, device=DEVICE)
+        sbd_model.decode_pass(tokens[:, :WINDOW + 6], one * (WINDOW + 6), 0, cache)
+        step = sbd_model.decode_pass(tokens[:, WINDOW + 6:], one, 0, cache)
+        assert_logits_close(step.float(), expected[:, WINDOW + 6:], "a token decoded after W + 6 cached ones")
+        causal = torch.ones(1, WINDOW + 7, WINDOW + 7, dtype=torch.bool, device=DEVICE).tril()
+        positions = torch.arange(WINDOW + 7, device=DEVICE)[None]
+        assert_logits_close(sbd_model(tokens, positions, causal), expected, "forward with a causal mask")
 
 
-def test_windowed_training_refuses_examples_and_positions_past_the_window():
-    """Guards against training a windowed model with full attention over more positions than its window (the
-    SBD training mask and a mask given to SbdCausalLM.forward replace HF's windowed one): an example of W tokens
-    is taken, W + 1 refused, and so are positions spanning W + 1."""
-    model = tiny_model("mistral", sliding_window=WINDOW)
+WINDOWED_DECODES = [(family, {}) for family in WINDOWED_FAMILIES] + [
+    ("mistral", {}), ("phi3", {}), ("starcoder2", {}), ("qwen3_moe", {}),
+    ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}),
+    ("qwen2_moe", {"use_sliding_window": True, "max_window_layers": 2}),
+    ("exaone4", {"layer_types": ["sliding_attention", "full_attention"]})]
+
+
+@pytest.mark.parametrize("family,overrides", WINDOWED_DECODES, ids=[f for f, _ in WINDOWED_DECODES])
+def test_decodes_past_the_window_equal_hf_greedy_and_the_recompute(family, overrides):
+    """Guards against a windowed family decoding past its window (W = 6 here; prompts of 3 to 7 tokens and 12 new
+    ones) with another window than HF's, or with a cache that disagrees with a recompute: NTP tokens equal HF's
+    greedy generate on a left-padded batch, and hf.check's cached NTP and SBD decodes (block rows past the window
+    too) equal the full recompute, logits within the fp32 bound."""
+    model = tiny_model(family, sliding_window=6, **overrides).to(DEVICE)
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    input_ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9], [8, 9, 10, 11, 12, 13, 14], [0, 0, 0, 0, 13, 14, 15]],
+                             device=DEVICE)
+    attention_mask = (input_ids != 0).long()
+    expected = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False)
+    ours = hf.generate(model, input_ids, attention_mask, max_new_tokens=12, method="ntp")
+    assert ours.sequences.tolist() == expected.tolist()
+    report = hf.check(model, [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [12, 13, 14, 15]], max_new_tokens=12)
+    assert report.passed, report.summary("tiny")
+    assert report.max_logit_error < MAX_FP32_LOGIT_ERROR[torch.device(DEVICE).type]
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", "flex_attention"])
+def test_windowed_training_mask_cuts_the_keys_past_the_window(implementation):
+    """Guards against a windowed layer's training mask keeping a key W or more positions behind a real row (or
+    cutting one within), in any base's form, and against a padded row left with no key (NaN under sdpa, and NaN
+    gradients through it): it is the unwindowed mask with those keys cut from the real rows, positions being the
+    index within each half."""
+    lengths, n, k, window = torch.tensor([5, 8]), 8, 3, 3
+    full = hf.sbd_training_mask(lengths, n, k, "sdpa")[:, 0]                             # [B, 2n, 2n]
+    position = torch.arange(2 * n) % n
+    near = position[:, None] - position[None, :] < window
+    real_row = position[None, :, None] < lengths[:, None, None]
+    expected = full & (near | ~real_row)
+    mask = hf.sbd_training_mask(lengths, n, k, implementation, window=window)
+    if implementation == "flex_attention":
+        q, kv = torch.arange(2 * n)[:, None], torch.arange(2 * n)[None, :]
+        actual = torch.stack([mask.mask_mod(torch.tensor(b), 0, q, kv) for b in range(2)])
+    else:
+        actual = mask[:, 0] if implementation == "sdpa" else mask[:, 0] == 0
+    assert torch.equal(actual, expected)
+    assert not torch.equal(expected, full) and expected.any(dim=-1).all()
+    with pytest.raises(ValueError, match="window must be None or >= 1, got 0"):
+        hf.sbd_training_mask(lengths, n, k, implementation, window=0)
+
+
+@pytest.mark.parametrize("family,overrides,attn", [
+    ("mistral", {}, "sdpa"), ("gemma3_text", {}, "sdpa"), ("gemma3_text", {}, "eager"),
+    ("gemma3_text", {}, "flex_attention"), ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}, "sdpa")],
+    ids=["mistral", "gemma3_text", "gemma3_text-eager", "gemma3_text-flex", "qwen2-sliding-layer"])
+def test_training_past_the_window_sees_what_hf_and_the_decode_see(family, overrides, attn):
+    """Guards against training and decoding a windowed model (W = 6, an example of 16 tokens) under different
+    windows: the clean half of a collated batch gives HF's own windowed logits of the example, and the rows of
+    the noisy half's blocks starting at 8 and 12 give the block logits of a decode pass over the same cache (the
+    clean tokens before the block) and the same masked block. A mask without the window moves both by O(1)."""
+    model = tiny_model(family, attn, sliding_window=6, **overrides)
     sbd_model = hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
-    collator = hf.SbdDataCollator(model.config)
-    collator([{"input_ids": list(range(3, 3 + WINDOW))}])
-    with pytest.raises(ValueError, match=f"SbdDataCollator: the longest example's {WINDOW + 1} tokens span"):
-        collator([{"input_ids": [5, 6]}, {"input_ids": [4] * (WINDOW + 1)}])
+    collator = hf.SbdDataCollator(model.config, block_min=4, block_max=4)
+    example = list(range(3, 19))
+    batch = collator([{"input_ids": example}])
+    clean, noisy = batch["input_ids"][:, :16], batch["input_ids"][:, 16:]
+    with torch.no_grad():
+        logits = model(**batch).logits.float()
+        assert_logits_close(logits[:, :16], model(input_ids=clean).logits.float(), "clean half")
+        for start in (8, 12):
+            cache = sbd_model.new_cache(1, 16)
+            sbd_model.decode_pass(clean[:, :start], torch.tensor([start], dtype=torch.int32), 0, cache)
+            block = sbd_model.decode_pass(noisy[:, start:start + 4], torch.zeros(1, dtype=torch.int32), 4, cache)
+            assert_logits_close(logits[:, 16 + start:20 + start], block.float(), f"block at {start}")
+
+
+def test_forward_refuses_a_block_mask_past_the_window():
+    """Guards against a windowed model attending past its window through a FlexAttention BlockMask given to
+    SbdCausalLM.forward, which cannot take the window's band: positions spanning W are taken, W + 1 refused."""
+    model = tiny_model("mistral", "flex_attention", sliding_window=WINDOW)
+    sbd_model = hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
     tokens = torch.full((1, WINDOW + 1), 4)
     causal = torch.ones(1, WINDOW + 1, WINDOW + 1, dtype=torch.bool).tril()
-    sbd_model(tokens[:, :WINDOW], torch.arange(WINDOW)[None], causal[:, :WINDOW, :WINDOW])
-    with pytest.raises(ValueError, match=f"positions 0 to {WINDOW} span {WINDOW + 1} positions"):
-        sbd_model(tokens, torch.arange(WINDOW + 1)[None], causal)
+    block_mask = hf.model.mask_for_implementation(causal[:, :WINDOW, :WINDOW], "flex_attention", torch.float32)
+    with torch.no_grad():
+        sbd_model(tokens[:, :WINDOW], torch.arange(WINDOW)[None], block_mask)
+    block_mask = hf.model.mask_for_implementation(causal, "flex_attention", torch.float32)
+    with pytest.raises(ValueError, match=f"a BlockMask's positions 0 to {WINDOW} span {WINDOW + 1} positions"):
+        sbd_model(tokens, torch.arange(WINDOW + 1)[None], block_mask)
 
 
-def test_decode_pass_refuses_a_sliding_window_shrunk_after_enable(monkeypatch):
-    """Guards against a config changed after enable_sbd: a Mistral layer passes config.sliding_window with every
-    attention call, and the op, which attends to the whole causal prefix, would have decoded a 4-token window
-    model with full attention, silently. decode_pass refuses from the config; past that check (switched off here),
-    the layer's own window is refused in attention."""
+def test_a_window_changed_after_enable_is_followed_or_refused():
+    """Guards against a config changed after enable_sbd decoding with a stale window. Mistral layers pass the
+    config's window with every call, as HF's masks read it: set to 4 after enable_sbd, the decode follows it and
+    equals HF's greedy generate. Qwen2 layers keep the window they were built with: one that disagrees with the
+    config is refused, naming the layer and both windows."""
     model = tiny_model("mistral").to(DEVICE)
     hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
     model.config.sliding_window = 4
     prompt = torch.tensor([[3, 4, 5, 6, 7]], device=DEVICE)
-    with pytest.raises(ValueError, match="past the model's sliding window of 4"):
-        hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=8, method="sbd")
-    monkeypatch.setattr(hf.model, "check_within_window", lambda *args: None)
-    monkeypatch.setattr(hf.generation, "check_within_window", lambda *args: None)
-    with pytest.raises(RuntimeError, match="layer 0 has a sliding window of 4, and this pass spans"):
-        hf.generate(model, prompt, torch.ones_like(prompt), max_new_tokens=8, method="sbd")
+    expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
+    assert hf.generate(model, prompt, max_new_tokens=8, method="ntp").sequences.tolist() == expected.tolist()
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1).to(DEVICE)
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    model.config.sliding_window = 4
+    with pytest.raises(RuntimeError, match="layer 1 passes sliding_window=24, but its config gives it a window of 4"):
+        hf.generate(model, prompt, max_new_tokens=8, method="ntp")
 
 
 @pytest.mark.parametrize("family", ["stablelm", "nemotron"])
@@ -1510,6 +1683,23 @@ def test_graph_safe_steps_give_the_eager_tokens_through_hf(sbd_model, method):
     assert checked.tokens == eager.tokens and torch.equal(checked.nfe, eager.nfe)
 
 
+@pytest.mark.parametrize("method", ["ntp", "sbd"])
+def test_graph_safe_steps_past_the_window_give_the_eager_tokens(method):
+    """Guards against the windowed path (a cache longer than the window) rebinding the cache or reading the host:
+    the replay wrapper's static-buffer checks pass for a Gemma 3 model with W = 6 decoding past it, and the tokens
+    equal the eager ones."""
+    from sbd_kernels.generate import EAGER_STEPS
+    from sbd_kernels.graphs import graphed_steps
+
+    sbd_model = hf.enable_sbd(tiny_model("gemma3_text", sliding_window=6).to(DEVICE), mask_token_id=MASK_ID,
+                              block_size=4)
+    cfg = DecodeConfig(method=method, block_size=4, gamma=0.5, max_new_tokens=12)
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11]]
+    checked = generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0, steps=graphed_steps(EAGER_STEPS, "check"))
+    eager = generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0)
+    assert checked.tokens == eager.tokens and torch.equal(checked.nfe, eager.nfe)
+
+
 def test_cuda_graph_needs_a_cuda_model_through_hf():
     """Guards against `cuda_graph=True` on a CPU model silently decoding eagerly, through either entry point."""
     model = tiny_model("llama")
@@ -1541,16 +1731,18 @@ def test_cuda_graph_decode_through_hf_gives_the_eager_tokens(method):
 
 
 @pytest.mark.slow
-def test_hf_decode_steps_compile_without_graph_breaks():
-    """Guards against the HF decode pass (the "sbd" attention, SbdCache, positions built from the cache lengths)
-    graph-breaking or syncing: both SBD step layouts and the NTP step under torch.compile(fullgraph=True) give the
-    eager tokens."""
+@pytest.mark.parametrize("family,overrides", [("qwen3", {}), ("gemma3_text", {"sliding_window": 6})],
+                         ids=["qwen3", "gemma3_text-past-the-window"])
+def test_hf_decode_steps_compile_without_graph_breaks(family, overrides):
+    """Guards against the HF decode pass (the "sbd" attention, SbdCache, positions built from the cache lengths,
+    and past a window the windowed path) graph-breaking or syncing: both SBD step layouts and the NTP step under
+    torch.compile(fullgraph=True) give the eager tokens."""
     import dataclasses
 
     from sbd_kernels import generate as gen
 
     torch._dynamo.reset()
-    sbd_model = hf.enable_sbd(tiny_model("qwen3"), mask_token_id=MASK_ID, block_size=4)
+    sbd_model = hf.enable_sbd(tiny_model(family, **overrides), mask_token_id=MASK_ID, block_size=4)
     steps = dataclasses.replace(gen.EAGER_STEPS, sbd_block_step=torch.compile(gen.sbd_block_step, fullgraph=True),
                                 ntp_decode_step=torch.compile(gen.ntp_decode_step, fullgraph=True))
     prompts = [[3, 4, 5], [6, 7, 8, 9]]

@@ -5,7 +5,8 @@ A model prepared by `sbd_kernels.hf.enable_sbd` runs every attention layer throu
 - inside an SBD decode pass (`SbdCausalLM.decode_pass` passes `sbd_pass=SbdPass(...)` down through the model's
   kwargs, and records it for decoder layers that drop their kwargs: `active_pass`), it calls
   `sbd.block_attention_with_kvcache` on the layer's slice of the `SbdCache`: causal rows are appended to the cache,
-  the block is never cached, and the mask is the op's row layout (no mask tensor);
+  the block is never cached, and the mask is the op's row layout (no mask tensor); a sliding-window layer in a pass
+  that spans more than its window calls `windowed_block_attention` instead (the same, keys past the window cut);
 - in every other call (training, HF `generate`, a plain forward) it runs the attention implementation the model
   had before (`config.sbd_base_attn_implementation`: "sdpa", "eager" or "flex_attention"), with the mask HF or the
   SBD data collator built for that implementation. The mask function of "sbd" likewise delegates to the base
@@ -27,13 +28,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sbd_kernels.hf.window import layer_window, windowed_block_attention
+
 ATTN_IMPLEMENTATION = "sbd"
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
 
 # Attention arguments some HF layers pass that change how scores are weighed; the op implements neither, so a decode
 # pass refuses either when set rather than decode without it (Gemma 2 passes its attn_logit_softcapping, GPT-OSS its
-# sinks as s_aux). A sliding_window (Mistral and Phi-3 layers pass their config's on every call) is taken when the
-# pass lies within it (`_check_window`).
+# sinks as s_aux). A sliding_window is applied (`layer_window`, `windowed_block_attention`).
 UNSUPPORTED_ATTENTION_ARGS = ("softcap", "s_aux")
 
 # The 4-D attention_mask of an SBD decode pass: HF returns any 4-D mask unchanged (no mask is built for the pass;
@@ -200,27 +202,28 @@ def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
             f"sbd attention: layer {module.layer_idx} asks for {unsupported}, which block_attention_with_kvcache "
             "does not implement (every row attends to its whole causal prefix); enable_sbd refuses such configs, "
             "so the config changed after it: set these back to None or decode without SBD")
-    _check_window(module, kwargs.get("sliding_window"), sbd_pass)
     k_cache, v_cache = sbd_pass.cache.layer_buffers(module.layer_idx)
-    out, _ = sbd_pass.attention_op(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), k_cache,
-                                   v_cache, sbd_pass.cache.seqlens, sbd_pass.num_causal, sbd_pass.block_size, None,
-                                   scaling)
+    args = (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), k_cache, v_cache,
+            sbd_pass.cache.seqlens, sbd_pass.num_causal, sbd_pass.block_size)
+    window = _window_of(module, kwargs)
+    # Static sizes decide (no sync): within W positions the window cuts no key, and the op computes the layer.
+    if window is not None and sbd_pass.cache.max_len + sbd_pass.block_size > window:
+        return windowed_block_attention(*args, window, scaling), None
+    out, _ = sbd_pass.attention_op(*args, None, scaling)
     return out, None
 
 
-def _check_window(module: Any, window: int | None, sbd_pass: SbdPass) -> None:
-    """RuntimeError when a layer's sliding window is smaller than the span of the pass: the cache's slots plus the
-    block (`SbdCausalLM.decode_pass` checks the config's window before the pass; a layer passing a smaller one
-    means the config changed after `enable_sbd`). Within its window a windowed layer attends as a full one."""
-    if not window:
-        return
-    span = sbd_pass.cache.max_len + sbd_pass.block_size
-    if span > window:
+def _window_of(module: Any, kwargs: dict[str, Any]) -> int | None:
+    """The window of the layer (`layer_window`: from the config, as HF builds the layer's mask). RuntimeError when
+    the layer passes another sliding_window than that (a config changed after the model was built: HF's masks and
+    its flash-attention path would then disagree about the window, and so would SBD with either)."""
+    window = layer_window(module.config, module.layer_idx)
+    passed = kwargs.get("sliding_window", window)
+    if (passed or None) != window:
         raise RuntimeError(
-            f"sbd attention: layer {module.layer_idx} has a sliding window of {window}, and this pass spans {span} "
-            "positions (the cache's slots plus the block), which block_attention_with_kvcache would attend to in "
-            f"full (the config changed after enable_sbd): decode with a cache of at most {window - sbd_pass.block_size}"
-            " slots")
+            f"sbd attention: layer {module.layer_idx} passes sliding_window={passed}, but its config gives it a "
+            f"window of {window} (the config changed after the model was built?); rebuild the model from its config")
+    return window
 
 
 def sbd_mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:

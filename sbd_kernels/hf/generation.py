@@ -46,7 +46,7 @@ except ImportError:  # transformers 5.13 keeps it in integrations (distributed.f
 
 from sbd_kernels.generate import DecodeConfig, DecodeOps, DecodeResult, fused_ops, vocab_size_of
 from sbd_kernels.generate import generate as decode
-from sbd_kernels.hf.model import SbdCausalLM, check_within_window
+from sbd_kernels.hf.model import SbdCausalLM
 
 
 @dataclass
@@ -127,12 +127,6 @@ def _decode_batch(sbd_model: SbdCausalLM, input_ids: Tensor, attention_mask: Ten
         block_size = sbd_model.block_size
     cfg = DecodeConfig(block_size=block_size, **settings)
     prompts = prompts_from_batch(input_ids, attention_mask)
-    # Refused before any pass, in the caller's terms; decode_pass refuses it too, at the first pass past the window.
-    longest = max(map(len, prompts))
-    block = cfg.block_size if cfg.method == "sbd" else 0
-    check_within_window(sbd_model.config, caller, longest + cfg.max_new_tokens + block,
-                        f"the longest prompt's {longest} tokens, max_new_tokens {cfg.max_new_tokens} and a block of "
-                        f"{block}")
     # (-1,): no end token, every sequence runs to max_new_tokens.
     result = decode(sbd_model, prompts, cfg, eos_id=eos_ids or (-1,), pad_id=pad_id, batch_size=batch_size,
                     ops=ops or fused_ops(), cuda_graph=cuda_graph)

@@ -10,9 +10,8 @@ latent attention (keys and values of different head sizes), and position
 encodings whose values depend on the sequence length ("dynamic" / "longrope" RoPE scaling: the cached prefix would
 have been encoded differently from the recomputed one). Every refusal names the reason and the supported families.
 
-Sliding-window layers are taken within their window (`attention_window`): while every key a row attends to lies
-fewer than W positions back, a window of W leaves attention unchanged. A decode pass refuses a cache whose slots
-plus the block exceed W and training an example longer than W: no computation spans more than W positions.
+Sliding-window layers keep their window (`sbd_kernels.hf.window`): in decode passes (the op while a pass spans at
+most W positions, `windowed_block_attention` past that), in the training masks and in masks given to `forward`.
 """
 from __future__ import annotations
 
@@ -33,6 +32,7 @@ from sbd_kernels.hf.attention import (
     register,
 )
 from sbd_kernels.hf.cache import SbdCache
+from sbd_kernels.hf.window import attention_window, mask_by_layer_type, window_band
 from sbd_kernels.model import check_decode_pass, decode_positions
 
 # Decoder-only families whose attention layers call transformers' AttentionInterface with RoPE applied before
@@ -57,7 +57,7 @@ from sbd_kernels.model import check_decode_pass, decode_positions
 # names.
 # Families with sliding-window layers (gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum,
 # laguna, kolibri1, beam; mistral, phi3, starcoder2, qwen2 and others when configured with one) decode and train
-# within the window (`attention_window`); their full layers may differ as well (cohere2's and kolibri1's take no
+# with their windows (`sbd_kernels.hf.window`); their full layers may differ as well (cohere2's and kolibri1's take no
 # RoPE, gemma3's another RoPE base), output gates follow attention (afmoe, laguna, beam), and most of them route
 # experts.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi", "phi3",
@@ -68,14 +68,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite
                          "flex_olmo", "phimoe", "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open",
                          "dbrx", "minimax_m2", "hy_v3", "aria_text", "gemma3_text", "olmo3", "cohere2", "ministral",
                          "cwm", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam")
-# Families whose attention layers read config.sliding_window only where config.layer_types says
-# "sliding_attention" (and whose masks HF builds by layer type), read in their modeling code: for them the layer
-# types alone say whether a window applies. dots.llm1 configs keep the default window of 4096 with every layer typed
-# full (its windowed layers would start at max_window_layers = 62, past the last). Other families pass the window to
-# every layer (Mistral, Mixtral, Phi-3, StarCoder2, Qwen3-MoE), so a window in their config applies whatever the
-# layer types.
-LAYER_TYPED_WINDOW_MODEL_TYPES = ("qwen2", "qwen3", "qwen2_moe", "dots1", "exaone4", "gemma3_text", "olmo3", "cohere2",
-                                  "ministral", "cwm", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam")
 # Families whose attention adds ALiBi biases (MPT and Falcon say so in their config: attn_config.alibi, alibi).
 ALIBI_MODEL_TYPES = ("bloom",)
 # Config parts of models with non-text inputs (sub-configs of Llava, Qwen2-VL, Whisper-style models, ...).
@@ -146,31 +138,6 @@ def check_supported(config: Any) -> None:
     if rope_type in LENGTH_DEPENDENT_ROPE:
         raise _unsupported(model_type, f"RoPE scaling {rope_type!r} changes with the sequence length, so cached keys "
                                        "would not match a recompute; use a model without it")
-
-
-def attention_window(config: Any) -> int | None:
-    """W, the window of the config's sliding-window layers, or None when every layer attends to its whole prefix.
-    HF's windowed layer lets the query at index q attend to the keys at q - W < kv <= q. A sliding_window of 0 means
-    none (Qwen2-MoE configs store 0 when use_sliding_window is off); in LAYER_TYPED_WINDOW_MODEL_TYPES it applies
-    only when a layer is typed sliding_attention (dots.llm1 configs keep 4096 with every layer full)."""
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    if (getattr(config, "model_type", None) in LAYER_TYPED_WINDOW_MODEL_TYPES
-            and "sliding_attention" not in (getattr(config, "layer_types", None) or ())):
-        return None
-    return int(window)
-
-
-def check_within_window(config: Any, caller: str, span: int, what: str) -> None:
-    """ValueError when `span` positions (the first to the last a computation reaches) do not fit the model's
-    sliding window: SBD computes windowed layers with full attention, which is the same only while every key a row
-    attends to is fewer than W positions back, i.e. span <= W. `what` says which lengths make up the span."""
-    window = attention_window(config)
-    if window is not None and span > window:
-        raise ValueError(f"{caller}: {what} span {span} positions, past the model's sliding window of {window}; "
-                         "its windowed layers are computed with full attention, which is exact only while every "
-                         f"key a row attends to lies in its window: keep the span within {window} positions")
 
 
 def _special_token_ids(model: nn.Module, tokenizer: Any = None) -> dict[str, set[int]]:
@@ -339,6 +306,20 @@ def _last_rows(length: int, keep_last: int, device: torch.device) -> int | Tenso
     return torch.arange(length - keep_last, length, device=device)
 
 
+def _check_block_mask_within_window(config: Any, positions: Tensor) -> None:
+    """ValueError when a FlexAttention BlockMask given to `SbdCausalLM.forward` spans more positions than the model's
+    sliding window: the mask reaches every layer as it is, so its windowed layers would attend past W (within W
+    positions the window cuts no key). One sync, windowed models only."""
+    window = attention_window(config)
+    if window is None:
+        return
+    low, high = (int(p) for p in torch.aminmax(positions))
+    if high - low + 1 > window:
+        raise ValueError(f"SbdCausalLM.forward: a BlockMask's positions {low} to {high} span {high - low + 1} "
+                         f"positions, past the model's sliding window of {window}, which a BlockMask cannot apply; "
+                         "pass the mask as a boolean tensor (the window is then added for the windowed layers)")
+
+
 class SbdCausalLM(nn.Module):
     """The `SbdModel` adapter of an HF causal LM prepared by `enable_sbd` (see `sbd_kernels.protocol`).
 
@@ -375,21 +356,29 @@ class SbdCausalLM(nn.Module):
             # mask as packed sequences and attends block-diagonally. Without positions HF numbers the tokens 0..T-1
             # and its own causal mask is right.
             attn_mask = torch.ones(1, tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).tril()
-        mask = attn_mask
-        implementation = None if attn_mask is None else mask_implementation(self.config, "SbdCausalLM.forward")
-        if isinstance(attn_mask, Tensor):
-            weight = self.hf_model.get_input_embeddings().weight
-            mask = mask_for_implementation(attn_mask, implementation, weight.dtype)
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        if attn_mask is not None and attention_window(self.config) is not None:
-            # HF takes the mask as given, with no window: within the window that is exact. One sync, windowed
-            # models only.
-            low, high = torch.aminmax(positions)
-            check_within_window(self.config, "SbdCausalLM.forward", int(high - low) + 1,
-                                f"positions {int(low)} to {int(high)}")
+        mask = attn_mask
+        if attn_mask is not None:
+            mask = self._mask_for_layers(attn_mask, positions)
         out = self.hf_model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False)
         return out.logits.float()
+
+    def _mask_for_layers(self, attn_mask: Any, positions: Tensor) -> Any:
+        """attn_mask in the base implementation's form, with the window's band (`window_band`) added for the
+        sliding-window layers of the model (`mask_by_layer_type`). A FlexAttention BlockMask cannot take the band:
+        one whose positions span more than the window is refused (one sync, windowed models only)."""
+        implementation = mask_implementation(self.config, "SbdCausalLM.forward")
+        if not isinstance(attn_mask, Tensor):
+            _check_block_mask_within_window(self.config, positions)
+            return attn_mask
+        dtype = self.hf_model.get_input_embeddings().weight.dtype
+
+        def build(window: int | None) -> Any:
+            allowed = attn_mask if window is None else attn_mask & window_band(positions, window)
+            return mask_for_implementation(allowed, implementation, dtype)
+
+        return mask_by_layer_type(self.config, build)
 
     def new_cache(self, batch: int, max_len: int) -> SbdCache:
         """An empty `SbdCache` shaped for the model, in its dtype and on its device."""
@@ -409,9 +398,6 @@ class SbdCausalLM(nn.Module):
         if not isinstance(cache, SbdCache):
             raise TypeError(f"SbdCausalLM.decode_pass: cache must be an SbdCache, got {type(cache).__name__}")
         check_decode_pass("SbdCausalLM.decode_pass", tokens, num_causal, block_size, cache.seqlens, keep_last)
-        # Rows reach positions up to the cache's last slot plus the block: static sizes, no sync.
-        check_within_window(self.config, "SbdCausalLM.decode_pass", cache.max_len + block_size,
-                            f"the cache's {cache.max_len} slots and the block of {block_size}")
         if attention_op is None:
             attention_op = torch.ops.sbd.block_attention_with_kvcache
         positions = decode_positions(cache.seqlens, num_causal, tokens.shape[1] - block_size, block_size)

@@ -15,7 +15,8 @@ Batch layout from `SbdDataCollator` (n = the longest real sequence of the batch,
     input_ids     [B, 2n] int64      [clean ; noisy]
     position_ids  [B, 2n] int64      [0..n-1 ; 0..n-1]
     attention_mask                   [B, 1, 2n, 2n] bool (sdpa), additive (eager; in the config's dtype) or an
-                                     SbdBlockMask (flex_attention)
+                                     SbdBlockMask (flex_attention); for a model with sliding-window layers the
+                                     windowed form, alone or in {"full_attention": .., "sliding_attention": ..}
     labels, shift_labels [B, 2n] int64   aligned with the logits, -100 where not counted
 HF's causal-LM loss uses `shift_labels` as given, so `model(**batch).loss` is the SBD loss too; with
 `compute_loss_func=sbd_loss_func` the Trainer uses this module's loss.
@@ -35,7 +36,8 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from sbd_kernels.hf.attention import mask_implementation
-from sbd_kernels.hf.model import check_within_window, mask_for_implementation
+from sbd_kernels.hf.model import mask_for_implementation
+from sbd_kernels.hf.window import mask_by_layer_type
 from sbd_kernels.model import SbdMaskMod, sbd_train_inputs
 from sbd_kernels.train import IGNORE, add_noise, sbd_labels, sbd_objective
 
@@ -67,16 +69,19 @@ class SbdBlockMask(BlockMask):
 
 
 def sbd_training_mask(lengths: Tensor, n: int, block_size: int, implementation: str,
-                      dtype: torch.dtype = torch.float32) -> Any:
+                      dtype: torch.dtype = torch.float32, window: int | None = None) -> Any:
     """The SBD training mask of a right-padded batch (`lengths [B]` real tokens of each sequence, n its padded
     length) in the form `implementation` reads: bool `[B, 1, 2n, 2n]` ("sdpa"), additive in `dtype` ("eager"), or
     an `SbdBlockMask` ("flex_attention"), on the device of `lengths`. One predicate, `SbdMaskMod`, gives all three:
-    `sbd_mask_allows` restricted to keys of real tokens. ValueError naming the argument unless 1 <= lengths <= n
-    and block_size >= 1."""
+    `sbd_mask_allows` restricted to keys of real tokens, and with a window W (a sliding-window layer's mask) to keys
+    fewer than W positions behind the query. ValueError naming the argument unless 1 <= lengths <= n,
+    block_size >= 1 and window is None or >= 1."""
     _check_mask_arguments(lengths, n, block_size)
+    if window is not None and window < 1:
+        raise ValueError(f"sbd_training_mask: window must be None or >= 1, got {window}")
     # SbdMaskMod holds n and k as 0-d tensors on the device of lengths: the compiled FlexAttention kernel reads them
     # anew at each batch, so batches of another padded length or block size get their own mask.
-    mask_mod = SbdMaskMod(n, block_size, lengths)
+    mask_mod = SbdMaskMod(n, block_size, lengths, window=window)
     if implementation == "flex_attention":
         return SbdBlockMask.of(create_block_mask(mask_mod, B=lengths.shape[0], H=None, Q_LEN=2 * n, KV_LEN=2 * n,
                                                  device=lengths.device))
@@ -173,8 +178,8 @@ class SbdDataCollator:
     collator sees it, which then trains on the prompts (the collator cannot tell those examples from unlabelled ones).
     A real token equal to the SBD mask token id is refused (ValueError naming the example and the position): the
     objective takes every mask token of the noisy half for one the noise put there. For a model with sliding-window
-    layers, an example longer than the window is refused: the training mask is full attention, which a window of W
-    leaves unchanged only over at most W positions (`attention_window`).
+    layers, the windowed layers get the training mask with the window applied (`mask_by_layer_type`): a batch's
+    attention_mask is then a dict keyed by layer type, or the windowed mask alone where every layer is windowed.
 
     model_config: `model.config` after `enable_sbd` (mask id, base attention implementation, recorded dtype): the
     model's own config object, from which each batch reads the attention implementation the model runs; one other
@@ -238,14 +243,16 @@ class SbdDataCollator:
         noisy, _ = add_noise(tokens, self.mask_token_id, _noise_generator(self.seed, rank, worker_seed, self._batches))
         self._batches += 1
         labels = sbd_labels(tokens, targets, noisy, self.mask_token_id)                   # [B, 2n]
-        mask = sbd_training_mask(lengths, tokens.shape[1], k, self.implementation, self.dtype)
+        implementation = self.implementation
+        mask = mask_by_layer_type(self.model_config, lambda window: sbd_training_mask(
+            lengths, tokens.shape[1], k, implementation, self.dtype, window))
         input_ids, position_ids, attention_mask = sbd_train_inputs(tokens, noisy, k, mask)
         batch = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask,
                  "labels": labels, "shift_labels": labels}
         # Every tensor contiguous: position_ids is one row expanded over the batch (stride 0), which a DataLoader
         # with pin_memory=True (Trainer's default on a GPU) refuses ("more than one element of the written-to
-        # tensor refers to a single memory location").
-        return {name: value.contiguous() if isinstance(value, Tensor) else value for name, value in batch.items()}
+        # tensor refers to a single memory location"); also the masks of a dict by layer type.
+        return _contiguous(batch)
 
     def _pad(self, examples: list[dict[str, Any]]) -> tuple[Tensor, Tensor, Tensor]:
         """(tokens [B, n] int64 right-padded, targets [B, n] bool, lengths [B] int64) of the examples' real tokens."""
@@ -254,8 +261,6 @@ class SbdDataCollator:
         rows, row_targets = zip(*(self._example(i, ex) for i, ex in enumerate(examples)))
         lengths = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
         longest = int(lengths.max())
-        # Both halves of an example take positions 0..m-1, and its rows attend only within it.
-        check_within_window(self.model_config, "SbdDataCollator", longest, f"the longest example's {longest} tokens")
         n = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         tokens = torch.full((len(rows), n), self.pad_token_id, dtype=torch.int64)
         targets = torch.zeros(len(rows), n, dtype=torch.bool)
@@ -294,6 +299,13 @@ class SbdDataCollator:
             raise ValueError(f"SbdDataCollator: example {index} has the SBD mask token id {self.mask_token_id} in "
                              f"input_ids at positions {found.tolist()}; the mask token must not occur in the text "
                              "(choose another mask_token_id with enable_sbd, or remove it from the data)")
+
+
+def _contiguous(value: Any) -> Any:
+    """`value` with every tensor in it, also inside dicts, made contiguous; other values as they are."""
+    if isinstance(value, dict):
+        return {name: _contiguous(item) for name, item in value.items()}
+    return value.contiguous() if isinstance(value, Tensor) else value
 
 
 def _checked_mask_implementation(config: Any) -> str:

@@ -164,11 +164,12 @@ def _check_no_aliasing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
 def check_block_attention_args(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor, num_causal: torch.Tensor, block_size: int,
-    block_table: torch.Tensor | None = None, softmax_scale: float | None = None,
+    block_table: torch.Tensor | None = None, softmax_scale: float | None = None, *, aliasing: bool = True,
 ) -> AttentionDims:
     """Check shapes, dtypes, devices, softmax_scale (finite, > 0 as a float32) and that the caches alias nothing; return
     the sizes of the call. Raises RuntimeError naming the argument(s), in the C++ kernel's words (dtypes
-    as `torch.float32`, shapes as `[B, S, H, D]`)."""
+    as `torch.float32`, shapes as `[B, S, H, D]`). aliasing=False skips the aliasing check: a caller traced by
+    torch.compile outside a custom op (whose data pointers dynamo cannot read) checks it in eager calls only."""
     if q.dim() != 4:
         _fail(f"q must be 4-D [B, S, Hq, D], got shape {list(q.shape)}; {QKV_LAYOUT}")
     if q.dtype not in FLOAT_DTYPES:
@@ -214,7 +215,8 @@ def check_block_attention_args(
             _fail("k_cache page size must be positive")
         page_size = k_cache.shape[1]
         capacity = block_table.shape[1] * page_size
-    _check_no_aliasing(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_table)
+    if aliasing:
+        _check_no_aliasing(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_table)
     return AttentionDims(batch, seq, seq - block_size, block_size, hq, hkv, dim,
                          block_table is not None, page_size, capacity, k_cache.shape[0])
 
