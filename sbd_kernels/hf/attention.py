@@ -22,13 +22,13 @@ import contextlib
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from sbd_kernels.hf.window import layer_window, windowed_block_attention
+from sbd_kernels.hf.window import WindowedPass, layer_window, windowed_block_attention
 
 ATTN_IMPLEMENTATION = "sbd"
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
@@ -49,13 +49,15 @@ class SbdPass:
 
     cache: the `SbdCache` of the decode. num_causal: `[B]` int32 causal rows of each sequence in this pass.
     block_size: K block rows at the end of every sequence's rows. attention_op: `sbd.block_attention_with_kvcache`
-    or an implementation with its signature (the naive oracle).
+    or an implementation with its signature (the naive oracle). windowed_plans: the `WindowedPass` of each window,
+    built by the pass's first windowed layer that attends past its window and shared by the others.
     """
 
     cache: Any
     num_causal: Tensor
     block_size: int
     attention_op: Callable
+    windowed_plans: dict[int, WindowedPass] = field(default_factory=dict, compare=False, repr=False)
 
 
 # The passes in flight, per thread, by the id of the model's config: the attention modules of every family share the
@@ -208,7 +210,7 @@ def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
     window = _window_of(module, kwargs)
     # Static sizes decide (no sync): within W positions the window cuts no key, and the op computes the layer.
     if window is not None and sbd_pass.cache.max_len + sbd_pass.block_size > window:
-        return windowed_block_attention(*args, window, scaling), None
+        return windowed_block_attention(*args, window, scaling, plans=sbd_pass.windowed_plans), None
     out, _ = sbd_pass.attention_op(*args, None, scaling)
     return out, None
 
