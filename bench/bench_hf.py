@@ -1,7 +1,8 @@
 """Hugging Face decode benchmark: tokens/s of SBD decoding through the `torch.ops.sbd` kernels against HF's own
-greedy `generate`, on the same random-weight bf16 Llama, in the same run.
+greedy `generate`, on the same random-weight bf16 model (Llamas, and a Mistral whose sliding window is shorter
+than the decodes), in the same run.
 
-    python -m pytest bench/bench_hf.py -q             # small and 1B-shaped models, batch 1 / 4 / 16
+    python -m pytest bench/bench_hf.py -q             # small, small sliding-window and 1B-shaped models
     sbd bench --only hf
 
 Providers of one case (a `HfDecodeShape`: model, batch, prompt length P, N new tokens, block k):
@@ -45,7 +46,6 @@ from sbd_kernels.benchmark_grid import HF_MODELS, HfDecodeShape
 from sbd_kernels.testing import tolerance
 
 transformers = pytest.importorskip("transformers", reason="the HF benchmark needs transformers (pip install \".[hf]\" in the checkout)")
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from sbd_kernels import hf
 
@@ -60,7 +60,7 @@ THREADS = int(os.environ.get("SBD_BENCH_HF_THREADS", "1"))
 # Timed rounds (the median is reported), on the CPU and on CUDA alike: whole decodes take 0.3-3 s on the small
 # model and 3-90 s on the 1B one here; one round of the 1B model at batch 1 gave 1.89x and 2.15x SBD-over-NTP in
 # two runs, so every case gets 3.
-ROUNDS = {"small": 3, "1b": 3}
+ROUNDS = 3
 MASK_TOKEN = 0
 
 _MODELS: dict[str, torch.nn.Module] = {}
@@ -75,17 +75,19 @@ def hf_threads():
 
 
 def random_model(name: str) -> torch.nn.Module:
-    """A seeded random HF Llama of HF_MODELS[name] in bf16 (`random_weights_`), prepared for SBD (mask token
-    0), one alive at a time."""
+    """A seeded random HF model of HF_MODELS[name] (a Llama unless it names another model_type) in bf16
+    (`random_weights_`), prepared for SBD (mask token 0), one alive at a time."""
     if name not in _MODELS:
         _MODELS.clear()
-        config = transformers.LlamaConfig(**HF_MODELS[name], max_position_embeddings=4096,
-                                          attn_implementation="sdpa", pad_token_id=1, tie_word_embeddings=False)
+        settings = dict(HF_MODELS[name])
+        config = transformers.AutoConfig.for_model(settings.pop("model_type", "llama"), **settings,
+                                                   max_position_embeddings=4096, attn_implementation="sdpa",
+                                                   pad_token_id=1, tie_word_embeddings=False)
         with torch.device("meta"):
-            model = transformers.LlamaForCausalLM(config)
+            model = transformers.AutoModelForCausalLM.from_config(config)
         model = random_weights_(model.to_empty(device=DEVICE).to(torch.bfloat16))
         # RoPE's inv_freq is a buffer computed at construction, which the meta device left empty.
-        model.model.rotary_emb = LlamaRotaryEmbedding(config=config).to(DEVICE)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config).to(DEVICE)
         hf.enable_sbd(model, mask_token_id=MASK_TOKEN, block_size=16)
         _MODELS[name] = model
     return _MODELS[name]
@@ -147,7 +149,7 @@ def test_hf_decode(benchmark, shape, provider):
 
     call, correct = build_provider(provider, build)
     out = measure(benchmark, call, family=FAMILY, shape=shape, provider=provider, baseline="hf greedy",
-                  device=DEVICE, correct=correct, rounds=ROUNDS[shape.model], cuda_rounds=ROUNDS[shape.model],
+                  device=DEVICE, correct=correct, rounds=ROUNDS, cuda_rounds=ROUNDS,
                   calls_per_round=1, graph=False)
     if provider == "sbd ops":
         benchmark.extra_info["nfe_speedup"] = shape.batch * shape.new_tokens / int(out.nfe.sum())

@@ -162,12 +162,15 @@ HF_MODELS: dict[str, dict] = {
     "1b": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
            "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0},
 }
+# The small model as a Mistral with a sliding window in every layer, shorter than the decodes (64 + 64 tokens and
+# a block): its decode passes past W run the windowed layers' PyTorch path (`sbd_kernels.hf.window`).
+HF_MODELS["small-swa"] = {**HF_MODELS["small"], "model_type": "mistral", "sliding_window": 32}
 
 
 @dataclass(frozen=True)
 class HfDecodeShape(_Labelled):
-    """A whole decode of `new_tokens` tokens after `prompt` prompt tokens by a random-weight HF Llama
-    (`model`, an HF_MODELS key, bf16) for `batch` sequences. Providers: HF greedy `generate`, our NTP decode
+    """A whole decode of `new_tokens` tokens after `prompt` prompt tokens by a random-weight HF model (`model`, an
+    HF_MODELS key: a Llama unless it names another model_type; bf16) for `batch` sequences. Providers: HF greedy `generate`, our NTP decode
     through the ops, our SBD decode (block `k`) through the ops."""
 
     model: str
@@ -231,10 +234,12 @@ def decode_grid(quick: bool = False) -> list[DecodeShape]:
 
 def hf_grid(quick: bool = False) -> list[HfDecodeShape]:
     """Batch 1, 4, 16 of the small model and of the 1B-shaped one (32 new tokens for the 1B model: one of its
-    forwards took 0.25-0.6 s at batch 1 on one core here); quick: the small model at batch 1 and 16."""
+    forwards took 0.25-0.6 s at batch 1 on one core here), batch 1 and 16 of the small sliding-window one; quick:
+    the small model at batch 1 and 16."""
     if quick:
         return [HfDecodeShape("small", batch) for batch in (1, 16)]
     return ([HfDecodeShape("small", batch) for batch in (1, 4, 16)]
+            + [HfDecodeShape("small-swa", batch) for batch in (1, 16)]
             + [HfDecodeShape("1b", batch, prompt=64, new_tokens=32) for batch in (1, 4, 16)])
 
 
