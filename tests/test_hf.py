@@ -1210,17 +1210,25 @@ def test_loss_func_divides_by_the_trainers_item_count():
     torch.testing.assert_close(hf.sbd_loss_func(out, labels, 2 * count), mean / 2)
 
 
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("gemma3_text", {"sliding_window": 6})],
+                         ids=["llama", "gemma3_text-masks-by-layer-type"])
 @pytest.mark.parametrize("implementation", ["sdpa", "eager", "flex_attention"])
-def test_collator_batches_can_be_pinned(implementation):
+def test_collator_batches_can_be_pinned(implementation, family, overrides):
     """Guards against a batch that a DataLoader with pin_memory=True (Trainer's default on a GPU) refuses: on an
     H200, Trainer stopped at the first batch because position_ids was one row expanded over the batch. Every
-    tensor is contiguous (no stride-0 dimension, no internal overlap)."""
-    model = tiny_model("llama", attn=implementation)
+    tensor is contiguous (no stride-0 dimension, no internal overlap), also the masks of a dict by layer type."""
+    model = tiny_model(family, attn=implementation, **overrides)
     hf.enable_sbd(model, mask_token_id=MASK_ID)
     batch = hf.SbdDataCollator(model.config)([{"input_ids": list(range(3, 15))}, {"input_ids": list(range(5, 12))}])
     tensors = {name: value for name, value in batch.items() if isinstance(value, torch.Tensor)}
+    if isinstance(batch["attention_mask"], dict):
+        assert set(batch["attention_mask"]) == {"full_attention", "sliding_attention"}
+        tensors.update({f"attention_mask.{kind}": m for kind, m in batch["attention_mask"].items()
+                        if isinstance(m, torch.Tensor)})
     assert {"input_ids", "position_ids", "labels"} <= set(tensors)
     assert all(value.is_contiguous() and 0 not in value.stride() for value in tensors.values())
+    pinned = torch.utils.data._utils.pin_memory.pin_memory(batch) if torch.cuda.is_available() else batch
+    assert set(pinned) == set(batch)
 
 
 def test_collator_counts_only_the_targets_of_hf_style_labels():
@@ -1626,10 +1634,12 @@ def test_flex_attention_refuses_a_mask_on_another_device_than_the_query():
         model(**{**batch, "attention_mask": cpu_mask})
 
 
-def test_trainer_runs_the_sbd_objective(tmp_path):
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("gemma3_text", {"sliding_window": 6})],
+                         ids=["llama", "gemma3_text-past-the-window"])
+def test_trainer_runs_the_sbd_objective(tmp_path, family, overrides):
     """Guards against the collator's batch not fitting HF Trainer (labels popped for compute_loss_func, the 4-D
-    mask, repeated position ids) or the loss not being optimised."""
-    model = tiny_model("llama")
+    mask or a dict of them by layer type, repeated position ids) or the loss not being optimised."""
+    model = tiny_model(family, **overrides)
     hf.enable_sbd(model, mask_token_id=MASK_ID)
     data = [{"input_ids": list(range(3 + i % 5, 20 + i % 7))} for i in range(16)]
     args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=6,
