@@ -163,7 +163,7 @@ HF_MODELS: dict[str, dict] = {
            "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0},
 }
 # The small model as a Mistral with a sliding window in every layer, shorter than the decodes (64 + 64 tokens and
-# a block): its decode passes past W run the windowed layers' PyTorch path (`sbd_kernels.hf.window`).
+# a block): its decode passes past W run the windowed layers' PyTorch path (`sbd_kernels.hf.torch_attention`).
 HF_MODELS["small-swa"] = {**HF_MODELS["small"], "model_type": "mistral", "sliding_window": 32}
 
 

@@ -33,8 +33,11 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoesh
 # longest span of the per-family tests (22 positions: a decode pass's cache slots plus its block), with a full layer
 # after a windowed one unless the family orders them itself.
 WINDOWED_FAMILIES = ("gemma3_text", "olmo3", "cohere2", "ministral", "cwm", "exaone_moe", "afmoe", "mellum", "laguna",
-                     "kolibri1", "beam")
+                     "kolibri1", "beam", "gemma2")
 WINDOW = 24
+# Families whose HF model refuses sdpa (Gemma 2: sdpa has no soft-capping): their tiny models run eager where a test
+# asks for sdpa.
+SDPA_REFUSED = ("gemma2",)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,6 +46,8 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
     """A 2-layer GQA config of `family` (head dim 8, 4 query heads, 2 KV heads; 4 for GPT-NeoX and Persimmon),
     no sliding window but a window of WINDOW in WINDOWED_FAMILIES. head_dim is set for every family: gemma and glm default to 256 and 128 whatever the hidden
     size. The family's own departures from Llama that its real checkpoints use are switched on."""
+    if attn == "sdpa" and family in SDPA_REFUSED:
+        attn = "eager"
     common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256,
               "attn_implementation": attn, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
@@ -66,6 +71,9 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
         # (every 16384 in the real configs), so the tests' positions reach three of its steps.
         common["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
                                      "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.1}
+    if family == "gemma2":
+        # Gemma 2 caps its scores at 50 (logits at 30): at 5 the cap bends the scores of these std-1 weights.
+        common["attn_logit_softcapping"] = 5.0
     if family == "minimax_m2":
         common["rotary_dim"] = 4                # RoPE on half of each head (MiniMax-M2: 64 of 128)
     if family == "dbrx":
@@ -191,8 +199,8 @@ SUPPORTED = ("Supported families: llama, mistral, qwen2, qwen3, gemma, granite, 
              "hunyuan_v1_dense, bitnet, exaone4, nanochat, internlm3, iquestcoder, hyperclovax, jais2, ministral3, "
              "stablelm, nemotron, mixtral, qwen2_moe, qwen3_moe, granitemoe, granitemoeshared, olmoe, flex_olmo, "
              "phimoe, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open, dbrx, minimax_m2, hy_v3, aria_text, "
-             "gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum, laguna, kolibri1, beam "
-             "(decoder-only text models")
+             "gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum, laguna, kolibri1, beam, "
+             "gemma2 (decoder-only text models")
 
 
 @pytest.mark.parametrize("family,overrides,reason", [
@@ -262,12 +270,6 @@ def llama4_text():
         num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, num_local_experts=2))
 
 
-def gemma2():
-    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, vocab_size=VOCAB))
-
-
 def gpt2():
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
 
@@ -282,12 +284,11 @@ def deepseek_v3():
 @pytest.mark.parametrize("build,reason", [
     (t5, "cross-attention"), (bart, "cross-attention"), (llava, "multimodal"), (qwen2_vl, "multimodal"),
     (bloom, "ALiBi"), (mpt, "ALiBi"), (falcon_alibi, "ALiBi"), (llama4_text, "chunked attention"),
-    (gemma2, "soft-capping"),             # attn_logit_softcapping 50: the op has no input for it
     (gpt2, "model type 'gpt2' is not supported"), (deepseek_v3, "multi-head latent attention"),
 ], ids=lambda v: getattr(v, "__name__", None))
 def test_enable_refuses_other_architectures_with_the_reason(build, reason):
     """Guards against enabling an architecture whose cached passes would not equal a recompute (cross-attention,
-    non-text inputs, ALiBi biases, chunked attention, Gemma 2's soft-capped scores, DeepSeek's latent attention)
+    non-text inputs, ALiBi biases, chunked attention, DeepSeek's latent attention)
     or an untested family, and against a refusal that does not say why in a user's words or which
     families work."""
     with pytest.raises(hf.SbdUnsupportedModelError, match=reason) as err:
@@ -523,15 +524,18 @@ def test_attention_window_is_the_window_some_layer_applies(family, overrides, wi
     assert hf.window.attention_window(tiny_config(family, **overrides)) == window
 
 
-def windowed_oracle(case, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, k_cache, v_cache) of a windowed layer's pass, literally: per sequence the op oracle's keys and mask
-    (`naive._decode_mask`), keys at positions <= p - W dropped from the row at position p, `naive._attend`; then
-    the causal rows appended. On copies of the caches."""
+def torch_attention_oracle(case, window: int | None, softcap: float | None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, k_cache, v_cache) of a pass with a window and / or soft-capped scores, literally: per sequence the op
+    oracle's keys and mask (`naive._decode_mask`), keys at positions <= p - W dropped from the row at position p,
+    scores s capped to c * tanh(s / c), softmax, rows without a key 0; then the causal rows appended. On copies of
+    the caches."""
     from sbd_kernels.ops.attention import naive
     from sbd_kernels.ops.attention._checks import check_block_attention_args
 
     dims = check_block_attention_args(*case.args())
     scale = dims.head_dim ** -0.5 if case.softmax_scale is None else case.softmax_scale
+    group = dims.q_heads // dims.kv_heads
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     out = torch.zeros(case.q.shape, dtype=torch.float32)
     c_slots = dims.num_causal_slots
@@ -541,8 +545,14 @@ def windowed_oracle(case, window: int) -> tuple[torch.Tensor, torch.Tensor, torc
         query_pos = torch.tensor([length + i for i in range(c_slots)] + [length + causal + j
                                                                            for j in range(dims.block_size)])
         key_pos = torch.arange(length + causal + dims.block_size)
-        mask = naive._decode_mask(length, causal, dims, "cpu") & (query_pos[:, None] - key_pos[None] < window)
-        out[b] = naive._attend(case.q[b].float(), keys, values, mask, scale)[0]
+        mask = naive._decode_mask(length, causal, dims, "cpu")
+        if window is not None:
+            mask &= query_pos[:, None] - key_pos[None] < window
+        scores = torch.einsum("shd,nhd->hsn", case.q[b].float(), keys.repeat_interleave(group, dim=1)) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num()   # no key: 0
+        out[b] = torch.einsum("hsn,nhd->shd", probs.masked_fill(~mask, 0), values.repeat_interleave(group, dim=1))
         k_cache[b, length:length + causal] = case.k[b, :causal]
         v_cache[b, length:length + causal] = case.v[b, :causal]
     return out.to(case.q.dtype), k_cache, v_cache
@@ -554,7 +564,7 @@ def assert_same_cache(actual: torch.Tensor, expected: torch.Tensor, name: str) -
     assert torch.equal(actual.nan_to_num(), expected.nan_to_num()), f"{name}: values differ"
 
 
-WINDOW_CASES = {                          # make_case's shapes; L_b of the 3 sequences: L, L - 37 mod, ...
+TORCH_ATTENTION_CASES = {                 # make_case's shapes; L_b of the 3 sequences: L, L - 37 mod, ...
     "base": {},
     "window-1": {"window": 1},
     "window-2": {"window": 2},
@@ -570,55 +580,78 @@ WINDOW_CASES = {                          # make_case's shapes; L_b of the 3 seq
     "bf16": {"dtype": torch.bfloat16},
     "non-contiguous": {"contiguous": False},
     "scale": {"softmax_scale": 0.3},
+    "softcap": {"softcap": 1.5},
+    "softcap-no-window": {"softcap": 1.5, "window": None},
+    "softcap-empty-cache": {"softcap": 1.5, "window": None, "L": 0},
+    "softcap-bf16": {"softcap": 1.5, "dtype": torch.bfloat16},
+    "no-window-no-softcap": {"window": None},
 }
 
 
-@pytest.mark.parametrize("overrides", WINDOW_CASES.values(), ids=WINDOW_CASES.keys())
-def test_windowed_attention_equals_the_literal_windowed_oracle(overrides):
-    """Guards against a windowed layer's pass past its window attending to a key W or more positions back, or
-    missing one within: `windowed_block_attention` against the op oracle's mask with the window cut out of it, over
-    ragged lengths (sequences with the full C causal rows, none, and half), W from 1 past the whole pass, every
-    dtype, GQA and strided inputs. Cache slots past L_b and padding rows of q and v are NaN (read, they would show),
-    padding rows of k 7777 (written to the cache, they would show), and the caches after the call equal the
-    oracle's: the causal rows appended, nothing else written."""
+@pytest.mark.parametrize("overrides", TORCH_ATTENTION_CASES.values(), ids=TORCH_ATTENTION_CASES.keys())
+def test_torch_attention_equals_the_literal_oracle(overrides):
+    """Guards against a windowed or soft-capped layer's pass attending to a key W or more positions back, missing
+    one within, or capping the scores otherwise than c * tanh(s / c) before the mask: `torch_block_attention`
+    against the op oracle's mask with the window cut out of it and capped scores, over ragged lengths (sequences
+    with the full C causal rows, none, and half), W from 1 past the whole pass or none, a cap of 1.5 (scores of
+    these inputs reach about 4), every dtype, GQA and strided inputs. Cache slots past L_b and padding rows of q
+    and v are NaN (read, they would show), padding rows of k 7777 (written to the cache, they would show), and
+    the caches after the call equal the oracle's: the causal rows appended, nothing else written."""
     from attention_cases import make_case
 
-    from sbd_kernels.hf.window import windowed_block_attention
+    from sbd_kernels.hf.torch_attention import torch_block_attention
 
+    settings = {"window": 9, "softcap": None}
+    settings.update({name: value for name, value in overrides.items() if name in settings})
     shape = {"B": 3, "C": 4, "K": 3, "L": 37, "Hq": 4, "Hkv": 2, "D": 16, "dtype": torch.float32}
-    shape.update({name: value for name, value in overrides.items() if name != "window"})
-    window = overrides.get("window", 9)
+    shape.update({name: value for name, value in overrides.items() if name not in settings})
     torch.manual_seed(0)
     case = make_case(**shape)
     for b, causal in enumerate(case.num_causal.tolist()):          # padding rows: never read, never written
         for t, poison in ((case.q, float("nan")), (case.k, 7777.0), (case.v, float("nan"))):
             t[b, causal:shape["C"]] = poison
-    expected, k_expected, v_expected = windowed_oracle(case, window)
+    expected, k_expected, v_expected = torch_attention_oracle(case, **settings)
     case = case.to(DEVICE)
-    out = windowed_block_attention(case.q, case.k, case.v, case.k_cache, case.v_cache, case.cache_seqlens,
-                                   case.num_causal, case.block_size, window, case.softmax_scale)
+    out = torch_block_attention(case.q, case.k, case.v, case.k_cache, case.v_cache, case.cache_seqlens,
+                                case.num_causal, case.block_size, case.softmax_scale, **settings)
     assert out.dtype == case.q.dtype
-    assert_close(out.cpu(), expected, shape["dtype"], name="windowed out")
+    assert_close(out.cpu(), expected, shape["dtype"], name="out")
     assert_same_cache(case.k_cache.cpu(), k_expected, "k_cache")
     assert_same_cache(case.v_cache.cpu(), v_expected, "v_cache")
 
 
-def test_windowed_attention_refuses_what_the_op_refuses():
-    """Guards against the windowed path skipping the op's checks: an overflowing cache and a wrong layout are
-    refused in the op's words, and so is a window below 1."""
+def test_softcapped_attention_holds_a_bounded_score_block(monkeypatch):
+    """Guards against a long prefill holding its whole fp32 score matrix: with a chunk bound of 2 query rows the
+    soft-capped pass gives the same output as in one chunk."""
     from attention_cases import make_case
 
-    from sbd_kernels.hf.window import windowed_block_attention
+    from sbd_kernels.hf import torch_attention
+
+    case = make_case(B=1, C=7, K=0, L=5, Hq=2, Hkv=1, D=8, dtype=torch.float32)
+    whole = torch_attention.torch_block_attention(*case.with_cache_copies().args()[:8], softcap=1.5)
+    monkeypatch.setattr(torch_attention, "SCORE_ELEMENTS_PER_CHUNK", 2 * 2 * (5 + 7))
+    chunked = torch_attention.torch_block_attention(*case.with_cache_copies().args()[:8], softcap=1.5)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+
+
+def test_torch_attention_refuses_what_the_op_refuses():
+    """Guards against the PyTorch path skipping the op's checks: an overflowing cache and a wrong layout are
+    refused in the op's words, and so are a window below 1 and a cap that is not positive."""
+    from attention_cases import make_case
+
+    from sbd_kernels.hf.torch_attention import torch_block_attention
 
     case = make_case(B=2, C=2, K=2, L=5, Hq=2, Hkv=1, D=8, dtype=torch.float32)
     args = (case.q, case.k, case.v, case.k_cache, case.v_cache)
     full = torch.full((2,), case.k_cache.shape[1] - 1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="cache_seqlens \\+ num_causal exceeds the cache capacity"):
-        windowed_block_attention(*args, full, case.num_causal.clamp(min=2), 2, 4)
+        torch_block_attention(*args, full, case.num_causal.clamp(min=2), 2, window=4)
     with pytest.raises(RuntimeError, match="Hugging Face attention passes \\[B, H, S, D\\]"):
-        windowed_block_attention(case.q.transpose(1, 2), *args[1:], case.cache_seqlens, case.num_causal, 2, 4)
-    with pytest.raises(ValueError, match="window must be an int >= 1, got 0"):
-        windowed_block_attention(*args, case.cache_seqlens, case.num_causal, 2, 0)
+        torch_block_attention(case.q.transpose(1, 2), *args[1:], case.cache_seqlens, case.num_causal, 2, window=4)
+    with pytest.raises(ValueError, match="window must be None or an int >= 1, got 0"):
+        torch_block_attention(*args, case.cache_seqlens, case.num_causal, 2, window=0)
+    with pytest.raises(ValueError, match="softcap must be None or > 0, got 0.0"):
+        torch_block_attention(*args, case.cache_seqlens, case.num_causal, 2, softcap=0.0)
 
 
 @pytest.mark.parametrize("family,overrides", [
@@ -758,11 +791,11 @@ def test_a_pass_builds_its_windowed_plan_once_for_all_its_windowed_layers(monkey
     """Guards against every windowed layer rebuilding the pass's mask and write indices (0.26 ms of host work
     each, where a layer's attention takes 0.23 ms): a pass of a model whose two layers are windowed builds one
     plan, and the next pass its own."""
-    from sbd_kernels.hf import window
+    from sbd_kernels.hf import torch_attention
 
     built = []
-    plan = window.plan_windowed_pass
-    monkeypatch.setattr(window, "plan_windowed_pass", lambda *args: built.append(args) or plan(*args))
+    plan = torch_attention.plan_pass
+    monkeypatch.setattr(torch_attention, "plan_pass", lambda *args: built.append(args) or plan(*args))
     sbd_model = hf.enable_sbd(tiny_model("mistral", sliding_window=6).to(DEVICE), mask_token_id=MASK_ID,
                               block_size=4)
     cache = sbd_model.new_cache(1, 12)
@@ -845,10 +878,10 @@ def test_threads_decoding_with_one_model_each_use_their_own_pass(family):
         assert all(torch.equal(tokens, expected[i]) for tokens in results[i]), f"thread {i}: other tokens"
 
 
-@pytest.mark.parametrize("name,value", [("softcap", 50.0), ("s_aux", torch.zeros(4))], ids=["softcap", "s_aux"])
-def test_decode_pass_refuses_attention_arguments_the_op_does_not_implement(name, value):
-    """Guards against a layer's score soft-capping (Gemma 2) or attention sinks (GPT-OSS) being dropped in a decode
-    pass: each set argument is refused by name; None (what supported layers pass) goes through."""
+@pytest.mark.parametrize("name,value", [("s_aux", torch.zeros(4))], ids=["s_aux"])
+def test_decode_pass_refuses_attention_arguments_no_path_implements(name, value):
+    """Guards against a layer's attention sinks (GPT-OSS) being dropped in a decode pass: the set argument is
+    refused by name; None (what supported layers pass) goes through."""
     from sbd_kernels.hf.attention import SBD_PASS_MASK, SbdPass, sbd_attention
 
     module = tiny_model("llama").model.layers[1].self_attn
@@ -1452,6 +1485,8 @@ def test_training_masks_refuse_a_model_running_another_attention_than_enable_sbd
 def test_padded_batch_masks_give_the_same_logits_as_unpadded_rows(family, attn):
     """Guards against padding changing the real rows of a padded SBD batch (noisy rows of a block straddling the
     end would attend padding), under each attention implementation's mask form."""
+    if attn == "sdpa" and family in SDPA_REFUSED:
+        pytest.skip(f"transformers has no sdpa path for {family} (the eager case covers it)")
     model = tiny_model(family, attn=attn)
     hf.enable_sbd(model, mask_token_id=MASK_ID)
     collator = hf.SbdDataCollator(model.config, block_min=4, block_max=4)
@@ -1505,6 +1540,8 @@ def test_eager_and_sdpa_mask_forms_mean_the_same():
 def test_eager_and_sdpa_give_the_same_logits_on_padded_batches(family):
     """Guards against the eager and sdpa forms of the padded training mask reading differently inside a real model
     of each family, on every row of the batch (padded rows included: no row of the mask is empty)."""
+    if family in SDPA_REFUSED:
+        pytest.skip(f"transformers has no sdpa path for {family}")
     logits, ids = {}, {}
     for attn in ("sdpa", "eager"):
         model = tiny_model(family, attn=attn, seed=1)

@@ -13,7 +13,8 @@
 Layout: `model.py` (enable_sbd, the SbdCausalLM adapter of the `SbdModel` protocol), `attention.py` (the "sbd"
 attention implementation and its mask function), `cache.py` (SbdCache), `training.py` (masks, collator, loss),
 `generation.py` (generate, custom_generate entry), `check.py` (exact-KV check), `window.py` (sliding-window
-layers: which layers, their masks, their attention in decode passes past the window).
+layers: which layers, their masks), `torch_attention.py` (the op in PyTorch with a window and score soft-capping,
+for the layers that need them).
 """
 from sbd_kernels.hf._versions import check_versions
 

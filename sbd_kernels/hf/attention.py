@@ -6,7 +6,8 @@ A model prepared by `sbd_kernels.hf.enable_sbd` runs every attention layer throu
   kwargs, and records it for decoder layers that drop their kwargs: `active_pass`), it calls
   `sbd.block_attention_with_kvcache` on the layer's slice of the `SbdCache`: causal rows are appended to the cache,
   the block is never cached, and the mask is the op's row layout (no mask tensor); a sliding-window layer in a pass
-  that spans more than its window calls `windowed_block_attention` instead (the same, keys past the window cut);
+  that spans more than its window, and a layer with soft-capped scores (Gemma 2), call `torch_block_attention`
+  instead (the same in PyTorch, with the window and the soft-capping);
 - in every other call (training, HF `generate`, a plain forward) it runs the attention implementation the model
   had before (`config.sbd_base_attn_implementation`: "sdpa", "eager" or "flex_attention"), with the mask HF or the
   SBD data collator built for that implementation. The mask function of "sbd" likewise delegates to the base
@@ -28,15 +29,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sbd_kernels.hf.window import WindowedPass, layer_window, windowed_block_attention
+from sbd_kernels.hf.torch_attention import PassPlan, torch_block_attention
+from sbd_kernels.hf.window import layer_window
 
 ATTN_IMPLEMENTATION = "sbd"
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
 
-# Attention arguments some HF layers pass that change how scores are weighed; the op implements neither, so a decode
-# pass refuses either when set rather than decode without it (Gemma 2 passes its attn_logit_softcapping, GPT-OSS its
-# sinks as s_aux). A sliding_window is applied (`layer_window`, `windowed_block_attention`).
-UNSUPPORTED_ATTENTION_ARGS = ("softcap", "s_aux")
+# Attention arguments some HF layers pass that change how scores are weighed and that no SBD path implements: a
+# decode pass refuses them when set rather than decode without them (GPT-OSS passes its sinks as s_aux). A
+# sliding_window and a softcap (Gemma 2's attn_logit_softcapping) are applied (`torch_block_attention`).
+UNSUPPORTED_ATTENTION_ARGS = ("s_aux",)
 
 # The 4-D attention_mask of an SBD decode pass: HF returns any 4-D mask unchanged (no mask is built for the pass;
 # the op's row layout is the mask), and `sbd_attention` checks that it received exactly this object.
@@ -49,15 +51,15 @@ class SbdPass:
 
     cache: the `SbdCache` of the decode. num_causal: `[B]` int32 causal rows of each sequence in this pass.
     block_size: K block rows at the end of every sequence's rows. attention_op: `sbd.block_attention_with_kvcache`
-    or an implementation with its signature (the naive oracle). windowed_plans: the `WindowedPass` of each window,
-    built by the pass's first windowed layer that attends past its window and shared by the others.
+    or an implementation with its signature (the naive oracle). torch_plans: the `PassPlan` of each window (None:
+    none) of the layers that run `torch_block_attention`, built by the first of them and shared by the others.
     """
 
     cache: Any
     num_causal: Tensor
     block_size: int
     attention_op: Callable
-    windowed_plans: dict[int, WindowedPass] = field(default_factory=dict, compare=False, repr=False)
+    torch_plans: dict[int | None, PassPlan] = field(default_factory=dict, compare=False, repr=False)
 
 
 # The passes in flight, per thread, by the id of the model's config: the attention modules of every family share the
@@ -201,18 +203,20 @@ def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
     unsupported = {name: kwargs[name] for name in UNSUPPORTED_ATTENTION_ARGS if kwargs.get(name) is not None}
     if unsupported:
         raise RuntimeError(
-            f"sbd attention: layer {module.layer_idx} asks for {unsupported}, which block_attention_with_kvcache "
-            "does not implement (every row attends to its whole causal prefix); enable_sbd refuses such configs, "
-            "so the config changed after it: set these back to None or decode without SBD")
+            f"sbd attention: layer {module.layer_idx} asks for {unsupported}, which SBD decoding does not implement "
+            "(block_attention_with_kvcache weighs the keys by their scores alone); decode this model without SBD")
     k_cache, v_cache = sbd_pass.cache.layer_buffers(module.layer_idx)
     args = (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), k_cache, v_cache,
             sbd_pass.cache.seqlens, sbd_pass.num_causal, sbd_pass.block_size)
     window = _window_of(module, kwargs)
-    # Static sizes decide (no sync): within W positions the window cuts no key, and the op computes the layer.
-    if window is not None and sbd_pass.cache.max_len + sbd_pass.block_size > window:
-        return windowed_block_attention(*args, window, scaling, plans=sbd_pass.windowed_plans), None
-    out, _ = sbd_pass.attention_op(*args, None, scaling)
-    return out, None
+    # Static sizes decide (no sync): within W positions the window cuts no key.
+    if window is not None and sbd_pass.cache.max_len + sbd_pass.block_size <= window:
+        window = None
+    softcap = kwargs.get("softcap")
+    if window is None and softcap is None:
+        out, _ = sbd_pass.attention_op(*args, None, scaling)
+        return out, None
+    return torch_block_attention(*args, scaling, window=window, softcap=softcap, plans=sbd_pass.torch_plans), None
 
 
 def _window_of(module: Any, kwargs: dict[str, Any]) -> int | None:

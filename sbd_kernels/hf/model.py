@@ -4,14 +4,15 @@
     sbd_model = enable_sbd(model, tokenizer, block_size=16)       # picks / adds the mask token, registers "sbd"
 
 `enable_sbd` refuses, with the reason, what SBD cannot be applied to as implemented here: families other than
-`SUPPORTED_MODEL_TYPES` (each tested), chunked attention layers and attention-score soft-capping (the op has no
-input for either), encoder-decoders / cross-attention, multimodal models, ALiBi attention biases, multi-head
+`SUPPORTED_MODEL_TYPES` (each tested), chunked attention layers (an SBD block attends to its whole prefix),
+encoder-decoders / cross-attention, multimodal models, ALiBi attention biases, multi-head
 latent attention (keys and values of different head sizes), and position
 encodings whose values depend on the sequence length ("dynamic" / "longrope" RoPE scaling: the cached prefix would
 have been encoded differently from the recomputed one). Every refusal names the reason and the supported families.
 
 Sliding-window layers keep their window (`sbd_kernels.hf.window`): in decode passes (the op while a pass spans at
-most W positions, `windowed_block_attention` past that), in the training masks and in masks given to `forward`.
+most W positions, `torch_block_attention` past that), in the training masks and in masks given to `forward`.
+Layers with soft-capped attention scores (Gemma 2) decode through `torch_block_attention`, which applies the cap.
 """
 from __future__ import annotations
 
@@ -56,10 +57,11 @@ from sbd_kernels.model import check_decode_pass, decode_positions
 # own hidden state, so a cached pass routes as a recompute does. internlm3 and iquestcoder are Llama under their own
 # names.
 # Families with sliding-window layers (gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum,
-# laguna, kolibri1, beam; mistral, phi3, starcoder2, qwen2 and others when configured with one) decode and train
-# with their windows (`sbd_kernels.hf.window`); their full layers may differ as well (cohere2's and kolibri1's take no
-# RoPE, gemma3's another RoPE base), output gates follow attention (afmoe, laguna, beam), and most of them route
-# experts.
+# laguna, kolibri1, beam, gemma2; mistral, phi3, starcoder2, qwen2 and others when configured with one) decode and
+# train with their windows (`sbd_kernels.hf.window`); their full layers may differ as well (cohere2's and kolibri1's
+# take no RoPE, gemma3's another RoPE base), output gates follow attention (afmoe, laguna, beam), and most of them
+# route experts. gemma2 soft-caps its attention scores, which its decode passes apply in PyTorch
+# (`torch_block_attention`), and its logits.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi", "phi3",
                          "cohere", "glm", "glm4", "smollm3", "starcoder2", "gpt_neox", "persimmon", "helium",
                          "ernie4_5", "arcee", "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "exaone4",
@@ -67,7 +69,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite
                          "nemotron", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "olmoe",
                          "flex_olmo", "phimoe", "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open",
                          "dbrx", "minimax_m2", "hy_v3", "aria_text", "gemma3_text", "olmo3", "cohere2", "ministral",
-                         "cwm", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam")
+                         "cwm", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam", "gemma2")
 # Families whose attention adds ALiBi biases (MPT and Falcon say so in their config: attn_config.alibi, alibi).
 ALIBI_MODEL_TYPES = ("bloom",)
 # Config parts of models with non-text inputs (sub-configs of Llava, Qwen2-VL, Whisper-style models, ...).
@@ -116,10 +118,6 @@ def check_supported(config: Any) -> None:
     if "sliding_attention" in layer_types and not getattr(config, "sliding_window", None):
         raise _unsupported(model_type, "the layer types name sliding_attention layers but the config has no "
                                        "sliding_window, so the window they apply is unknown")
-    if getattr(config, "attn_logit_softcapping", None):
-        raise _unsupported(model_type, "attention-score soft-capping is not supported (attn_logit_softcapping="
-                                       f"{config.attn_logit_softcapping}): block_attention_with_kvcache has no input "
-                                       "for it")
     if getattr(config, "attention_chunk_size", None) or "chunked_attention" in layer_types:
         raise _unsupported(model_type, "chunked attention layers are not supported (attention_chunk_size="
                                        f"{getattr(config, 'attention_chunk_size', None)}): an SBD block must attend "
