@@ -6,8 +6,8 @@ A model prepared by `sbd_kernels.hf.enable_sbd` runs every attention layer throu
   kwargs, and records it for decoder layers that drop their kwargs: `active_pass`), it calls
   `sbd.block_attention_with_kvcache` on the layer's slice of the `SbdCache`: causal rows are appended to the cache,
   the block is never cached, and the mask is the op's row layout (no mask tensor); a sliding-window layer in a pass
-  that spans more than its window, and a layer with soft-capped scores (Gemma 2), call `torch_block_attention`
-  instead (the same in PyTorch, with the window and the soft-capping);
+  that spans more than its window, a layer with soft-capped scores (Gemma 2) and one with attention sinks
+  (GPT-OSS) call `torch_block_attention` instead (the same in PyTorch, with the window, the cap and the sinks);
 - in every other call (training, HF `generate`, a plain forward) it runs the attention implementation the model
   had before (`config.sbd_base_attn_implementation`: "sdpa", "eager" or "flex_attention"), with the mask HF or the
   SBD data collator built for that implementation. The mask function of "sbd" likewise delegates to the base
@@ -34,11 +34,6 @@ from sbd_kernels.hf.window import layer_window
 
 ATTN_IMPLEMENTATION = "sbd"
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
-
-# Attention arguments some HF layers pass that change how scores are weighed and that no SBD path implements: a
-# decode pass refuses them when set rather than decode without them (GPT-OSS passes its sinks as s_aux). A
-# sliding_window and a softcap (Gemma 2's attn_logit_softcapping) are applied (`torch_block_attention`).
-UNSUPPORTED_ATTENTION_ARGS = ("s_aux",)
 
 # The 4-D attention_mask of an SBD decode pass: HF returns any 4-D mask unchanged (no mask is built for the pass;
 # the op's row layout is the mask), and `sbd_attention` checks that it received exactly this object.
@@ -200,11 +195,6 @@ def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
             "(call the model through SbdCausalLM.decode_pass, which passes the right one)")
     if dropout:
         raise RuntimeError("sbd attention: decode passes run without dropout; put the model in eval mode")
-    unsupported = {name: kwargs[name] for name in UNSUPPORTED_ATTENTION_ARGS if kwargs.get(name) is not None}
-    if unsupported:
-        raise RuntimeError(
-            f"sbd attention: layer {module.layer_idx} asks for {unsupported}, which SBD decoding does not implement "
-            "(block_attention_with_kvcache weighs the keys by their scores alone); decode this model without SBD")
     k_cache, v_cache = sbd_pass.cache.layer_buffers(module.layer_idx)
     args = (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), k_cache, v_cache,
             sbd_pass.cache.seqlens, sbd_pass.num_causal, sbd_pass.block_size)
@@ -212,11 +202,14 @@ def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
     # Static sizes decide (no sync): within W positions the window cuts no key.
     if window is not None and sbd_pass.cache.max_len + sbd_pass.block_size <= window:
         window = None
-    softcap = kwargs.get("softcap")
-    if window is None and softcap is None:
+    # What HF layers pass besides the window that changes how a row weighs its keys: Gemma 2's score cap (softcap),
+    # GPT-OSS's sinks (s_aux). The op has neither.
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if window is None and softcap is None and sinks is None:
         out, _ = sbd_pass.attention_op(*args, None, scaling)
         return out, None
-    return torch_block_attention(*args, scaling, window=window, softcap=softcap, plans=sbd_pass.torch_plans), None
+    return torch_block_attention(*args, scaling, window=window, softcap=softcap, sinks=sinks,
+                                 plans=sbd_pass.torch_plans), None
 
 
 def _window_of(module: Any, kwargs: dict[str, Any]) -> int | None:

@@ -1,9 +1,10 @@
 """`torch_block_attention`: `sbd.block_attention_with_kvcache` in PyTorch, with what some HF layers ask for and the
-op has no input for: a sliding window (keys W or more positions behind a row cut) and attention-score soft-capping
-(Gemma 2: scores s become c * tanh(s / c) before the softmax).
+op has no input for: a sliding window (keys W or more positions behind a row cut), attention-score soft-capping
+(Gemma 2: scores s become c * tanh(s / c) before the softmax) and attention sinks (GPT-OSS: one learned logit per
+head joins each row's softmax and weighs no value).
 
 `sbd_attention` calls it for a layer whose window cuts keys in the pass (the pass spans more than W positions:
-the cache's slots plus the block) or whose scores are soft-capped; every other layer runs the op. Same arguments
+the cache's slots plus the block), whose scores are soft-capped or which has sinks; every other layer runs the op. Same arguments
 (contiguous cache only), checks, row layout and side effect as the op: causal row i < c_b (position L_b + i) sees
 the cache and causal rows j <= i; padding rows see nothing (out 0); block row j (position L_b + c_b + j) sees the
 cache, the c_b causal rows and the block; the causal rows' K/V are written to cache slots [L_b, L_b + c_b). Static
@@ -110,41 +111,56 @@ def append_causal_rows(cache: Tensor, new: Tensor, plan: PassPlan) -> None:
     cache[batch, slots] = torch.where(plan.keep_old, cache[batch, slots], new[batch, plan.write_rows])
 
 
-def softcapped_attention(q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, scale: float,
-                         softcap: float) -> Tensor:
-    """softmax(c tanh(scale q.k / c) masked) v in fp32, as HF's eager attention of Gemma 2 orders it (scale, cap,
-    mask, softmax). q `[B, Hq, S, D]`, keys / values `[B, Hq, N, D]`, allowed `[B, 1, S, N]` -> `[B, Hq, S, D]`
-    fp32 (NaN in rows without a key). Chunks of query rows keep each score block within SCORE_ELEMENTS_PER_CHUNK."""
+def explicit_attention(q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, scale: float,
+                       softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
+    """Attention with the scores in hand, in fp32, in HF's eager order: s = scale q.k, capped to c * tanh(s / c),
+    masked, then softmax over the row's keys and, with sinks, the head's sink logit z (weight
+    exp(s_j) / (exp(z) + sum_i exp(s_i)) on value j; the sink's share weighs nothing). q `[B, Hq, S, D]`,
+    keys / values `[B, Hq, N, D]`, allowed `[B, 1, S, N]`, sinks `[Hq]` -> `[B, Hq, S, D]` fp32 (a row without a
+    key: NaN without sinks, 0 with them). Chunks of query rows keep each score block within
+    SCORE_ELEMENTS_PER_CHUNK."""
     keys, values = keys.float(), values.float()
     batch, heads, rows, _ = q.shape
+    sink = None if sinks is None else sinks.float().reshape(1, heads, 1, 1)
     chunk = max(1, SCORE_ELEMENTS_PER_CHUNK // max(1, batch * heads * keys.shape[2]))
     outs = []
     for start in range(0, rows, chunk):
         scores = torch.matmul(q[:, :, start:start + chunk].float(), keys.transpose(-1, -2)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~allowed[:, :, start:start + chunk], float("-inf"))
-        outs.append(torch.matmul(torch.softmax(scores, dim=-1), values))
+        if sink is None:
+            outs.append(torch.matmul(torch.softmax(scores, dim=-1), values))
+            continue
+        top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+        weights = torch.exp(scores - top)
+        total = weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top)
+        outs.append(torch.matmul(weights / total, values))
     return torch.cat(outs, dim=2)
 
 
 def torch_block_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                           num_causal: Tensor, block_size: int, softmax_scale: float | None = None, *,
-                          window: int | None = None, softcap: float | None = None,
+                          window: int | None = None, softcap: float | None = None, sinks: Tensor | None = None,
                           plans: dict[int | None, PassPlan] | None = None) -> Tensor:
     """`sbd.block_attention_with_kvcache` of one layer (module docstring) with a sliding window of W (a row at
-    position p attends only to keys at positions > p - W) and / or soft-capped scores (c * tanh(s / c)).
+    position p attends only to keys at positions > p - W), soft-capped scores (c * tanh(s / c)) and / or sinks
+    (`[Hq]`, one logit per query head in every row's softmax).
 
     q `[B, S, Hq, D]`, k / v `[B, S, Hkv, D]`, caches `[B, S_max, Hkv, D]` -> out `[B, S, Hq, D]` (q's dtype;
     padding rows 0). Reads the min(W - 1, S_max) cache slots before L_b with a window (the oldest any row of the pass
     can reach, whatever L_b: O(W) per row however long the cache), every slot without one. Attention is
     `scaled_dot_product_attention` with the boolean mask over [cache slots read ; the pass's rows], or with
-    soft-capping `softcapped_attention` (fp32); keys no row attends to are zeroed first (a padding row's values are
+    soft-capping or sinks `explicit_attention` (fp32); keys no row attends to are zeroed first (a padding row's values are
     never read, as in the op). plans: the `PassPlan`s of the pass by window, shared by its layers: the one of this
     window is built here, with the op's value checks, when missing, and added."""
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"torch_block_attention: window must be None or an int >= 1, got {window!r}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"torch_block_attention: softcap must be None or > 0, got {softcap!r}")
+    if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
+        raise ValueError(f"torch_block_attention: sinks must have shape [Hq] = [{q.shape[2]}] (one logit per query "
+                         f"head), got {list(sinks.shape)}")
     dims = check_block_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size, None,
                                       softmax_scale, aliasing=not torch.compiler.is_compiling())
     plans = {} if plans is None else plans
@@ -161,10 +177,10 @@ def torch_block_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_ca
         keys, values = keys.repeat_interleave(group, dim=2), values.repeat_interleave(group, dim=2)
     scale = dims.head_dim ** -0.5 if softmax_scale is None else softmax_scale
     q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.allowed, scale=scale)
     else:
-        out = softcapped_attention(q, keys, values, plan.allowed, scale, softcap).to(q.dtype)
+        out = explicit_attention(q, keys, values, plan.allowed, scale, softcap, sinks).to(q.dtype)
     out = out.transpose(1, 2).masked_fill(plan.row_without_key, 0)
     append_causal_rows(k_cache, k[:, :dims.num_causal_slots], plan)
     append_causal_rows(v_cache, v[:, :dims.num_causal_slots], plan)
