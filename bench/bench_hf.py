@@ -1,12 +1,13 @@
 """Hugging Face decode benchmark: tokens/s of SBD decoding through the `torch.ops.sbd` kernels against HF's own
-greedy `generate`, on the same random-weight bf16 model (Llamas, and a Mistral whose sliding window is shorter
-than the decodes), in the same run.
+greedy `generate`, on the same random-weight bf16 model (Llamas, a Mistral whose sliding window is shorter than the
+decodes, a Gemma 2 with soft-capped scores), in the same run.
 
-    python -m pytest bench/bench_hf.py -q             # small, small sliding-window and 1B-shaped models
+    python -m pytest bench/bench_hf.py -q             # small (Llama, sliding-window, Gemma 2) and 1B-shaped models
     sbd bench --only hf
 
 Providers of one case (a `HfDecodeShape`: model, batch, prompt length P, N new tokens, block k):
-- "hf greedy": `model.generate(..., do_sample=False)` with HF's DynamicCache and sdpa attention (the baseline);
+- "hf greedy": `model.generate(..., do_sample=False)` with HF's DynamicCache and sdpa attention (eager for Gemma 2,
+  which refuses sdpa; the baseline);
 - "ntp ops": our NTP decode of the same model through the ops (`sbd_kernels.hf.generate(method="ntp")`);
 - "sbd ops": our SBD decode through the ops, EB rule with GAMMA_IN_ENTROPIES x log(V).
 
@@ -75,14 +76,14 @@ def hf_threads():
 
 
 def random_model(name: str) -> torch.nn.Module:
-    """A seeded random HF model of HF_MODELS[name] (a Llama unless it names another model_type) in bf16
-    (`random_weights_`), prepared for SBD (mask token 0), one alive at a time."""
+    """A seeded random HF model of HF_MODELS[name] (a Llama with sdpa attention unless it names another model_type
+    or attn_implementation) in bf16 (`random_weights_`), prepared for SBD (mask token 0), one alive at a time."""
     if name not in _MODELS:
         _MODELS.clear()
-        settings = dict(HF_MODELS[name])
-        config = transformers.AutoConfig.for_model(settings.pop("model_type", "llama"), **settings,
-                                                   max_position_embeddings=4096, attn_implementation="sdpa",
-                                                   pad_token_id=1, tie_word_embeddings=False)
+        settings = {"model_type": "llama", "attn_implementation": "sdpa", **HF_MODELS[name]}
+        config = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings,
+                                                   max_position_embeddings=4096, pad_token_id=1,
+                                                   tie_word_embeddings=False)
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
         model = random_weights_(model.to_empty(device=DEVICE).to(torch.bfloat16))

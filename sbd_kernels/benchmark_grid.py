@@ -165,6 +165,11 @@ HF_MODELS: dict[str, dict] = {
 # The small model as a Mistral with a sliding window in every layer, shorter than the decodes (64 + 64 tokens and
 # a block): its decode passes past W run the windowed layers' PyTorch path (`sbd_kernels.hf.torch_attention`).
 HF_MODELS["small-swa"] = {**HF_MODELS["small"], "model_type": "mistral", "sliding_window": 32}
+# The small model as a Gemma 2: soft-capped attention scores (50) in every layer, so every decode pass runs its
+# attention in PyTorch over the whole cache, and a window of 32 in every other layer; HF runs it eager (it refuses
+# sdpa, which has no cap).
+HF_MODELS["small-gemma2"] = {**HF_MODELS["small"], "model_type": "gemma2", "head_dim": 64, "query_pre_attn_scalar": 64,
+                             "sliding_window": 32, "attn_implementation": "eager"}
 
 
 @dataclass(frozen=True)
@@ -234,12 +239,13 @@ def decode_grid(quick: bool = False) -> list[DecodeShape]:
 
 def hf_grid(quick: bool = False) -> list[HfDecodeShape]:
     """Batch 1, 4, 16 of the small model and of the 1B-shaped one (32 new tokens for the 1B model: one of its
-    forwards took 0.25-0.6 s at batch 1 on one core here), batch 1 and 16 of the small sliding-window one; quick:
+    forwards took 0.25-0.6 s at batch 1 on one core here), batch 1 and 16 of the small sliding-window and Gemma 2
+    ones; quick:
     the small model at batch 1 and 16."""
     if quick:
         return [HfDecodeShape("small", batch) for batch in (1, 16)]
     return ([HfDecodeShape("small", batch) for batch in (1, 4, 16)]
-            + [HfDecodeShape("small-swa", batch) for batch in (1, 16)]
+            + [HfDecodeShape(model, batch) for model in ("small-swa", "small-gemma2") for batch in (1, 16)]
             + [HfDecodeShape("1b", batch, prompt=64, new_tokens=32) for batch in (1, 4, 16)])
 
 
