@@ -30,18 +30,22 @@ MAX_FP32_LOGIT_ERROR = {"cpu": 2.5e-4, "cuda": 3e-4}
 FAMILIES = hf.SUPPORTED_MODEL_TYPES
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "olmoe", "flex_olmo", "phimoe",
                 "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open", "dbrx", "minimax_m2", "hy_v3",
-                "aria_text", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam", "gpt_oss")
+                "aria_text", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam", "cohere2_moe", "gpt_oss",
+                "granitemoe_swa")
 # Families whose released configs have sliding-window layers: their tiny models take a window of WINDOW, above the
 # longest span of the per-family tests (22 positions: a decode pass's cache slots plus its block), with a full layer
 # after a windowed one unless the family orders them itself.
 WINDOWED_FAMILIES = ("gemma3_text", "olmo3", "cohere2", "ministral", "cwm", "exaone_moe", "afmoe", "mellum", "laguna",
-                     "kolibri1", "beam", "gemma2", "gpt_oss")
+                     "kolibri1", "beam", "cohere2_moe", "gemma2", "vaultgemma", "gpt_oss", "granite_swa",
+                     "granitemoe_swa")
 WINDOW = 24
 # GPT-OSS sink logits of the tiny models: the top scores of their std-1 weights lie around this value.
 SINK_LOGIT_MEAN = 20.0
-# Families whose HF model refuses sdpa (Gemma 2: sdpa has no soft-capping; GPT-OSS: no sinks): their tiny models run
-# eager where a test asks for sdpa.
-SDPA_REFUSED = ("gemma2", "gpt_oss")
+# Families whose HF model refuses sdpa (Gemma 2, VaultGemma: sdpa has no soft-capping; GPT-OSS, Granite SWA: no
+# sinks): their tiny models run eager where a test asks for sdpa.
+SDPA_REFUSED = ("gemma2", "vaultgemma", "gpt_oss", "granite_swa", "granitemoe_swa")
+# Families with attention sinks: HF runs none under flex_attention on the CPU.
+SINK_FAMILIES = ("gpt_oss", "granite_swa", "granitemoe_swa")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,9 +81,12 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
                                      "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.1}
     if family == "gpt_oss":
         common["max_position_embeddings"] = 131072   # YaRN's factor 32 over its original 4096 positions, as released
-    if family == "gemma2":
+    if family in ("gemma2", "vaultgemma"):
         # Gemma 2 caps its scores at 50 (logits at 30): at 5 the cap bends the scores of these std-1 weights.
         common["attn_logit_softcapping"] = 5.0
+    if family in ("granite_swa", "granitemoe_swa"):
+        # Granite's multipliers (muP), none of them 1; the attention scale is attention_multiplier.
+        common.update(embedding_multiplier=2.0, attention_multiplier=0.25, residual_multiplier=0.5, logits_scaling=0.5)
     if family == "minimax_m2":
         common["rotary_dim"] = 4                # RoPE on half of each head (MiniMax-M2: 64 of 128)
     if family == "dbrx":
@@ -209,7 +216,7 @@ SUPPORTED = ("Supported families: llama, mistral, qwen2, qwen3, gemma, granite, 
              "stablelm, nemotron, mixtral, qwen2_moe, qwen3_moe, granitemoe, granitemoeshared, olmoe, flex_olmo, "
              "phimoe, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open, dbrx, minimax_m2, hy_v3, aria_text, "
              "gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum, laguna, kolibri1, beam, "
-             "gemma2, gpt_oss (decoder-only text models")
+             "cohere2_moe, gemma2, vaultgemma, gpt_oss, granite_swa, granitemoe_swa (decoder-only text models")
 
 
 @pytest.mark.parametrize("family,overrides,reason", [
@@ -1843,7 +1850,7 @@ def test_flex_attention_training_mask_gives_the_sdpa_logits(family):
     wrong mask cell moves logits by O(1)."""
     if not transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(tiny_config(family))]._supports_flex_attn:
         pytest.skip(f"transformers has no flex_attention path for {family} (it refuses to load one)")
-    if family == "gpt_oss":
+    if family in SINK_FAMILIES:
         pytest.skip("transformers runs no attention sinks under flex_attention on the CPU")
     out = {}
     for attn in ("flex_attention", "sdpa"):

@@ -12,8 +12,8 @@ have been encoded differently from the recomputed one). Every refusal names the 
 
 Sliding-window layers keep their window (`sbd_kernels.hf.window`): in decode passes (the op while a pass spans at
 most W positions, `torch_block_attention` past that), in the training masks and in masks given to `forward`.
-Layers with soft-capped attention scores (Gemma 2) or attention sinks (GPT-OSS) decode through
-`torch_block_attention`, which applies them.
+Layers with soft-capped attention scores (Gemma 2, VaultGemma) or attention sinks (GPT-OSS, Granite SWA) decode
+through `torch_block_attention`, which applies them.
 """
 from __future__ import annotations
 
@@ -58,11 +58,12 @@ from sbd_kernels.model import check_decode_pass, decode_positions
 # own hidden state, so a cached pass routes as a recompute does. internlm3 and iquestcoder are Llama under their own
 # names.
 # Families with sliding-window layers (gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum,
-# laguna, kolibri1, beam, gemma2, gpt_oss; mistral, phi3, starcoder2, qwen2 and others when configured with one) decode and
-# train with their windows (`sbd_kernels.hf.window`); their full layers may differ as well (cohere2's and kolibri1's
-# take no RoPE, gemma3's another RoPE base), output gates follow attention (afmoe, laguna, beam), and most of them
-# route experts. gemma2 soft-caps its attention scores and gpt_oss adds a sink logit per head to every row's softmax
-# (and routes experts), which their decode passes apply in PyTorch (`torch_block_attention`).
+# laguna, kolibri1, beam, cohere2_moe, gemma2, vaultgemma, gpt_oss, granite_swa, granitemoe_swa; mistral, phi3,
+# starcoder2, qwen2 and others when configured with one) decode and train with their windows
+# (`sbd_kernels.hf.window`); their full layers may differ as well (cohere2's and kolibri1's take no RoPE, gemma3's
+# another RoPE base), output gates follow attention (afmoe, laguna, beam), and most of them route experts. gemma2
+# and vaultgemma soft-cap their attention scores, and gpt_oss, granite_swa and granitemoe_swa add a sink logit per
+# head to every row's softmax, which their decode passes apply in PyTorch (`torch_block_attention`).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi", "phi3",
                          "cohere", "glm", "glm4", "smollm3", "starcoder2", "gpt_neox", "persimmon", "helium",
                          "ernie4_5", "arcee", "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "exaone4",
@@ -70,7 +71,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite
                          "nemotron", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "olmoe",
                          "flex_olmo", "phimoe", "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open",
                          "dbrx", "minimax_m2", "hy_v3", "aria_text", "gemma3_text", "olmo3", "cohere2", "ministral",
-                         "cwm", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam", "gemma2", "gpt_oss")
+                         "cwm", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam", "cohere2_moe",
+                         "gemma2", "vaultgemma", "gpt_oss", "granite_swa", "granitemoe_swa")
 # Families whose attention adds ALiBi biases (MPT and Falcon say so in their config: attn_config.alibi, alibi).
 ALIBI_MODEL_TYPES = ("bloom",)
 # Config parts of models with non-text inputs (sub-configs of Llava, Qwen2-VL, Whisper-style models, ...).
