@@ -733,13 +733,16 @@ def test_windowed_layers_give_hf_windowed_logits_up_to_and_past_the_window(famil
 
 
 WINDOWED_DECODES = [(family, {}) for family in WINDOWED_FAMILIES] + [
+    # Gemma 3's released pattern: five windowed layers, then a full one.
+    ("gemma3_text", {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}),
     ("mistral", {}), ("phi3", {}), ("starcoder2", {}), ("qwen3_moe", {}),
     ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}),
     ("qwen2_moe", {"use_sliding_window": True, "max_window_layers": 2}),
     ("exaone4", {"layer_types": ["sliding_attention", "full_attention"]})]
 
 
-@pytest.mark.parametrize("family,overrides", WINDOWED_DECODES, ids=[f for f, _ in WINDOWED_DECODES])
+@pytest.mark.parametrize("family,overrides", WINDOWED_DECODES,
+                         ids=[f"{f}-6-layers" if "num_hidden_layers" in o else f for f, o in WINDOWED_DECODES])
 def test_decodes_past_the_window_equal_hf_greedy_and_the_recompute(family, overrides):
     """Guards against a windowed family decoding past its window (W = 6 here; prompts of 3 to 7 tokens and 12 new
     ones) with another window than HF's, or with a cache that disagrees with a recompute: NTP tokens equal HF's
