@@ -1821,18 +1821,17 @@ def test_cuda_graph_decode_through_hf_gives_the_eager_tokens(method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,overrides", [("qwen3", {}), ("gemma3_text", {"sliding_window": 6})],
-                         ids=["qwen3", "gemma3_text-past-the-window"])
-def test_hf_decode_steps_compile_without_graph_breaks(family, overrides):
-    """Guards against the HF decode pass (the "sbd" attention, SbdCache, positions built from the cache lengths,
-    and past a window the windowed path) graph-breaking or syncing: both SBD step layouts and the NTP step under
-    torch.compile(fullgraph=True) give the eager tokens."""
+def test_hf_decode_steps_compile_without_graph_breaks():
+    """Guards against the HF decode pass (the "sbd" attention, SbdCache, positions built from the cache lengths)
+    graph-breaking or syncing, through the op and through the PyTorch path: both SBD step layouts and the NTP step
+    under torch.compile(fullgraph=True) give the eager tokens, on a Gemma 3 whose full layer runs the op and whose
+    windowed layer (W = 6, shorter than the decodes) runs `torch_block_attention`."""
     import dataclasses
 
     from sbd_kernels import generate as gen
 
     torch._dynamo.reset()
-    sbd_model = hf.enable_sbd(tiny_model(family, **overrides), mask_token_id=MASK_ID, block_size=4)
+    sbd_model = hf.enable_sbd(tiny_model("gemma3_text", sliding_window=6), mask_token_id=MASK_ID, block_size=4)
     steps = dataclasses.replace(gen.EAGER_STEPS, sbd_block_step=torch.compile(gen.sbd_block_step, fullgraph=True),
                                 ntp_decode_step=torch.compile(gen.ntp_decode_step, fullgraph=True))
     prompts = [[3, 4, 5], [6, 7, 8, 9]]
