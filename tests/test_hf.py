@@ -613,6 +613,7 @@ TORCH_ATTENTION_CASES = {                 # make_case's shapes; L_b of the 3 seq
     "sinks": {"sinks": True},
     "sinks-no-window": {"sinks": True, "window": None},
     "sinks-softcap": {"sinks": True, "softcap": 1.5},
+    "sinks-softcap-gqa-4": {"sinks": True, "softcap": 1.5, "Hq": 8, "Hkv": 2},
     "sinks-empty-cache-bf16": {"sinks": True, "window": None, "L": 0, "dtype": torch.bfloat16},
 }
 
