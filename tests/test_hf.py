@@ -654,18 +654,27 @@ def test_torch_attention_equals_the_literal_oracle(overrides):
     assert_same_cache(case.v_cache.cpu(), v_expected, "v_cache")
 
 
-def test_softcapped_attention_holds_a_bounded_score_block(monkeypatch):
-    """Guards against a long prefill holding its whole fp32 score matrix: with a chunk bound of 2 query rows the
-    soft-capped pass gives the same output as in one chunk."""
+@pytest.mark.parametrize("settings", [{"softcap": 1.5}, {"window": 4}, {"sinks": True}, {}],
+                         ids=["softcap", "window", "sinks", "none"])
+def test_torch_attention_holds_a_bounded_score_block(monkeypatch, settings):
+    """Guards against a long prefill holding its whole score matrix or its mask tiled per query head of a KV head
+    at once, and against chunks of rows that lose or misplace rows: with a chunk bound of 2 query rows a pass of
+    7 causal rows gives the same output and caches as in one chunk, on both attention paths (SDPA, explicit
+    fp32 scores)."""
     from attention_cases import make_case
 
     from sbd_kernels.hf import torch_attention
 
-    case = make_case(B=1, C=7, K=0, L=5, Hq=2, Hkv=1, D=8, dtype=torch.float32)
-    whole = torch_attention.torch_block_attention(*case.with_cache_copies().args()[:8], softcap=1.5)
-    monkeypatch.setattr(torch_attention, "SCORE_ELEMENTS_PER_CHUNK", 2 * 2 * (5 + 7))
-    chunked = torch_attention.torch_block_attention(*case.with_cache_copies().args()[:8], softcap=1.5)
+    case = make_case(B=1, C=7, K=0, L=5, Hq=4, Hkv=2, D=8, dtype=torch.float32)
+    if settings.get("sinks"):
+        settings = {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}
+    whole_case, chunked_case = case.with_cache_copies(), case.with_cache_copies()
+    whole = torch_attention.torch_block_attention(*whole_case.args()[:8], **settings)
+    monkeypatch.setattr(torch_attention, "SCORE_ELEMENTS_PER_CHUNK", 2 * 4 * (5 + 7))
+    chunked = torch_attention.torch_block_attention(*chunked_case.args()[:8], **settings)
     torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    assert_same_cache(chunked_case.k_cache, whole_case.k_cache, "k_cache")
+    assert_same_cache(chunked_case.v_cache, whole_case.v_cache, "v_cache")
 
 
 def test_torch_attention_refuses_what_the_op_refuses():

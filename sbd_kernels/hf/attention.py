@@ -46,16 +46,15 @@ class SbdPass:
 
     cache: the `SbdCache` of the decode. num_causal: `[B]` int32 causal rows of each sequence in this pass.
     block_size: K block rows at the end of every sequence's rows. attention_op: `sbd.block_attention_with_kvcache`
-    or an implementation with its signature (the naive oracle). torch_plans: the `PassPlan` of each (window (None:
-    none), query heads per KV head) of the layers that run `torch_block_attention`, built by the first of them and
-    shared by the others.
+    or an implementation with its signature (the naive oracle). torch_plans: the `PassPlan` of each window (None:
+    none) of the layers that run `torch_block_attention`, built by the first of them and shared by the others.
     """
 
     cache: Any
     num_causal: Tensor
     block_size: int
     attention_op: Callable
-    torch_plans: dict[tuple[int | None, int], PassPlan] = field(default_factory=dict, compare=False, repr=False)
+    torch_plans: dict[int | None, PassPlan] = field(default_factory=dict, compare=False, repr=False)
 
 
 # The passes in flight, per thread, by the id of the model's config: the attention modules of every family share the
