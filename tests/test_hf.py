@@ -599,6 +599,7 @@ TORCH_ATTENTION_CASES = {                 # make_case's shapes; L_b of the 3 seq
     "no-causal-slots": {"C": 0},
     "no-block": {"K": 0},
     "one-row": {"C": 1, "K": 0},
+    "no-rows": {"C": 0, "K": 0},
     "mha": {"Hq": 4, "Hkv": 4},
     "gqa-8": {"Hq": 8, "Hkv": 1},
     "fp16": {"dtype": torch.float16},

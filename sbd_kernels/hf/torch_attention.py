@@ -149,10 +149,10 @@ def group_query_rows(x: Tensor, kv_heads: int) -> Tensor:
     return x.transpose(1, 2).reshape(batch, kv_heads, heads // kv_heads * rows, dim)
 
 
-def ungroup_query_rows(x: Tensor, rows: int) -> Tensor:
+def ungroup_query_rows(x: Tensor, q_heads: int) -> Tensor:
     """The inverse of `group_query_rows`: `[B, Hkv, g * R, D]` -> `[B, R, Hq, D]` (a view)."""
     batch, kv_heads, grouped_rows, dim = x.shape
-    return x.reshape(batch, kv_heads * (grouped_rows // rows), rows, dim).transpose(1, 2)
+    return x.reshape(batch, q_heads, grouped_rows // (q_heads // kv_heads), dim).transpose(1, 2)
 
 
 def attend_grouped(q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, scale: float, softcap: float | None,
@@ -169,7 +169,7 @@ def attend_grouped(q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, sca
     if explicit:                                                         # upcast once, not once per chunk
         keys, values = keys.float(), values.float()
     outs = []
-    for start in range(0, rows, chunk):
+    for start in range(0, max(rows, 1), chunk):                         # a pass of no rows: one empty chunk
         q_rows, mask = q[:, start:start + chunk], allowed[:, :, start:start + chunk]
         size = q_rows.shape[1]
         grouped_q = group_query_rows(q_rows, kv_heads)
@@ -179,8 +179,8 @@ def attend_grouped(q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, sca
         else:
             row_sinks = None if sinks is None else sinks.reshape(kv_heads, group).repeat_interleave(size, dim=1)
             out = explicit_attention(grouped_q, keys, values, mask, scale, softcap, row_sinks).to(q.dtype)
-        outs.append(ungroup_query_rows(out, size))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        outs.append(ungroup_query_rows(out, heads))
+    return torch.cat(outs, dim=1)
 
 
 def torch_block_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
