@@ -37,7 +37,7 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoesh
 # after a windowed one unless the family orders them itself.
 WINDOWED_FAMILIES = ("gemma3_text", "olmo3", "cohere2", "ministral", "cwm", "exaone_moe", "afmoe", "mellum", "laguna",
                      "kolibri1", "beam", "cohere2_moe", "gemma2", "vaultgemma", "gpt_oss", "granite_swa",
-                     "granitemoe_swa")
+                     "granitemoe_swa", "gemma4_text")
 WINDOW = 24
 # GPT-OSS sink logits of the tiny models: the top scores of their std-1 weights lie around this value.
 SINK_LOGIT_MEAN = 20.0
@@ -81,7 +81,7 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
                                      "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.1}
     if family == "gpt_oss":
         common["max_position_embeddings"] = 131072   # YaRN's factor 32 over its original 4096 positions, as released
-    if family in ("gemma2", "gemma3_text"):
+    if family in ("gemma2", "gemma3_text", "gemma4_text"):
         # An output matrix of its own: tied, the input embedding (scaled by sqrt(hidden_size)) dominates the residual
         # stream of these std-1 models and greedy decoding repeats the prompt's last token, whatever the cache holds.
         common["tie_word_embeddings"] = False
@@ -112,6 +112,13 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
         common["sliding_window"] = WINDOW
         if family not in ("cwm", "beam"):         # their own orders: cwm [full, sliding], beam [sliding, full]
             common["layer_types"] = ["sliding_attention", "full_attention"]
+    if family == "gemma4_text":
+        # Gemma 4: full layers with another head size and KV head count (global_head_dim, num_global_key_value_heads)
+        # whose values are their keys (attention_k_eq_v), per-layer token inputs, and the last two layers attending
+        # to the keys and values of the last earlier layer of their type (num_kv_shared_layers).
+        common.update(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, global_head_dim=16,
+                      num_global_key_value_heads=1, attention_k_eq_v=True, vocab_size_per_layer_input=VOCAB,
+                      hidden_size_per_layer_input=8, num_kv_shared_layers=2)
     common.update(overrides)
     return transformers.AutoConfig.for_model(family, **common)
 
@@ -220,20 +227,24 @@ SUPPORTED = ("Supported families: llama, mistral, qwen2, qwen3, gemma, granite, 
              "stablelm, nemotron, mixtral, qwen2_moe, qwen3_moe, granitemoe, granitemoeshared, olmoe, flex_olmo, "
              "phimoe, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open, dbrx, minimax_m2, hy_v3, aria_text, "
              "gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum, laguna, kolibri1, beam, "
-             "cohere2_moe, gemma2, vaultgemma, gpt_oss, granite_swa, granitemoe_swa (decoder-only text models")
+             "cohere2_moe, gemma2, vaultgemma, gpt_oss, granite_swa, granitemoe_swa, gemma4_text (decoder-only text "
+             "models")
 
 
 @pytest.mark.parametrize("family,overrides,reason", [
     ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "no sliding_window"),
     ("exaone4", {"layer_types": ["sliding_attention", "full_attention"]}, "no sliding_window"),
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
+    ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional attention"),
+    ("gemma4_text", {"use_bidirectional_attention": "all"}, "bidirectional attention"),
     ("phi3", {"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0] * 4, "short_factor": [1.0] * 4,
                                "original_max_position_embeddings": 128}}, "longrope"),
 ], ids=["qwen2-sliding-layer-without-window", "exaone4-sliding-layer-without-window", "llama-dynamic-rope",
-        "phi3-128k-longrope"])
+        "embeddinggemma-bidirectional", "gemma4-bidirectional", "phi3-128k-longrope"])
 def test_enable_refuses_what_sbd_cannot_decode_exactly(family, overrides, reason):
     """Guards against SBD silently running on layers whose attention or positions differ between a cached pass
-    and a recompute: a sliding layer whose window the config does not state, length-dependent RoPE."""
+    and a recompute: a sliding layer whose window the config does not state, length-dependent RoPE, and on models
+    whose rows see later rows (EmbeddingGemma's and Gemma 4's bidirectional settings)."""
     with pytest.raises(hf.SbdUnsupportedModelError, match=reason) as err:
         hf.enable_sbd(tiny_model(family, **overrides), mask_token_id=MASK_ID)
     assert SUPPORTED in str(err.value)
@@ -422,6 +433,27 @@ def test_sbd_cache_layout_is_the_ops_layout():
         assert k.is_contiguous() and k.dtype == torch.float32 and k.device.type == torch.device(DEVICE).type
     assert cache.seqlens.dtype == torch.int32 and cache.seqlens.tolist() == [0, 0, 0]
     assert cache.max_len == 20
+
+
+def test_sbd_cache_takes_each_layers_shape_and_shares_the_kv_shared_layers_buffers():
+    """Guards against one head size for every layer (Gemma 4's full layers: 16 and one KV head, its windowed
+    ones: 8 and two; the op would refuse the pass) and against a KV-shared layer holding buffers of its own (a
+    second copy of the cache it reads: Gemma 4's last layers attend to the keys and values of the last earlier
+    layer of their type, written once per pass through each). Shares that name no earlier layer with a cache of its
+    own are refused."""
+    sbd_model = hf.enable_sbd(tiny_model("gemma4_text").to(DEVICE), mask_token_id=MASK_ID)
+    cache = sbd_model.new_cache(2, 10)
+    shapes = [tuple(cache.layer_buffers(i)[0].shape) for i in range(4)]
+    assert shapes == [(2, 10, 2, 8), (2, 10, 1, 16), (2, 10, 2, 8), (2, 10, 1, 16)]
+    for reader, writer in ((2, 0), (3, 1)):
+        assert all(a is b for a, b in zip(cache.layer_buffers(reader), cache.layer_buffers(writer)))
+    assert cache.layer_buffers(0)[0] is not cache.layer_buffers(1)[0]
+    for shared_with, culprit in (([None, 1], "layer 1 shares the cache of layer 1"),
+                                 ([None, None, 1, 2], "layer 3 shares the cache of layer 2")):
+        with pytest.raises(ValueError, match=culprit):
+            hf.SbdCache(len(shared_with), 1, 4, 2, 8, shared_with=shared_with)
+    with pytest.raises(ValueError, match="one entry per layer \\(3\\), got 2, 3 and 3"):
+        hf.SbdCache(3, 1, 4, [2, 2], 8)
 
 
 def test_cached_sbd_decode_equals_the_full_recompute_oracle(sbd_model):
@@ -755,11 +787,14 @@ WINDOWED_DECODES = [(family, {}) for family in WINDOWED_FAMILIES] + [
     ("mistral", {}), ("phi3", {}), ("starcoder2", {}), ("qwen3_moe", {}),
     ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}),
     ("qwen2_moe", {"use_sliding_window": True, "max_window_layers": 2}),
-    ("exaone4", {"layer_types": ["sliding_attention", "full_attention"]})]
+    ("exaone4", {"layer_types": ["sliding_attention", "full_attention"]}),
+    # Gemma 4's mixture-of-experts models (26B-A4B) route experts beside their dense MLP.
+    ("gemma4_text", {"enable_moe_block": True, "num_experts": 2, "top_k_experts": 2, "moe_intermediate_size": 32})]
 
 
 @pytest.mark.parametrize("family,overrides", WINDOWED_DECODES,
-                         ids=[f"{f}-6-layers" if "num_hidden_layers" in o else f for f, o in WINDOWED_DECODES])
+                         ids=[f"{f}-6-layers" if "num_hidden_layers" in o else f"{f}-moe" if "enable_moe_block" in o
+                              else f for f, o in WINDOWED_DECODES])
 def test_decodes_past_the_window_equal_hf_greedy_and_the_recompute(family, overrides):
     """Guards against a windowed family decoding past its window (W = 6 here; prompts of 3 to 7 tokens and 12 new
     ones) with another window than HF's, or with a cache that disagrees with a recompute: NTP tokens equal HF's
@@ -1603,6 +1638,18 @@ def test_flex_block_mask_equals_the_dense_mask_cell_by_cell():
     dense = hf.sbd_training_mask(lengths, 8, 3, "sdpa")
     for b in range(2):
         assert torch.equal(block_mask.mask_mod(torch.tensor(b), 0, q, kv), dense[b, 0])
+
+
+def test_flex_training_mask_sliced_whole_stays_the_mask():
+    """Guards against a forward that slices its masks to the rows it keeps (Gemma 4, before its KV-shared layers:
+    all rows in training) getting BlockMask's slice, whose mask_mod refuses to run: an index that keeps every row
+    gives the mask itself, any other BlockMask's slice."""
+    block_mask = hf.sbd_training_mask(torch.tensor([5, 8]), 8, 3, "flex_attention")
+    for whole in ((slice(None), slice(None), slice(0, None), slice(None)), (slice(None), slice(None), slice(None)),
+                  Ellipsis, (Ellipsis, slice(0, None, 1))):
+        assert block_mask[whole] is block_mask
+    part = block_mask[:, :, 1:]
+    assert part is not block_mask and not isinstance(part.mask_mod, hf.training.SbdMaskMod)
 
 
 def mask_tensors(block_mask) -> dict[str, torch.Tensor]:

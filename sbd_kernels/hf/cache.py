@@ -1,8 +1,9 @@
 """`SbdCache`: the KV cache of SBD decoding of a Hugging Face model, as a transformers `Cache`.
 
 Per layer, contiguous `k`, `v` `[B, S_max, Hkv, D]` (the layout of `sbd.block_attention_with_kvcache`, not HF's
-`[B, H, S, D]`), and one `seqlens [B]` int32 shared by all layers: the cached length of each row, which differs
-between rows of a batch. The op appends the causal rows of a pass inside attention; `SbdCausalLM.decode_pass`
+`[B, H, S, D]`; Hkv and D may differ between layers, as in Gemma 4, and a layer that attends to another layer's
+keys and values, Gemma 4's KV-shared layers, holds that layer's buffers), and one `seqlens [B]` int32 shared by all
+layers: the cached length of each row, which differs between rows of a batch. The op appends the causal rows of a pass inside attention; `SbdCausalLM.decode_pass`
 then advances `seqlens` on the device. HF's own write path (`update`) therefore only checks that the call comes
 from an SBD decode pass: this cache cannot serve as a plain HF cache, and says so instead of returning keys that
 attend to nothing cached.
@@ -13,7 +14,7 @@ preallocated slots), and `StaticCache` holds one length for the whole batch in `
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -67,11 +68,29 @@ class SbdCache(Cache):
     is `layers[i].keys[b, :seqlens[b]]`.
     """
 
-    def __init__(self, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
-        shape = (batch, max_len, num_kv_heads, head_dim)
-        layers = [SbdCacheLayer(torch.zeros(shape, dtype=dtype, device=device),
-                                torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+    def __init__(self, num_layers: int, batch: int, max_len: int, num_kv_heads: int | Sequence[int],
+                 head_dim: int | Sequence[int], dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None, shared_with: Sequence[int | None] | None = None):
+        """num_kv_heads, head_dim: one for every layer, or one per layer. shared_with: per layer, None or the
+        earlier layer whose keys and values it attends to (its buffers are that layer's: a decode pass writes the
+        same rows to the same slots through both, once in each)."""
+        kv_heads = [num_kv_heads] * num_layers if isinstance(num_kv_heads, int) else list(num_kv_heads)
+        head_dims = [head_dim] * num_layers if isinstance(head_dim, int) else list(head_dim)
+        sources = [None] * num_layers if shared_with is None else list(shared_with)
+        if not len(kv_heads) == len(head_dims) == len(sources) == num_layers:
+            raise ValueError(f"SbdCache: num_kv_heads, head_dim and shared_with need one entry per layer "
+                             f"({num_layers}), got {len(kv_heads)}, {len(head_dims)} and {len(sources)}")
+        layers: list[SbdCacheLayer] = []
+        for i, (heads, dim, source) in enumerate(zip(kv_heads, head_dims, sources)):
+            if source is None:
+                shape = (batch, max_len, heads, dim)
+                layers.append(SbdCacheLayer(torch.zeros(shape, dtype=dtype, device=device),
+                                            torch.zeros(shape, dtype=dtype, device=device)))
+                continue
+            if not 0 <= source < i or sources[source] is not None:
+                raise ValueError(f"SbdCache: layer {i} shares the cache of layer {source}, which must be an earlier "
+                                 "layer with a cache of its own")
+            layers.append(SbdCacheLayer(layers[source].keys, layers[source].values))
         super().__init__(layers=layers)
         self.seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
         self._in_pass = False

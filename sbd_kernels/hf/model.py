@@ -63,7 +63,9 @@ from sbd_kernels.model import check_decode_pass, decode_positions
 # (`sbd_kernels.hf.window`); their full layers may differ as well (cohere2's and kolibri1's take no RoPE, gemma3's
 # another RoPE base), output gates follow attention (afmoe, laguna, beam), and most of them route experts. gemma2
 # and vaultgemma soft-cap their attention scores, and gpt_oss, granite_swa and granitemoe_swa add a sink logit per
-# head to every row's softmax, which their decode passes apply in PyTorch (`torch_block_attention`).
+# head to every row's softmax, which their decode passes apply in PyTorch (`torch_block_attention`). gemma4_text
+# gives its full layers another head size and KV head count than its windowed ones (`layer_cache_shapes`), and its
+# last layers attend to the keys and values of the last earlier layer of their type (KV sharing).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi", "phi3",
                          "cohere", "glm", "glm4", "smollm3", "starcoder2", "gpt_neox", "persimmon", "helium",
                          "ernie4_5", "arcee", "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "exaone4",
@@ -72,7 +74,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite
                          "flex_olmo", "phimoe", "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open",
                          "dbrx", "minimax_m2", "hy_v3", "aria_text", "gemma3_text", "olmo3", "cohere2", "ministral",
                          "cwm", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam", "cohere2_moe",
-                         "gemma2", "vaultgemma", "gpt_oss", "granite_swa", "granitemoe_swa")
+                         "gemma2", "vaultgemma", "gpt_oss", "granite_swa", "granitemoe_swa", "gemma4_text")
 # Families whose attention adds ALiBi biases (MPT and Falcon say so in their config: attn_config.alibi, alibi).
 ALIBI_MODEL_TYPES = ("bloom",)
 # Config parts of models with non-text inputs (sub-configs of Llava, Qwen2-VL, Whisper-style models, ...).
@@ -125,6 +127,11 @@ def check_supported(config: Any) -> None:
         raise _unsupported(model_type, "chunked attention layers are not supported (attention_chunk_size="
                                        f"{getattr(config, 'attention_chunk_size', None)}): an SBD block must attend "
                                        "to the whole causal prefix")
+    if getattr(config, "is_causal", True) is False or getattr(config, "use_bidirectional_attention", None) in (True,
+                                                                                                         "all"):
+        raise _unsupported(model_type, "bidirectional attention is not supported (use_bidirectional_attention="
+                                       f"{getattr(config, 'use_bidirectional_attention', None)!r}, an embedding "
+                                       "model's setting): SBD decodes causally, each row seeing only earlier rows")
     if getattr(config, "kv_lora_rank", None):
         raise _unsupported(model_type, "multi-head latent attention is not supported (kv_lora_rank="
                                        f"{config.kv_lora_rank}): its keys and values have different head sizes "
@@ -296,15 +303,37 @@ def mask_for_implementation(allowed: Tensor, implementation: str, dtype: torch.d
                      f"of {BASE_IMPLEMENTATIONS}")
 
 
-def _last_rows(length: int, keep_last: int, device: torch.device) -> int | Tensor:
-    """`logits_to_keep` for the last `keep_last` of `length` rows (0: all): an index tensor, not the int. HF
+def _last_rows(length: int, keep_last: int, device: torch.device) -> Tensor:
+    """`logits_to_keep` for the last `keep_last` of `length` rows (0: all): an index tensor, never an int. HF
     slices the hidden states with an int (`hidden[:, -keep:, :]`, a strided view) and the LM head's matmul
     can then take a bmm over the weight expanded per sequence: with weights created under
     torch.inference_mode, a copy of the whole [V, H] weight per sequence (a batch-16 SBD decode of a 32000-id
-    model ran 3.5x slower here). Indexing with a tensor gathers the rows into a contiguous [B, keep, H]."""
-    if keep_last <= 0 or keep_last >= length:
-        return 0
-    return torch.arange(length - keep_last, length, device=device)
+    model ran 3.5x slower here). Indexing with a tensor gathers the rows into a contiguous [B, keep, H]. And with
+    an int Gemma 4 runs its KV-shared layers on the kept rows alone (and slices the pass's mask), where the op
+    needs the pass's whole row layout."""
+    keep = length if keep_last <= 0 else min(keep_last, length)
+    return torch.arange(length - keep, length, device=device)
+
+
+def layer_cache_shapes(config: Any) -> tuple[list[int], list[int], list[int | None]]:
+    """Per layer of `config`: (KV heads, head size, the earlier layer whose keys and values it attends to or None).
+
+    One size for every layer, except in configs with per-layer settings (`per_layer_config`: Gemma 4's full layers
+    take `global_head_dim` and `num_global_key_value_heads`); a layer HF marks "reuse" in `kv_sharing_modes` reads
+    the keys and values that the "store" layer of its layer type computed in the same pass (Gemma 4's last
+    `num_kv_shared_layers`)."""
+    layers = config.num_hidden_layers
+    # Each layer's view of the config: a config with per-layer values refuses to read them globally.
+    per_layer = getattr(config, "per_layer_config", None)
+    layer_configs = [config if per_layer is None else per_layer[i] for i in range(layers)]
+    # Configs without grouped-query attention (GPT-NeoX) have no num_key_value_heads: one KV head per query head.
+    shapes = [(getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+               getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads) for c in layer_configs]
+    modes = getattr(config, "kv_sharing_modes", None) or [None] * layers
+    types = getattr(config, "layer_types", None) or ["full_attention"] * layers
+    stores = {types[i]: i for i in range(layers) if modes[i] == "store"}
+    shared_with = [stores[types[i]] if modes[i] == "reuse" else None for i in range(layers)]
+    return [heads for heads, _ in shapes], [dim for _, dim in shapes], shared_with
 
 
 def _check_block_mask_within_window(config: Any, positions: Tensor) -> None:
@@ -382,14 +411,11 @@ class SbdCausalLM(nn.Module):
         return mask_by_layer_type(self.config, build)
 
     def new_cache(self, batch: int, max_len: int) -> SbdCache:
-        """An empty `SbdCache` shaped for the model, in its dtype and on its device."""
-        config = self.config
+        """An empty `SbdCache` shaped for the model (`layer_cache_shapes`), in its dtype and on its device."""
         weight = self.hf_model.get_input_embeddings().weight
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        # Configs without grouped-query attention (GPT-NeoX) have no num_key_value_heads: one KV head per query head.
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        return SbdCache(config.num_hidden_layers, batch, max_len, num_kv_heads, head_dim,
-                        weight.dtype, weight.device)
+        kv_heads, head_dims, shared_with = layer_cache_shapes(self.config)
+        return SbdCache(self.config.num_hidden_layers, batch, max_len, kv_heads, head_dims, weight.dtype,
+                        weight.device, shared_with)
 
     def decode_pass(self, tokens: Tensor, num_causal: Tensor, block_size: int, cache: SbdCache,
                     attention_op: Any = None, keep_last: int = 0) -> Tensor:

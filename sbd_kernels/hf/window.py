@@ -25,7 +25,8 @@ from torch import Tensor
 # layer types.
 LAYER_TYPED_WINDOW_MODEL_TYPES = ("qwen2", "qwen3", "qwen2_moe", "dots1", "exaone4", "gemma3_text", "olmo3", "cohere2",
                                   "ministral", "cwm", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam",
-                                  "cohere2_moe", "gemma2", "vaultgemma", "gpt_oss", "granite_swa", "granitemoe_swa")
+                                  "cohere2_moe", "gemma2", "vaultgemma", "gpt_oss", "granite_swa", "granitemoe_swa",
+                                  "gemma4_text")
 
 
 def attention_window(config: Any) -> int | None:
