@@ -464,6 +464,30 @@ def test_cached_sbd_decode_equals_the_full_recompute_oracle(sbd_model):
     assert report.max_logit_error < MAX_FP32_LOGIT_ERROR[torch.device(DEVICE).type]
 
 
+def test_a_forward_keeping_the_last_rows_gives_their_logits():
+    """Guards against Gemma 4's KV-shared layers, which a forward keeping the logits of its last rows runs on
+    those rows alone, attending with SDPA's top-left causal alignment (row i seeing keys 0 .. i) under "sbd": HF
+    guards it for models running sdpa, not for "sbd" over sdpa. Keeping the last 4 of 10 rows gives the full
+    forward's last 4 rows of logits, as it does for HF's own sdpa model."""
+    tokens = torch.randint(3, MASK_ID, (2, 10), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    model = tiny_model("gemma4_text").to(DEVICE)
+    with torch.no_grad():
+        full = model(input_ids=tokens).logits
+        assert_logits_close(model(input_ids=tokens, logits_to_keep=4).logits, full[:, -4:], "HF's own sdpa")
+        hf.enable_sbd(model, mask_token_id=MASK_ID)
+        assert_logits_close(model(input_ids=tokens, logits_to_keep=4).logits, full[:, -4:], "sbd over sdpa")
+
+
+def test_kv_shared_layers_refuse_flex_attention_under_sbd():
+    """Guards against a Gemma 4 model whose every plain forward fails after enable_sbd: its forward slices
+    FlexAttention masks before its KV-shared layers unless the model runs flex_attention itself, and a sliced
+    BlockMask refuses to run. Refused, naming the setting and the implementations that work; without KV sharing
+    flex_attention is taken."""
+    with pytest.raises(hf.SbdUnsupportedModelError, match="num_kv_shared_layers=2.*\"sdpa\" or \"eager\""):
+        hf.enable_sbd(tiny_model("gemma4_text", attn="flex_attention"), mask_token_id=MASK_ID)
+    hf.enable_sbd(tiny_model("gemma4_text", attn="flex_attention", num_kv_shared_layers=0), mask_token_id=MASK_ID)
+
+
 @pytest.mark.parametrize("family,overrides", [("llama", {}), ("gemma3_text", {"sliding_window": 6}),
                                              ("gemma2", {"sliding_window": 6}), ("gpt_oss", {"sliding_window": 6})],
                          ids=["llama", "gemma3_text-past-the-window", "gemma2-softcap", "gpt_oss-sinks"])
@@ -744,7 +768,8 @@ def test_torch_attention_refuses_what_the_op_refuses():
     ("exaone4", {"layer_types": ["sliding_attention", "full_attention"]}),
     ("gemma3_text", {}),
     ("cohere2", {}),
-], ids=["mistral", "qwen2-sliding-layer", "exaone4-hybrid", "gemma3_text", "cohere2"])
+    ("gemma4_text", {}),
+], ids=["mistral", "qwen2-sliding-layer", "exaone4-hybrid", "gemma3_text", "cohere2", "gemma4_text-kv-shared"])
 def test_windowed_layers_give_hf_windowed_logits_up_to_and_past_the_window(family, overrides):
     """Guards against an off-by-one at the window, and against a windowed layer attending past it: HF's windowed
     layer lets index q attend to q - W < kv <= q (its eager attention weights: row W - 1 still weighs key 0, row W
@@ -839,8 +864,10 @@ def test_windowed_training_mask_cuts_the_keys_past_the_window(implementation):
 
 @pytest.mark.parametrize("family,overrides,attn", [
     ("mistral", {}, "sdpa"), ("gemma3_text", {}, "sdpa"), ("gemma3_text", {}, "eager"),
-    ("gemma3_text", {}, "flex_attention"), ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}, "sdpa")],
-    ids=["mistral", "gemma3_text", "gemma3_text-eager", "gemma3_text-flex", "qwen2-sliding-layer"])
+    ("gemma3_text", {}, "flex_attention"), ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}, "sdpa"),
+    ("gemma4_text", {}, "sdpa"), ("gemma4_text", {"num_kv_shared_layers": 0}, "flex_attention")],
+    ids=["mistral", "gemma3_text", "gemma3_text-eager", "gemma3_text-flex", "qwen2-sliding-layer", "gemma4_text",
+         "gemma4_text-no-kv-sharing-flex"])
 def test_training_past_the_window_sees_what_hf_and_the_decode_see(family, overrides, attn):
     """Guards against training and decoding a windowed model (W = 6, an example of 16 tokens) under different
     windows: the clean half of a collated batch gives HF's own windowed logits of the example, and the rows of
@@ -1640,18 +1667,6 @@ def test_flex_block_mask_equals_the_dense_mask_cell_by_cell():
         assert torch.equal(block_mask.mask_mod(torch.tensor(b), 0, q, kv), dense[b, 0])
 
 
-def test_flex_training_mask_sliced_whole_stays_the_mask():
-    """Guards against a forward that slices its masks to the rows it keeps (Gemma 4, before its KV-shared layers:
-    all rows in training) getting BlockMask's slice, whose mask_mod refuses to run: an index that keeps every row
-    gives the mask itself, any other BlockMask's slice."""
-    block_mask = hf.sbd_training_mask(torch.tensor([5, 8]), 8, 3, "flex_attention")
-    for whole in ((slice(None), slice(None), slice(0, None), slice(None)), (slice(None), slice(None), slice(None)),
-                  Ellipsis, (Ellipsis, slice(0, None, 1))):
-        assert block_mask[whole] is block_mask
-    part = block_mask[:, :, 1:]
-    assert part is not block_mask and not isinstance(part.mask_mod, hf.training.SbdMaskMod)
-
-
 def mask_tensors(block_mask) -> dict[str, torch.Tensor]:
     """Every tensor a BlockMask reads: its own, and those of its mask_mod (fields or closure cells)."""
     found = {name: v for name, v in vars(block_mask).items() if isinstance(v, torch.Tensor)}
@@ -1918,9 +1933,10 @@ def test_flex_attention_training_mask_gives_the_sdpa_logits(family):
         pytest.skip(f"transformers has no flex_attention path for {family} (it refuses to load one)")
     if family in SINK_FAMILIES:
         pytest.skip("transformers runs no attention sinks under flex_attention on the CPU")
+    overrides = {"num_kv_shared_layers": 0} if family == "gemma4_text" else {}    # KV sharing refuses flex under SBD
     out = {}
     for attn in ("flex_attention", "sdpa"):
-        model = tiny_model(family, attn=attn, seed=2)
+        model = tiny_model(family, attn=attn, seed=2, **overrides)
         hf.enable_sbd(model, mask_token_id=MASK_ID)
         with torch.no_grad():
             out[attn] = model(**padded_batch(model, k=4))

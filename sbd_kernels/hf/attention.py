@@ -185,6 +185,8 @@ def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
         _check_mask_form(base, attention_mask)
         if base == "flex_attention":
             _check_mask_device(attention_mask, query)
+        if base == "sdpa" and attention_mask is None and 1 < query.shape[2] < key.shape[2]:
+            attention_mask = _last_rows_causal_mask(query.shape[2], key.shape[2], query.device)
         # "eager" is not in the registry: each modeling file defines its own eager_attention_forward.
         modeling = sys.modules[type(module).__module__]
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(base, modeling.eager_attention_forward)
@@ -210,6 +212,16 @@ def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
         return out, None
     return torch_block_attention(*args, scaling, window=window, softcap=softcap, sinks=sinks,
                                  plans=sbd_pass.torch_plans), None
+
+
+def _last_rows_causal_mask(rows: int, keys: int, device: torch.device) -> Tensor:
+    """`[1, 1, rows, keys]` bool: query row i (position keys - rows + i) sees keys 0 .. keys - rows + i. For a layer
+    given no mask and fewer query rows than keys outside a decode pass: HF builds no sdpa mask only when every
+    row sees every key or a row is alone (`is_causal`), so such a query holds the last rows of the sequence, which
+    Gemma 4's KV-shared layers compute alone when a forward keeps the logits of the last rows (it skips that for
+    models running sdpa itself, not for "sbd"). SDPA's is_causal would align the rows at the top left: row i seeing
+    keys 0 .. i."""
+    return torch.ones(1, 1, rows, keys, dtype=torch.bool, device=device).tril(keys - rows)
 
 
 def _window_of(module: Any, kwargs: dict[str, Any]) -> int | None:

@@ -248,6 +248,14 @@ def enable_sbd(model: nn.Module, tokenizer: Any = None, *, block_size: int | Non
         raise SbdUnsupportedModelError(
             f"attention implementation {current!r} cannot take the SBD training mask; load the model with "
             f"attn_implementation in {BASE_IMPLEMENTATIONS}")
+    if base == "flex_attention" and getattr(config, "num_kv_shared_layers", 0):
+        # Gemma 4 slices its masks to the rows whose logits a forward keeps before its KV-shared layers unless the
+        # model's implementation is flex_attention itself; under "sbd" a sliced FlexAttention BlockMask refuses
+        # to run, so every plain forward of the model would fail.
+        raise SbdUnsupportedModelError(
+            f"{config.model_type} with KV-shared layers (num_kv_shared_layers={config.num_kv_shared_layers}) cannot "
+            "run flex_attention under SBD: its forward slices FlexAttention masks, which then refuse to run; load "
+            "the model with attn_implementation \"sdpa\" or \"eager\"")
     if block_size is None:
         block_size = getattr(config, "sbd_block_size", None) or DEFAULT_BLOCK_SIZE
     if block_size < 1:

@@ -59,16 +59,6 @@ class SbdBlockMask(BlockMask):
         movable.__dict__.update(vars(block_mask))
         return movable
 
-    def __getitem__(self, index: Any) -> BlockMask:
-        """The mask itself for an index that keeps every query row (`mask[:, :, 0:, :]`: Gemma 4 slices its masks to
-        the rows whose logits a forward keeps before its KV-shared layers, all of them in training), else
-        BlockMask's slicing, whose result has no mask_mod and refuses to run."""
-        parts = index if isinstance(index, tuple) else (index,)
-        if all(part is Ellipsis or (isinstance(part, slice) and part.start in (None, 0) and part.stop is None
-                                    and part.step in (None, 1)) for part in parts):
-            return self
-        return super().__getitem__(index)
-
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SbdBlockMask:
         moved = copy.copy(self)
         for name, value in vars(self).items():
