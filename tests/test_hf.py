@@ -37,7 +37,7 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoesh
 # after a windowed one unless the family orders them itself.
 WINDOWED_FAMILIES = ("gemma3_text", "olmo3", "cohere2", "ministral", "cwm", "exaone_moe", "afmoe", "mellum", "laguna",
                      "kolibri1", "beam", "cohere2_moe", "gemma2", "vaultgemma", "gpt_oss", "granite_swa",
-                     "granitemoe_swa", "gemma4_text")
+                     "granitemoe_swa", "gemma4_text", "gemma3n_text")
 WINDOW = 24
 # GPT-OSS sink logits of the tiny models: the top scores of their std-1 weights lie around this value.
 SINK_LOGIT_MEAN = 20.0
@@ -81,7 +81,7 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
                                      "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.1}
     if family == "gpt_oss":
         common["max_position_embeddings"] = 131072   # YaRN's factor 32 over its original 4096 positions, as released
-    if family in ("gemma2", "gemma3_text", "gemma4_text"):
+    if family in ("gemma2", "gemma3_text", "gemma4_text", "gemma3n_text"):
         # An output matrix of its own: tied, the input embedding (scaled by sqrt(hidden_size)) dominates the residual
         # stream of these std-1 models and greedy decoding repeats the prompt's last token, whatever the cache holds.
         common["tie_word_embeddings"] = False
@@ -119,6 +119,12 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
         common.update(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, global_head_dim=16,
                       num_global_key_value_heads=1, attention_k_eq_v=True, vocab_size_per_layer_input=VOCAB,
                       hidden_size_per_layer_input=8, num_kv_shared_layers=2)
+    if family == "gemma3n_text":
+        # Gemma 3n: per-layer token inputs, AltUp's two predicted streams, LAuReL's low-rank residual, activation
+        # sparsity in the first layer's MLP, and KV sharing as in Gemma 4.
+        common.update(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                      vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                      laurel_rank=4, altup_num_inputs=2, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0])
     common.update(overrides)
     return transformers.AutoConfig.for_model(family, **common)
 
@@ -227,8 +233,8 @@ SUPPORTED = ("Supported families: llama, mistral, qwen2, qwen3, gemma, granite, 
              "stablelm, nemotron, mixtral, qwen2_moe, qwen3_moe, granitemoe, granitemoeshared, olmoe, flex_olmo, "
              "phimoe, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open, dbrx, minimax_m2, hy_v3, aria_text, "
              "gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum, laguna, kolibri1, beam, "
-             "cohere2_moe, gemma2, vaultgemma, gpt_oss, granite_swa, granitemoe_swa, gemma4_text (decoder-only text "
-             "models")
+             "cohere2_moe, gemma2, vaultgemma, gpt_oss, granite_swa, granitemoe_swa, gemma4_text, gemma3n_text "
+             "(decoder-only text models")
 
 
 @pytest.mark.parametrize("family,overrides,reason", [
@@ -769,7 +775,9 @@ def test_torch_attention_refuses_what_the_op_refuses():
     ("gemma3_text", {}),
     ("cohere2", {}),
     ("gemma4_text", {}),
-], ids=["mistral", "qwen2-sliding-layer", "exaone4-hybrid", "gemma3_text", "cohere2", "gemma4_text-kv-shared"])
+    ("gemma3n_text", {}),
+], ids=["mistral", "qwen2-sliding-layer", "exaone4-hybrid", "gemma3_text", "cohere2", "gemma4_text-kv-shared",
+        "gemma3n_text-kv-shared"])
 def test_windowed_layers_give_hf_windowed_logits_up_to_and_past_the_window(family, overrides):
     """Guards against an off-by-one at the window, and against a windowed layer attending past it: HF's windowed
     layer lets index q attend to q - W < kv <= q (its eager attention weights: row W - 1 still weighs key 0, row W
@@ -865,9 +873,10 @@ def test_windowed_training_mask_cuts_the_keys_past_the_window(implementation):
 @pytest.mark.parametrize("family,overrides,attn", [
     ("mistral", {}, "sdpa"), ("gemma3_text", {}, "sdpa"), ("gemma3_text", {}, "eager"),
     ("gemma3_text", {}, "flex_attention"), ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}, "sdpa"),
-    ("gemma4_text", {}, "sdpa"), ("gemma4_text", {"num_kv_shared_layers": 0}, "flex_attention")],
+    ("gemma4_text", {}, "sdpa"), ("gemma4_text", {"num_kv_shared_layers": 0}, "flex_attention"),
+    ("gemma3n_text", {}, "flex_attention")],
     ids=["mistral", "gemma3_text", "gemma3_text-eager", "gemma3_text-flex", "qwen2-sliding-layer", "gemma4_text",
-         "gemma4_text-no-kv-sharing-flex"])
+         "gemma4_text-no-kv-sharing-flex", "gemma3n_text-flex"])
 def test_training_past_the_window_sees_what_hf_and_the_decode_see(family, overrides, attn):
     """Guards against training and decoding a windowed model (W = 6, an example of 16 tokens) under different
     windows: the clean half of a collated batch gives HF's own windowed logits of the example, and the rows of

@@ -64,8 +64,8 @@ from sbd_kernels.model import check_decode_pass, decode_positions
 # another RoPE base), output gates follow attention (afmoe, laguna, beam), and most of them route experts. gemma2
 # and vaultgemma soft-cap their attention scores, and gpt_oss, granite_swa and granitemoe_swa add a sink logit per
 # head to every row's softmax, which their decode passes apply in PyTorch (`torch_block_attention`). gemma4_text
-# gives its full layers another head size and KV head count than its windowed ones (`layer_cache_shapes`), and its
-# last layers attend to the keys and values of the last earlier layer of their type (KV sharing).
+# gives its full layers another head size and KV head count than its windowed ones (`layer_cache_shapes`); its and
+# gemma3n_text's last layers attend to the keys and values of the last earlier layer of their type (KV sharing).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi", "phi3",
                          "cohere", "glm", "glm4", "smollm3", "starcoder2", "gpt_neox", "persimmon", "helium",
                          "ernie4_5", "arcee", "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "exaone4",
@@ -74,7 +74,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite
                          "flex_olmo", "phimoe", "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open",
                          "dbrx", "minimax_m2", "hy_v3", "aria_text", "gemma3_text", "olmo3", "cohere2", "ministral",
                          "cwm", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam", "cohere2_moe",
-                         "gemma2", "vaultgemma", "gpt_oss", "granite_swa", "granitemoe_swa", "gemma4_text")
+                         "gemma2", "vaultgemma", "gpt_oss", "granite_swa", "granitemoe_swa", "gemma4_text",
+                         "gemma3n_text")
 # Families whose attention adds ALiBi biases (MPT and Falcon say so in their config: attn_config.alibi, alibi).
 ALIBI_MODEL_TYPES = ("bloom",)
 # Config parts of models with non-text inputs (sub-configs of Llava, Qwen2-VL, Whisper-style models, ...).
@@ -89,6 +90,13 @@ DEFAULT_BLOCK_SIZE = 16  # the SBD recipe's decode block size
 
 class SbdUnsupportedModelError(ValueError):
     """The model cannot be decoded or trained with SBD as implemented here; the message says why."""
+
+
+def model_type_slices_kv_shared_rows(config: Any) -> bool:
+    """Gemma 4 with KV-shared layers: its forward runs them on the rows whose logits it keeps (an int
+    `logits_to_keep`), slicing their masks, unless its implementation is flex_attention (or flash); Gemma 3n's
+    shared layers run every row."""
+    return config.model_type == "gemma4_text" and bool(getattr(config, "num_kv_shared_layers", 0))
 
 
 def _unsupported(model_type: Any, reason: str) -> SbdUnsupportedModelError:
@@ -248,7 +256,7 @@ def enable_sbd(model: nn.Module, tokenizer: Any = None, *, block_size: int | Non
         raise SbdUnsupportedModelError(
             f"attention implementation {current!r} cannot take the SBD training mask; load the model with "
             f"attn_implementation in {BASE_IMPLEMENTATIONS}")
-    if base == "flex_attention" and getattr(config, "num_kv_shared_layers", 0):
+    if base == "flex_attention" and model_type_slices_kv_shared_rows(config):
         # Gemma 4 slices its masks to the rows whose logits a forward keeps before its KV-shared layers unless the
         # model's implementation is flex_attention itself; under "sbd" a sliced FlexAttention BlockMask refuses
         # to run, so every plain forward of the model would fail.
