@@ -2,11 +2,11 @@
 
 Per layer, contiguous `k`, `v` `[B, S_max, Hkv, D]` (the layout of `sbd.block_attention_with_kvcache`, not HF's
 `[B, H, S, D]`; Hkv and D may differ between layers, as in Gemma 4, and a layer that attends to another layer's
-keys and values, Gemma 4's KV-shared layers, holds that layer's buffers), and one `seqlens [B]` int32 shared by all
-layers: the cached length of each row, which differs between rows of a batch. The op appends the causal rows of a pass inside attention; `SbdCausalLM.decode_pass`
-then advances `seqlens` on the device. HF's own write path (`update`) therefore only checks that the call comes
-from an SBD decode pass: this cache cannot serve as a plain HF cache, and says so instead of returning keys that
-attend to nothing cached.
+keys and values, the KV-shared layers of Gemma 4 and Gemma 3n, holds that layer's buffers), and one `seqlens [B]`
+int32 shared by all layers: the cached length of each row, which differs between rows of a batch. The op appends
+the causal rows of a pass inside attention; `SbdCausalLM.decode_pass` then advances `seqlens` on the device. HF's
+own write path (`update`) therefore only checks that the call comes from an SBD decode pass: this cache cannot
+serve as a plain HF cache, and says so instead of returning keys that attend to nothing cached.
 
 Why not HF's caches: `DynamicCache` grows by concatenation (a new tensor every pass; the op writes in place into
 preallocated slots), and `StaticCache` holds one length for the whole batch in `[B, H, S, D]`.

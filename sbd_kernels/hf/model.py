@@ -336,8 +336,8 @@ def layer_cache_shapes(config: Any) -> tuple[list[int], list[int], list[int | No
 
     One size for every layer, except in configs with per-layer settings (`per_layer_config`: Gemma 4's full layers
     take `global_head_dim` and `num_global_key_value_heads`); a layer HF marks "reuse" in `kv_sharing_modes` reads
-    the keys and values that the "store" layer of its layer type computed in the same pass (Gemma 4's last
-    `num_kv_shared_layers`)."""
+    the keys and values that the "store" layer of its layer type computed in the same pass (the last
+    `num_kv_shared_layers` of Gemma 4 and Gemma 3n)."""
     layers = config.num_hidden_layers
     # Each layer's view of the config: a config with per-layer values refuses to read them globally.
     per_layer = getattr(config, "per_layer_config", None)
