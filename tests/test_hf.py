@@ -37,7 +37,7 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoesh
 # after a windowed one unless the family orders them itself.
 WINDOWED_FAMILIES = ("gemma3_text", "olmo3", "cohere2", "ministral", "cwm", "exaone_moe", "afmoe", "mellum", "laguna",
                      "kolibri1", "beam", "cohere2_moe", "gemma2", "vaultgemma", "gpt_oss", "granite_swa",
-                     "granitemoe_swa", "gemma4_text", "gemma3n_text")
+                     "granitemoe_swa", "gemma4_text", "gemma4_unified_text", "gemma3n_text")
 WINDOW = 24
 # GPT-OSS sink logits of the tiny models: the top scores of their std-1 weights lie around this value.
 SINK_LOGIT_MEAN = 20.0
@@ -81,7 +81,7 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
                                      "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.1}
     if family == "gpt_oss":
         common["max_position_embeddings"] = 131072   # YaRN's factor 32 over its original 4096 positions, as released
-    if family in ("gemma2", "gemma3_text", "gemma4_text", "gemma3n_text"):
+    if family in ("gemma2", "gemma3_text", "gemma4_text", "gemma4_unified_text", "gemma3n_text"):
         # An output matrix of its own: tied, the input embedding (scaled by sqrt(hidden_size)) dominates the residual
         # stream of these std-1 models and greedy decoding repeats the prompt's last token, whatever the cache holds.
         common["tie_word_embeddings"] = False
@@ -112,13 +112,14 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
         common["sliding_window"] = WINDOW
         if family not in ("cwm", "beam"):         # their own orders: cwm [full, sliding], beam [sliding, full]
             common["layer_types"] = ["sliding_attention", "full_attention"]
-    if family == "gemma4_text":
+    if family in ("gemma4_text", "gemma4_unified_text"):
         # Gemma 4: full layers with another head size and KV head count (global_head_dim, num_global_key_value_heads)
-        # whose values are their keys (attention_k_eq_v), per-layer token inputs, and the last two layers attending
-        # to the keys and values of the last earlier layer of their type (num_kv_shared_layers).
+        # whose values are their keys (attention_k_eq_v), and the last two layers attending to the keys and values of
+        # the last earlier layer of their type (num_kv_shared_layers); gemma4_text adds per-layer token inputs.
         common.update(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, global_head_dim=16,
-                      num_global_key_value_heads=1, attention_k_eq_v=True, vocab_size_per_layer_input=VOCAB,
-                      hidden_size_per_layer_input=8, num_kv_shared_layers=2)
+                      num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2)
+    if family == "gemma4_text":
+        common.update(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)
     if family == "gemma3n_text":
         # Gemma 3n: per-layer token inputs, AltUp's two predicted streams, LAuReL's low-rank residual, activation
         # sparsity in the first layer's MLP, and KV sharing as in Gemma 4.
@@ -233,8 +234,8 @@ SUPPORTED = ("Supported families: llama, mistral, qwen2, qwen3, gemma, granite, 
              "stablelm, nemotron, mixtral, qwen2_moe, qwen3_moe, granitemoe, granitemoeshared, olmoe, flex_olmo, "
              "phimoe, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open, dbrx, minimax_m2, hy_v3, aria_text, "
              "gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum, laguna, kolibri1, beam, "
-             "cohere2_moe, gemma2, vaultgemma, gpt_oss, granite_swa, granitemoe_swa, gemma4_text, gemma3n_text "
-             "(decoder-only text models")
+             "cohere2_moe, gemma2, vaultgemma, gpt_oss, granite_swa, granitemoe_swa, gemma4_text, gemma4_unified_text, "
+             "gemma3n_text (decoder-only text models")
 
 
 @pytest.mark.parametrize("family,overrides,reason", [
@@ -470,13 +471,14 @@ def test_cached_sbd_decode_equals_the_full_recompute_oracle(sbd_model):
     assert report.max_logit_error < MAX_FP32_LOGIT_ERROR[torch.device(DEVICE).type]
 
 
-def test_a_forward_keeping_the_last_rows_gives_their_logits():
+@pytest.mark.parametrize("family", ["gemma4_text", "gemma4_unified_text"])
+def test_a_forward_keeping_the_last_rows_gives_their_logits(family):
     """Guards against Gemma 4's KV-shared layers, which a forward keeping the logits of its last rows runs on
     those rows alone, attending with SDPA's top-left causal alignment (row i seeing keys 0 .. i) under "sbd": HF
     guards it for models running sdpa, not for "sbd" over sdpa. Keeping the last 4 of 10 rows gives the full
     forward's last 4 rows of logits, as it does for HF's own sdpa model."""
     tokens = torch.randint(3, MASK_ID, (2, 10), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    model = tiny_model("gemma4_text").to(DEVICE)
+    model = tiny_model(family).to(DEVICE)
     with torch.no_grad():
         full = model(input_ids=tokens).logits
         assert_logits_close(model(input_ids=tokens, logits_to_keep=4).logits, full[:, -4:], "HF's own sdpa")
@@ -484,14 +486,15 @@ def test_a_forward_keeping_the_last_rows_gives_their_logits():
         assert_logits_close(model(input_ids=tokens, logits_to_keep=4).logits, full[:, -4:], "sbd over sdpa")
 
 
-def test_kv_shared_layers_refuse_flex_attention_under_sbd():
+@pytest.mark.parametrize("family", ["gemma4_text", "gemma4_unified_text"])
+def test_kv_shared_layers_refuse_flex_attention_under_sbd(family):
     """Guards against a Gemma 4 model whose every plain forward fails after enable_sbd: its forward slices
     FlexAttention masks before its KV-shared layers unless the model runs flex_attention itself, and a sliced
     BlockMask refuses to run. Refused, naming the setting and the implementations that work; without KV sharing
     flex_attention is taken."""
     with pytest.raises(hf.SbdUnsupportedModelError, match="num_kv_shared_layers=2.*\"sdpa\" or \"eager\""):
-        hf.enable_sbd(tiny_model("gemma4_text", attn="flex_attention"), mask_token_id=MASK_ID)
-    hf.enable_sbd(tiny_model("gemma4_text", attn="flex_attention", num_kv_shared_layers=0), mask_token_id=MASK_ID)
+        hf.enable_sbd(tiny_model(family, attn="flex_attention"), mask_token_id=MASK_ID)
+    hf.enable_sbd(tiny_model(family, attn="flex_attention", num_kv_shared_layers=0), mask_token_id=MASK_ID)
 
 
 @pytest.mark.parametrize("family,overrides", [("llama", {}), ("gemma3_text", {"sliding_window": 6}),
@@ -622,7 +625,7 @@ def torch_attention_oracle(case, window: int | None, softcap: float | None, sink
     from sbd_kernels.ops.attention import naive
     from sbd_kernels.ops.attention._checks import check_block_attention_args
 
-    dims = check_block_attention_args(*case.args())
+    dims = check_block_attention_args(*case.args(), max_head_dim=None)
     scale = dims.head_dim ** -0.5 if case.softmax_scale is None else case.softmax_scale
     group = dims.q_heads // dims.kv_heads
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
@@ -670,6 +673,7 @@ TORCH_ATTENTION_CASES = {                 # make_case's shapes; L_b of the 3 seq
     "no-rows": {"C": 0, "K": 0},
     "mha": {"Hq": 4, "Hkv": 4},
     "gqa-8": {"Hq": 8, "Hkv": 1},
+    "head-dim-320": {"D": 320},
     "fp16": {"dtype": torch.float16},
     "bf16": {"dtype": torch.bfloat16},
     "non-contiguous": {"contiguous": False},
@@ -822,12 +826,14 @@ WINDOWED_DECODES = [(family, {}) for family in WINDOWED_FAMILIES] + [
     ("qwen2_moe", {"use_sliding_window": True, "max_window_layers": 2}),
     ("exaone4", {"layer_types": ["sliding_attention", "full_attention"]}),
     # Gemma 4's mixture-of-experts models (26B-A4B) route experts beside their dense MLP.
-    ("gemma4_text", {"enable_moe_block": True, "num_experts": 2, "top_k_experts": 2, "moe_intermediate_size": 32})]
+    ("gemma4_text", {"enable_moe_block": True, "num_experts": 2, "top_k_experts": 2, "moe_intermediate_size": 32}),
+    # Gemma 4's released full layers have heads of 512, above the kernels' 256: the PyTorch path computes them.
+    ("gemma4_text", {"global_head_dim": 320})]
 
 
 @pytest.mark.parametrize("family,overrides", WINDOWED_DECODES,
                          ids=[f"{f}-6-layers" if "num_hidden_layers" in o else f"{f}-moe" if "enable_moe_block" in o
-                              else f for f, o in WINDOWED_DECODES])
+                              else f"{f}-head-dim-320" if "global_head_dim" in o else f for f, o in WINDOWED_DECODES])
 def test_decodes_past_the_window_equal_hf_greedy_and_the_recompute(family, overrides):
     """Guards against a windowed family decoding past its window (W = 6 here; prompts of 3 to 7 tokens and 12 new
     ones) with another window than HF's, or with a cache that disagrees with a recompute: NTP tokens equal HF's
@@ -1942,7 +1948,8 @@ def test_flex_attention_training_mask_gives_the_sdpa_logits(family):
         pytest.skip(f"transformers has no flex_attention path for {family} (it refuses to load one)")
     if family in SINK_FAMILIES:
         pytest.skip("transformers runs no attention sinks under flex_attention on the CPU")
-    overrides = {"num_kv_shared_layers": 0} if family == "gemma4_text" else {}    # KV sharing refuses flex under SBD
+    # KV sharing refuses flex under SBD in the Gemma 4 families
+    overrides = {"num_kv_shared_layers": 0} if family in ("gemma4_text", "gemma4_unified_text") else {}
     out = {}
     for attn in ("flex_attention", "sdpa"):
         model = tiny_model(family, attn=attn, seed=2, **overrides)

@@ -6,8 +6,9 @@ A model prepared by `sbd_kernels.hf.enable_sbd` runs every attention layer throu
   kwargs, and records it for decoder layers that drop their kwargs: `active_pass`), it calls
   `sbd.block_attention_with_kvcache` on the layer's slice of the `SbdCache`: causal rows are appended to the cache,
   the block is never cached, and the mask is the op's row layout (no mask tensor); a sliding-window layer in a pass
-  that spans more than its window, a layer with soft-capped scores (Gemma 2) and one with attention sinks
-  (GPT-OSS) call `torch_block_attention` instead (the same in PyTorch, with the window, the cap and the sinks);
+  that spans more than its window, a layer with soft-capped scores (Gemma 2), one with attention sinks (GPT-OSS)
+  and one whose heads are larger than the kernels take (Gemma 4's full layers: 512 > MAX_HEAD_DIM = 256) call
+  `torch_block_attention` instead (the same in PyTorch, with the window, the cap and the sinks);
 - in every other call (training, HF `generate`, a plain forward) it runs the attention implementation the model
   had before (`config.sbd_base_attn_implementation`: "sdpa", "eager" or "flex_attention"), with the mask HF or the
   SBD data collator built for that implementation. The mask function of "sbd" likewise delegates to the base
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from sbd_kernels.hf.torch_attention import PassPlan, torch_block_attention
 from sbd_kernels.hf.window import layer_window
+from sbd_kernels.ops.attention._checks import MAX_HEAD_DIM
 
 ATTN_IMPLEMENTATION = "sbd"
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
@@ -205,9 +207,9 @@ def sbd_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
     if window is not None and sbd_pass.cache.max_len + sbd_pass.block_size <= window:
         window = None
     # What HF layers pass besides the window that changes how a row weighs its keys: Gemma 2's score cap (softcap),
-    # GPT-OSS's sinks (s_aux). The op has neither.
+    # GPT-OSS's sinks (s_aux). The op has neither, nor heads above MAX_HEAD_DIM (Gemma 4's full layers: 512).
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
-    if window is None and softcap is None and sinks is None:
+    if window is None and softcap is None and sinks is None and query.shape[-1] <= MAX_HEAD_DIM:
         out, _ = sbd_pass.attention_op(*args, None, scaling)
         return out, None
     return torch_block_attention(*args, scaling, window=window, softcap=softcap, sinks=sinks,

@@ -63,9 +63,10 @@ from sbd_kernels.model import check_decode_pass, decode_positions
 # (`sbd_kernels.hf.window`); their full layers may differ as well (cohere2's and kolibri1's take no RoPE, gemma3's
 # another RoPE base), output gates follow attention (afmoe, laguna, beam), and most of them route experts. gemma2
 # and vaultgemma soft-cap their attention scores, and gpt_oss, granite_swa and granitemoe_swa add a sink logit per
-# head to every row's softmax, which their decode passes apply in PyTorch (`torch_block_attention`). gemma4_text
-# gives its full layers another head size and KV head count than its windowed ones (`layer_cache_shapes`); its and
-# gemma3n_text's last layers attend to the keys and values of the last earlier layer of their type (KV sharing).
+# head to every row's softmax, which their decode passes apply in PyTorch (`torch_block_attention`). gemma4_text and
+# gemma4_unified_text give their full layers another head size (512 in the released models, which the PyTorch path
+# computes) and KV head count than their windowed ones (`layer_cache_shapes`); their and gemma3n_text's last layers
+# attend to the keys and values of the last earlier layer of their type (KV sharing).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi", "phi3",
                          "cohere", "glm", "glm4", "smollm3", "starcoder2", "gpt_neox", "persimmon", "helium",
                          "ernie4_5", "arcee", "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "exaone4",
@@ -75,7 +76,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite
                          "dbrx", "minimax_m2", "hy_v3", "aria_text", "gemma3_text", "olmo3", "cohere2", "ministral",
                          "cwm", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam", "cohere2_moe",
                          "gemma2", "vaultgemma", "gpt_oss", "granite_swa", "granitemoe_swa", "gemma4_text",
-                         "gemma3n_text")
+                         "gemma4_unified_text", "gemma3n_text")
 # Families whose attention adds ALiBi biases (MPT and Falcon say so in their config: attn_config.alibi, alibi).
 ALIBI_MODEL_TYPES = ("bloom",)
 # Config parts of models with non-text inputs (sub-configs of Llava, Qwen2-VL, Whisper-style models, ...).
@@ -96,7 +97,8 @@ def model_type_slices_kv_shared_rows(config: Any) -> bool:
     """Gemma 4 with KV-shared layers: its forward runs them on the rows whose logits it keeps (an int
     `logits_to_keep`), slicing their masks, unless its implementation is flex_attention (or flash); Gemma 3n's
     shared layers run every row."""
-    return config.model_type == "gemma4_text" and bool(getattr(config, "num_kv_shared_layers", 0))
+    return config.model_type in ("gemma4_text", "gemma4_unified_text") and bool(getattr(config, "num_kv_shared_layers",
+                                                                                              0))
 
 
 def _unsupported(model_type: Any, reason: str) -> SbdUnsupportedModelError:

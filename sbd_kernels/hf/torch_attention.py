@@ -206,7 +206,7 @@ def torch_block_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_ca
         raise ValueError(f"torch_block_attention: sinks must have shape [Hq] = [{q.shape[2]}] (one logit per query "
                          f"head), got {list(sinks.shape)}")
     dims = check_block_attention_args(q, k, v, k_cache, v_cache, cache_seqlens, num_causal, block_size, None,
-                                      softmax_scale, aliasing=not torch.compiler.is_compiling())
+                                      softmax_scale, aliasing=not torch.compiler.is_compiling(), max_head_dim=None)
     plans = {} if plans is None else plans
     if window not in plans:
         assert_block_attention_values(cache_seqlens, num_causal, dims)

@@ -165,18 +165,23 @@ def check_block_attention_args(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor, num_causal: torch.Tensor, block_size: int,
     block_table: torch.Tensor | None = None, softmax_scale: float | None = None, *, aliasing: bool = True,
+    max_head_dim: int | None = MAX_HEAD_DIM,
 ) -> AttentionDims:
     """Check shapes, dtypes, devices, softmax_scale (finite, > 0 as a float32) and that the caches alias nothing; return
     the sizes of the call. Raises RuntimeError naming the argument(s), in the C++ kernel's words (dtypes
     as `torch.float32`, shapes as `[B, S, H, D]`). aliasing=False skips the aliasing check: a caller traced by
-    torch.compile outside a custom op (whose data pointers dynamo cannot read) checks it in eager calls only."""
+    torch.compile outside a custom op (whose data pointers dynamo cannot read) checks it in eager calls only.
+    max_head_dim: the largest head size the kernels take (None: any, for an implementation of the op's contract
+    without that limit)."""
     if q.dim() != 4:
         _fail(f"q must be 4-D [B, S, Hq, D], got shape {list(q.shape)}; {QKV_LAYOUT}")
     if q.dtype not in FLOAT_DTYPES:
         _fail(f"q must be float32, float16 or bfloat16, got {q.dtype}")
     batch, seq, hq, dim = q.shape
-    if not 0 < dim <= MAX_HEAD_DIM:
-        _fail(f"q head dim must be in [1, {MAX_HEAD_DIM}], got {dim}")
+    if max_head_dim is not None and not 0 < dim <= max_head_dim:
+        _fail(f"q head dim must be in [1, {max_head_dim}], got {dim}")
+    if dim < 1:
+        _fail(f"q head dim must be >= 1, got {dim}")
     if k.dim() != 4:
         _fail(f"k must be 4-D [B, S, Hkv, D], got shape {list(k.shape)}; {QKV_LAYOUT}")
     for axis, label in ((0, "B"), (1, "S"), (3, "D")):
