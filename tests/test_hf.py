@@ -497,15 +497,23 @@ def test_kv_shared_layers_refuse_flex_attention_under_sbd(family):
     hf.enable_sbd(tiny_model(family, attn="flex_attention", num_kv_shared_layers=0), mask_token_id=MASK_ID)
 
 
+GEMMA4_RELEASED_HEADS = {"head_dim": 256, "global_head_dim": 512, "sliding_window": 6}
+
+
 @pytest.mark.parametrize("family,overrides", [("llama", {}), ("gemma3_text", {"sliding_window": 6}),
-                                             ("gemma2", {"sliding_window": 6}), ("gpt_oss", {"sliding_window": 6})],
-                         ids=["llama", "gemma3_text-past-the-window", "gemma2-softcap", "gpt_oss-sinks"])
+                                             ("gemma2", {"sliding_window": 6}), ("gpt_oss", {"sliding_window": 6}),
+                                             ("gemma4_text", GEMMA4_RELEASED_HEADS),
+                                             ("gemma4_unified_text", GEMMA4_RELEASED_HEADS)],
+                         ids=["llama", "gemma3_text-past-the-window", "gemma2-softcap", "gpt_oss-sinks",
+                              "gemma4_text-heads-256-512", "gemma4_unified_text-heads-256-512"])
 def test_check_passes_a_default_initialised_bf16_model_up_to_near_ties(family, overrides):
     """Guards against hf.check failing every freshly initialised bf16 model (HF's std-0.02 init): its
     near-uniform predictions tie in the EB ranking at nearly every pass, and the cached decode (fp32
     accumulation) and the recompute then reveal different positions, with cached logits within their bound. Also
     through the PyTorch attention path, past a window, with capped scores and with sinks (HF's eager softmax of
-    GPT-OSS runs in bf16, ours in fp32: 2.1e-3 apart against a bound of 0.16)."""
+    GPT-OSS runs in bf16, ours in fp32: 2.1e-3 apart against a bound of 0.16), and at Gemma 4's released head
+    sizes: 256 in the windowed layers (the kernels' largest), 512 in the full ones (the PyTorch path; 0.015-0.021
+    against 0.17)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, **overrides)).to(torch.bfloat16).eval()
     hf.enable_sbd(model.to(DEVICE), mask_token_id=MASK_ID, block_size=8)
