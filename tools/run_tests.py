@@ -7,10 +7,10 @@ build, in one of them, and the other processes take the tests right after them),
 that the Triton kernels run on CPU tensors. Most of the suite is single-threaded Python (the Triton interpreter,
 the oracles, subprocesses that import torch): on the 2-core reference machine (AMD EPYC Zen 4) two processes ran it
 in 8.5-11 minutes (8.7-11.6 with later tests, on a busy machine; 8.1-12.7 with 39 Hugging Face families, 8.4-10.5
-with 59, 8.3-10.5 with 67), where one process had taken 17.3 minutes (with 71 more real-process CLI cases, ~2.5 min). A 2-core Xeon
-at 2.1 GHz took 16.4-18.7 minutes, and 10.1-12.1 once the interpreter patched triton.language once per launch
-(`sbd_kernels.testing.patch_the_interpreter_once_per_launch`) and the CMake build ran in one shard; a 2-core Xeon
-at 2.6 GHz, 7.7-10.6 minutes.
+with 59, 8.3-10.5 with 67), where one process had taken 17.3 minutes (with 71 more real-process CLI cases, ~2.5
+min). A 2-core Xeon at 2.1 GHz took 16.4-18.7 minutes, and 10.1-12.1 once the interpreter patched
+triton.language once per launch (`sbd_kernels.testing.patch_the_interpreter_once_per_launch`) and the CMake
+build ran in one shard; a 2-core Xeon at 2.6 GHz, 7.7-10.6 minutes.
 Shard 0 prints as it runs; the others' output follows when they end. Exit status: 0 when every shard passed,
 else the first non-zero status among them. SIGTERM (a CI job's time limit) stops every shard and prints the
 others' output so far before this process ends with status 143, so that a run cut short shows where each

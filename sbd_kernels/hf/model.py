@@ -93,12 +93,14 @@ class SbdUnsupportedModelError(ValueError):
     """The model cannot be decoded or trained with SBD as implemented here; the message says why."""
 
 
+# Families whose forward runs the KV-shared layers on the rows whose logits it keeps (an int `logits_to_keep`),
+# slicing their masks, unless the model's implementation is flex_attention (or flash); Gemma 3n's run every row.
+KV_SHARED_ROW_SLICING_MODEL_TYPES = ("gemma4_text", "gemma4_unified_text")
+
+
 def model_type_slices_kv_shared_rows(config: Any) -> bool:
-    """Gemma 4 with KV-shared layers: its forward runs them on the rows whose logits it keeps (an int
-    `logits_to_keep`), slicing their masks, unless its implementation is flex_attention (or flash); Gemma 3n's
-    shared layers run every row."""
-    return config.model_type in ("gemma4_text", "gemma4_unified_text") and bool(getattr(config, "num_kv_shared_layers",
-                                                                                              0))
+    """A model of KV_SHARED_ROW_SLICING_MODEL_TYPES with KV-shared layers."""
+    return config.model_type in KV_SHARED_ROW_SLICING_MODEL_TYPES and bool(getattr(config, "num_kv_shared_layers", 0))
 
 
 def _unsupported(model_type: Any, reason: str) -> SbdUnsupportedModelError:
