@@ -4,8 +4,9 @@ op has no input for: a sliding window (keys W or more positions behind a row cut
 head joins each row's softmax and weighs no value).
 
 `sbd_attention` calls it for a layer whose window cuts keys in the pass (the pass spans more than W positions:
-the cache's slots plus the block), whose scores are soft-capped or which has sinks; every other layer runs the op. Same arguments
-(contiguous cache only), checks, row layout and side effect as the op: causal row i < c_b (position L_b + i) sees
+the cache's slots plus the block), whose scores are soft-capped, which has sinks or whose heads are larger than the
+kernels take (MAX_HEAD_DIM); every other layer runs the op. Same arguments (contiguous cache only), checks (but the
+head-size limit), row layout and side effect as the op: causal row i < c_b (position L_b + i) sees
 the cache and causal rows j <= i; padding rows see nothing (out 0); block row j (position L_b + c_b + j) sees the
 cache, the c_b causal rows and the block; the causal rows' K/V are written to cache slots [L_b, L_b + c_b). Static
 shapes, no host sync: CUDA-graph safe and traceable by torch.compile(fullgraph=True).
