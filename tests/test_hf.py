@@ -1875,16 +1875,24 @@ def test_graph_safe_steps_give_the_eager_tokens_through_hf(sbd_model, method):
     assert checked.tokens == eager.tokens and torch.equal(checked.nfe, eager.nfe)
 
 
+# Families whose windowed layers (W = 6, shorter than the decodes) run `torch_block_attention`, each with its own
+# departure on that path, and the backend each compiles with: Gemma 3 the plain window, through Inductor (64 s on
+# the 2-core AMD EPYC Zen 4, most of it C++ code generation); GPT-OSS the attention sinks and Gemma 4 the layers
+# that read another layer's KV rows (and per-layer head sizes), through aot_eager (4-11 s): the same full-graph
+# Dynamo trace, which is what finds a graph break or a host sync, and AOT autograd's trace, without Inductor.
+COMPILED_DECODE_FAMILIES = (("gemma3_text", "inductor"), ("gpt_oss", "aot_eager"), ("gemma4_text", "aot_eager"))
+
+
+@pytest.mark.parametrize("family", [name for name, _ in COMPILED_DECODE_FAMILIES])
 @pytest.mark.parametrize("method", ["ntp", "sbd"])
-def test_graph_safe_steps_past_the_window_give_the_eager_tokens(method):
+def test_graph_safe_steps_past_the_window_give_the_eager_tokens(family, method):
     """Guards against the windowed path (a cache longer than the window) rebinding the cache or reading the host:
-    the replay wrapper's static-buffer checks pass for a Gemma 3 model with W = 6 decoding past it, and the tokens
-    equal the eager ones."""
+    the replay wrapper's static-buffer checks pass for a model with W = 6 decoding past it (the plain window, the
+    sinks, the KV-shared layers), and the tokens equal the eager ones."""
     from sbd_kernels.generate import EAGER_STEPS
     from sbd_kernels.graphs import graphed_steps
 
-    sbd_model = hf.enable_sbd(tiny_model("gemma3_text", sliding_window=6).to(DEVICE), mask_token_id=MASK_ID,
-                              block_size=4)
+    sbd_model = hf.enable_sbd(tiny_model(family, sliding_window=6).to(DEVICE), mask_token_id=MASK_ID, block_size=4)
     cfg = DecodeConfig(method=method, block_size=4, gamma=0.5, max_new_tokens=12)
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11]]
     checked = generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0, steps=graphed_steps(EAGER_STEPS, "check"))
@@ -1905,11 +1913,14 @@ def test_cuda_graph_needs_a_cuda_model_through_hf():
 
 @pytest.mark.cuda_only
 @pytest.mark.skipif(DEVICE != "cuda", reason="replays CUDA graphs (no GPU here)")
+@pytest.mark.parametrize("family", ["qwen3", *(name for name, _ in COMPILED_DECODE_FAMILIES)])
 @pytest.mark.parametrize("method", ["ntp", "sbd"])
-def test_cuda_graph_decode_through_hf_gives_the_eager_tokens(method):
+def test_cuda_graph_decode_through_hf_gives_the_eager_tokens(family, method):
     """Guards against replayed decode steps of an HF model differing from the eager decode (a buffer rebound
-    between capture and replay, a host sync captured, positions read from a stale cache length)."""
-    model = tiny_model("qwen3").to(DEVICE)
+    between capture and replay, a host sync captured, positions read from a stale cache length), through the op
+    alone (Qwen 3) and through `torch_block_attention` too (windowed layers with W = 6 decoding past it)."""
+    overrides = {} if family == "qwen3" else {"sliding_window": 6}
+    model = tiny_model(family, **overrides).to(DEVICE)
     hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
     ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]], device=DEVICE)
     mask = (ids != 0).long()
@@ -1923,24 +1934,26 @@ def test_cuda_graph_decode_through_hf_gives_the_eager_tokens(method):
 
 
 @pytest.mark.slow
-def test_hf_decode_steps_compile_without_graph_breaks():
+@pytest.mark.parametrize("family, backend", COMPILED_DECODE_FAMILIES)
+def test_hf_decode_steps_compile_without_graph_breaks(family, backend):
     """Guards against the HF decode pass (the "sbd" attention, SbdCache, positions built from the cache lengths)
     graph-breaking or syncing, through the op and through the PyTorch path: both SBD step layouts and the NTP step
-    under torch.compile(fullgraph=True) give the eager tokens, on a Gemma 3 whose full layer runs the op and whose
+    under torch.compile(fullgraph=True) give the eager tokens, on a model whose full layer runs the op and whose
     windowed layer (W = 6, shorter than the decodes) runs `torch_block_attention`."""
     import dataclasses
 
     from sbd_kernels import generate as gen
 
     torch._dynamo.reset()
-    sbd_model = hf.enable_sbd(tiny_model("gemma3_text", sliding_window=6), mask_token_id=MASK_ID, block_size=4)
-    steps = dataclasses.replace(gen.EAGER_STEPS, sbd_block_step=torch.compile(gen.sbd_block_step, fullgraph=True),
-                                ntp_decode_step=torch.compile(gen.ntp_decode_step, fullgraph=True))
+    sbd_model = hf.enable_sbd(tiny_model(family, sliding_window=6), mask_token_id=MASK_ID, block_size=4)
+    compiled_steps = {name: torch.compile(getattr(gen, name), fullgraph=True, backend=backend)
+                      for name in ("sbd_block_step", "ntp_decode_step")}
+    steps = dataclasses.replace(gen.EAGER_STEPS, **compiled_steps)
     prompts = [[3, 4, 5], [6, 7, 8, 9]]
     for cfg in (DecodeConfig(method="sbd", block_size=4, gamma=0.5, max_new_tokens=10),
                 DecodeConfig(method="ntp", max_new_tokens=6)):
         compiled = generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0, steps=steps)
-        assert compiled.tokens == generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0).tokens
+        assert compiled.tokens == generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0).tokens, cfg.method
 
 
 @pytest.mark.slow
