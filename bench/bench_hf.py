@@ -1,6 +1,7 @@
-"""Hugging Face decode benchmark: tokens/s of SBD decoding through the `torch.ops.sbd` kernels against HF's own
-greedy `generate`, on the same random-weight bf16 model (Llamas, a Mistral whose sliding window is shorter than the
-decodes, a Gemma 2 with soft-capped scores), in the same run.
+"""Hugging Face decode benchmark: tokens/s of SBD decoding through the `torch.ops.sbd` kernels (on a GPU also with
+its steps replayed from CUDA graphs) against HF's own greedy `generate`, on the same random-weight bf16 model
+(Llamas, a Mistral whose sliding window is shorter than the decodes, a Gemma 2 with soft-capped scores), in the
+same run.
 
     python -m pytest bench/bench_hf.py -q             # small (Llama, sliding-window, Gemma 2) and 1B-shaped models
     sbd bench --only hf
@@ -9,7 +10,10 @@ Providers of one case (a `HfDecodeShape`: model, batch, prompt length P, N new t
 - "hf greedy": `model.generate(..., do_sample=False)` with HF's DynamicCache and sdpa attention (eager for Gemma 2,
   which refuses sdpa; the baseline);
 - "ntp ops": our NTP decode of the same model through the ops (`sbd_kernels.hf.generate(method="ntp")`);
-- "sbd ops": our SBD decode through the ops, EB rule with GAMMA_IN_ENTROPIES x log(V).
+- "sbd ops": our SBD decode through the ops, EB rule with GAMMA_IN_ENTROPIES x log(V);
+- "ntp ops graphed", "sbd ops graphed" (CUDA only): the same decodes with `cuda_graph=True`, their steps replayed
+  from CUDA graphs, each call's captures (one per step layout) timed with it: an eager decode pass of a small model
+  is bound by the host's launches on a GPU, which the replays remove.
 
 Every decode runs on `bench_device()` (the CPU, or the GPU where there is one: the ops' Triton kernels, HF's
 sdpa on CUDA) to N tokens (no EOS). The report's speedup column is tokens/s against HF greedy (time ratio
@@ -22,6 +26,8 @@ correct (the oracle flag; no speedup without it):
 - "ntp ops": our NTP tokens equal HF greedy's up to near-ties: two rows may part at the first position whose two
   tokens' logits in HF's forward of the shared prefix are equal within the tolerance of the model's dtype
   (`same_greedy_decode`), not only at exact ties;
+- "ntp ops graphed", "sbd ops graphed": their tokens and passes equal the eager decode's ("ntp ops", "sbd ops")
+  exactly: the replays run the same kernels on the same inputs;
 - "sbd ops": the exact-KV check of the model (`sbd_kernels.hf.check`), once per model, on the first 16 tokens of
   the first prompt timed, 2k new tokens, at this file's gamma and block size: cached block logits equal a
   recompute, and the cached NTP and SBD decodes equal full-recompute decodes up to near-ties. It checks the decode
@@ -51,7 +57,9 @@ transformers = pytest.importorskip("transformers", reason="the HF benchmark need
 from sbd_kernels import hf
 
 FAMILY = "hf"
-PROVIDERS = ["hf greedy", "ntp ops", "sbd ops"]
+# SBD first: a GPU check's budget that stops the file part-way keeps the SBD rows, eager and graphed.
+PROVIDERS = ["hf greedy", "sbd ops", "sbd ops graphed", "ntp ops", "ntp ops graphed"]
+GRAPHED = {"ntp ops graphed": "ntp", "sbd ops graphed": "sbd"}
 DEVICE = bench_device()
 # gamma = 2.2 log V: each pass reveals 3 positions (the entropies of random weights sit just below log V), so
 # a block of 16 takes 6 passes: 2.67x fewer passes than NTP, near the low end of the paper's Table 1 (3.0x).
@@ -122,6 +130,8 @@ def same_greedy_decode(model: torch.nn.Module, expected: torch.Tensor, got: torc
 @pytest.mark.parametrize("provider", PROVIDERS)
 @torch.inference_mode()
 def test_hf_decode(benchmark, shape, provider):
+    if provider in GRAPHED and DEVICE != "cuda":
+        pytest.skip(f"{provider}: CUDA graphs replay on a GPU only (here {DEVICE})")
     model = random_model(shape.model)
     vocab = model.config.vocab_size
     ids = prompts(shape, vocab)
@@ -131,13 +141,18 @@ def test_hf_decode(benchmark, shape, provider):
         return model.generate(ids, max_new_tokens=shape.new_tokens, min_new_tokens=shape.new_tokens,
                               do_sample=False, pad_token_id=1)
 
-    def ours(method: str):
+    def ours(method: str, cuda_graph: bool = False):
         return hf.generate(model, ids, max_new_tokens=shape.new_tokens, eos_token_id=[], method=method,
-                           block_size=shape.k, gamma=gamma)
+                           block_size=shape.k, gamma=gamma, cuda_graph=cuda_graph)
 
     def build():
         if provider == "hf greedy":
             return hf_greedy, None
+        if provider in GRAPHED:
+            method = GRAPHED[provider]
+            graphed, eager = ours(method, cuda_graph=True), ours(method)
+            same = torch.equal(graphed.sequences, eager.sequences) and torch.equal(graphed.nfe, eager.nfe)
+            return (lambda: ours(method, cuda_graph=True)), same
         if provider == "ntp ops":
             return (lambda: ours("ntp")), same_greedy_decode(model, hf_greedy(), ours("ntp").sequences, shape.prompt)
         if shape.model not in _CHECKED:
@@ -152,7 +167,7 @@ def test_hf_decode(benchmark, shape, provider):
     out = measure(benchmark, call, family=FAMILY, shape=shape, provider=provider, baseline="hf greedy",
                   device=DEVICE, correct=correct, rounds=ROUNDS, cuda_rounds=ROUNDS,
                   calls_per_round=1, graph=False)
-    if provider == "sbd ops":
+    if provider in ("sbd ops", "sbd ops graphed"):
         benchmark.extra_info["nfe_speedup"] = shape.batch * shape.new_tokens / int(out.nfe.sum())
         benchmark.extra_info["tokens_per_pass"] = [round(n / p, 3) for n, p in
                                                    zip(out.generated.tolist(), out.nfe.tolist())]

@@ -358,7 +358,7 @@ BENCH_WHAT = {
     "sampling": "entropy_sample: sbd (Triton) vs eager torch, torch.compile, the oracle",
     "scatter": "mask_scatter_: sbd (Triton) vs eager torch, torch.compile, the oracle",
     "decode": "end-to-end decode forwards with 1, k and 2k query rows (small and 1B-shaped model)",
-    "hf": "Hugging Face decode: SBD and NTP through the ops vs HF greedy generate",
+    "hf": "Hugging Face decode: SBD and NTP through the ops, eager and from CUDA graphs, vs HF greedy generate",
 }
 
 
@@ -698,8 +698,8 @@ def write_report(checkout: Checkout, header: dict, stages: list[Stage], results:
 
 def is_ours(provider: str) -> bool:
     """Whether a provider is this package's code: the ops ("sbd", "sbd plain", "sbd t=16") or a decode
-    through them ("ntp ops", "sbd ops")."""
-    return provider.startswith("sbd") or provider.endswith("ops")
+    through them ("ntp ops", "sbd ops", "ntp ops graphed")."""
+    return provider.startswith("sbd") or " ops" in provider
 
 
 def compared_rows(rows: list[dict]) -> list[dict]:

@@ -590,6 +590,42 @@ def test_hf_bench_checks_the_sbd_decode_it_times(monkeypatch):
     assert benchmark.extra_info["correct"] is False
 
 
+@pytest.mark.parametrize("graph_differs", [False, True])
+def test_hf_bench_checks_graphed_decodes_against_the_eager_ones(monkeypatch, graph_differs):
+    """Guards against a graphed HF decode row (steps replayed from CUDA graphs) getting a speedup with no check of
+    its tokens: the row's oracle flag is whether its tokens and passes equal the eager decode's, and a replay that
+    read a stale buffer (other tokens) fails it. Off CUDA the row is a skip that says why."""
+    pytest.importorskip("transformers")
+    from bench import bench_hf
+
+    benchmark = FakeBenchmark()
+    with pytest.raises(pytest.skip.Exception, match="sbd ops graphed: CUDA graphs replay on a GPU only"):
+        bench_hf.test_hf_decode(benchmark, grid.HfDecodeShape("small", 1), "sbd ops graphed")
+    decodes = []
+
+    def generate(model, ids, **kwargs):
+        decodes.append(kwargs)
+        sequences = torch.tensor([[5, 6, 7, 8]])
+        if kwargs["cuda_graph"] and graph_differs:
+            sequences = torch.tensor([[5, 6, 7, 9]])
+        return types.SimpleNamespace(sequences=sequences, nfe=torch.tensor([2]), generated=torch.tensor([2]))
+
+    def measure(benchmark, call, **kwargs):
+        benchmark.extra_info["correct"] = kwargs["correct"]
+        return call()
+
+    monkeypatch.setattr(bench_hf, "DEVICE", "cuda")
+    model = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=64))
+    monkeypatch.setattr(bench_hf, "random_model", lambda name: model)
+    monkeypatch.setattr(bench_hf, "prompts", lambda shape, vocab: torch.tensor([[5, 6]]))
+    monkeypatch.setattr(bench_hf.hf, "generate", generate)
+    monkeypatch.setattr(bench_hf, "measure", measure)
+    bench_hf.test_hf_decode(benchmark, grid.HfDecodeShape("small", 1), "sbd ops graphed")
+    assert benchmark.extra_info["correct"] is not graph_differs
+    assert [(d["method"], d["cuda_graph"]) for d in decodes] == [("sbd", True), ("sbd", False), ("sbd", True)]
+    assert benchmark.extra_info["nfe_speedup"] == grid.HfDecodeShape("small", 1).new_tokens / 2
+
+
 def test_sampling_bench_checks_the_plain_call_it_sets_a_speedup_on(monkeypatch):
     """Guards against the sampling bench's `sbd plain` row (the filtered case's call without its filter) getting a
     speedup against eager with no oracle check of its outputs (correct None): it is checked against the oracle
