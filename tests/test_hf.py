@@ -1956,30 +1956,48 @@ def test_hf_decode_steps_compile_without_graph_breaks(family, backend):
         assert compiled.tokens == generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0).tokens, cfg.method
 
 
+def assert_flex_mask_gives_the_sdpa_logits(family: str, device: str) -> None:
+    """The logits and loss of a padded SBD batch through HF's flex_attention path (our BlockMask) equal those of
+    its sdpa path (our boolean mask; eager where the family refuses sdpa), on `device`. FlexAttention compiled on
+    the CPU sums in another order than SDPA: up to 1.4e-4 apart on logits of magnitude up to 25 (granitemoe, glm4,
+    phimoe on an AMD EPYC Zen 4; the MoE routers' softmax widens it), 4.9e-4 on nemotron (squared-ReLU MLP),
+    hence atol 6e-4; a wrong mask cell moves logits by O(1)."""
+    # KV sharing refuses flex under SBD in the Gemma 4 families
+    overrides = {"num_kv_shared_layers": 0} if family in ("gemma4_text", "gemma4_unified_text") else {}
+    out = {}
+    for attn in ("flex_attention", "sdpa"):
+        model = tiny_model(family, attn=attn, seed=2, **overrides).to(device)
+        hf.enable_sbd(model, mask_token_id=MASK_ID)
+        # windowed families' masks are a dict per layer type
+        batch = torch.utils._pytree.tree_map(lambda value: value.to(device), padded_batch(model, k=4))
+        with torch.no_grad():
+            out[attn] = model(**batch)
+    assert_close(out["flex_attention"].logits, out["sdpa"].logits, torch.float32, name=f"{family} flex vs sdpa",
+                 atol_scale=30)
+    torch.testing.assert_close(out["flex_attention"].loss, out["sdpa"].loss, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_flex_attention_training_mask_gives_the_sdpa_logits(family):
     """Guards against the FlexAttention BlockMask form of the padded training mask reading differently from the
     boolean sdpa form inside a real model of each family (HF's flex_attention path, compiled on the CPU here), on
-    every row of a padded batch, and against the model's own loss differing. FlexAttention compiled on the CPU sums
-    in another order than SDPA: up to 1.4e-4 apart on logits of magnitude up to 25 (granitemoe, glm4, phimoe on an
-    AMD EPYC Zen 4; the MoE routers' softmax widens it), 4.9e-4 on nemotron (squared-ReLU MLP), hence atol 6e-4; a
-    wrong mask cell moves logits by O(1)."""
+    every row of a padded batch, and against the model's own loss differing."""
     if not transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(tiny_config(family))]._supports_flex_attn:
         pytest.skip(f"transformers has no flex_attention path for {family} (it refuses to load one)")
     if family in SINK_FAMILIES:
-        pytest.skip("transformers runs no attention sinks under flex_attention on the CPU")
-    # KV sharing refuses flex under SBD in the Gemma 4 families
-    overrides = {"num_kv_shared_layers": 0} if family in ("gemma4_text", "gemma4_unified_text") else {}
-    out = {}
-    for attn in ("flex_attention", "sdpa"):
-        model = tiny_model(family, attn=attn, seed=2, **overrides)
-        hf.enable_sbd(model, mask_token_id=MASK_ID)
-        with torch.no_grad():
-            out[attn] = model(**padded_batch(model, k=4))
-    assert_close(out["flex_attention"].logits, out["sdpa"].logits, torch.float32, name=f"{family} flex vs sdpa",
-                 atol_scale=30)
-    torch.testing.assert_close(out["flex_attention"].loss, out["sdpa"].loss, atol=1e-5, rtol=1e-5)
+        pytest.skip("transformers runs no attention sinks under flex_attention on the CPU (the CUDA-only test does)")
+    assert_flex_mask_gives_the_sdpa_logits(family, "cpu")
+
+
+@pytest.mark.cuda_only
+@pytest.mark.skipif(DEVICE != "cuda", reason="transformers runs attention sinks under flex_attention on a GPU only")
+def test_flex_attention_training_mask_with_sinks_gives_the_eager_logits():
+    """Guards against the FlexAttention BlockMask of the padded training mask reading differently from the
+    boolean form in a model with attention sinks (GPT-OSS: HF renormalises flex_attention's output by the sinks
+    through its log-sum-exp), on every row of a padded batch: the logits and the loss equal those of HF's eager
+    attention with the boolean mask."""
+    assert_flex_mask_gives_the_sdpa_logits("gpt_oss", DEVICE)
 
 
 def test_decode_pass_arguments_that_disagree_with_tokens_are_named():
