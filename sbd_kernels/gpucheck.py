@@ -752,11 +752,16 @@ def row_ceiling(row: dict, rate: str, fraction: str) -> float:
 
 
 def _speedups(rows: list[dict]) -> list[str]:
-    """Speedups against the (foreign) baseline, per call and on CUDA-graph time."""
+    """Speedups against the (foreign) baseline, per call and on CUDA-graph time. A family with several of our
+    providers (hf: "sbd ops", "sbd ops graphed", ...) gets one span per provider, since one span over an eager
+    and a graph-replayed decode would say nothing of either."""
     parts = []
-    speedups = [r["speedup"] for r in rows if r["speedup"]]
-    if speedups:
-        parts.append(f"{_span(speedups)} vs {rows[0]['baseline']} per call")
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    for provider in providers:
+        speedups = [r["speedup"] for r in rows if r["speedup"] and r["provider"] == provider]
+        if speedups:
+            named = f"{provider} " if len(providers) > 1 else ""
+            parts.append(f"{named}{_span(speedups)} vs {rows[0]['baseline']} per call")
     graph = [r["graph_speedup"] for r in rows if r["graph_speedup"]]
     if graph:
         parts.append(f"{_span(graph)} on CUDA-graph time")

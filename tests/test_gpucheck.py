@@ -1121,6 +1121,21 @@ def test_the_plain_sampling_call_is_left_out_of_the_summary_span():
     assert "104.83x vs sbd" in bench_report.markdown(fake_header(None), families, ceilings)
 
 
+def test_the_summary_gives_each_hf_decode_its_own_span():
+    """Guards against the summary's HF line spanning our eager and graph-replayed decodes in one range
+    ("0.50-4.00x"), which says nothing of either: each of our providers gets its own span against HF greedy."""
+    entries = []
+    for batch, times in ((1, {"hf greedy": 0.48, "sbd ops": 0.96, "sbd ops graphed": 0.12}),
+                         (16, {"hf greedy": 1.6, "sbd ops": 1.6, "sbd ops graphed": 0.4})):
+        for provider, median_s in times.items():
+            entries.append(bench_entry(grid.HfDecodeShape("small", batch), provider, median_s, None))
+            entries[-1]["extra_info"].update(family="hf", baseline="hf greedy",
+                                             correct=None if provider == "hf greedy" else True)
+    ceilings = bench_report.datasheet_ceilings("NVIDIA H100 80GB HBM3")
+    (line,) = gpucheck.kernel_lines(bench_report.rows_from_raw({"benchmarks": entries}, ceilings))
+    assert line == "  hf: 4 rows, sbd ops 0.50-1.00x vs hf greedy per call, sbd ops graphed 4.00x vs hf greedy per call"
+
+
 def test_the_summary_takes_the_best_rates_from_cuda_graph_times():
     """Guards against the summary's "best TB/s" (said to come from CUDA-graph times) taken from a row's eager
     median where it has no graph time."""
