@@ -20,7 +20,9 @@ first call, the invariants replays rely on:
   or re-assigning `param.data` is caught; replacing a parameter object by a new one is not: walking the model's
   modules every pass took 0.6 ms for a 32-layer model on a 2-core AMD EPYC Zen 4, more than a replay of the
   small model, while reading the recorded tensors' pointers took 0.02 ms).
-Each violation raises RuntimeError naming the step and what changed.
+Each violation raises RuntimeError naming the step and what changed. A step that cannot be captured (a model whose
+forward synchronises with the host) raises RuntimeError naming the step and the likely cause, the CUDA error
+chained.
 
 On CPU tensors (`mode="check"`), nothing is captured: every call runs eagerly with the same checks, so the
 static-buffer discipline is tested without a GPU.
@@ -151,8 +153,17 @@ class _GraphedStep:
 
     def _capture(self, args: tuple) -> Any:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.fn(*args)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.fn(*args)
+        except RuntimeError as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise RuntimeError(
+                f"{self.name}: capturing the decode step in a CUDA graph failed ({first_line}). A graph cannot hold a "
+                "host synchronisation (.item(), .nonzero(), .tolist(), a copy to the CPU), which some models' forwards "
+                "do: an MoE layer that loops over the experts its tokens hit, for one (Hugging Face's 'eager' "
+                "experts implementation; its 'grouped_mm' one has no sync). Decode with cuda_graph=False; the "
+                "chained error below shows where the step failed") from err
         return graph
 
 

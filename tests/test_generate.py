@@ -453,6 +453,34 @@ def test_graph_checks_catch_a_step_that_moves_a_buffer(model, prompts):
         generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, steps=steps)
 
 
+def test_a_step_that_cannot_be_captured_names_the_step_and_the_cause(model, prompts, monkeypatch):
+    """Guards against a model whose forward syncs with the host (an MoE layer looping over the experts hit) failing
+    the capture with CUDA's bare "operation not permitted when stream is capturing": the error names the step, the
+    likely cause and the way out, and chains CUDA's. The capture is faked (no GPU here): torch.cuda.graph raises
+    inside the step's second call, where a real capture would."""
+    import contextlib
+
+    from sbd_kernels import graphs
+
+    cuda_error = RuntimeError("CUDA error: operation not permitted when stream is capturing\nCUDA kernel errors ...")
+
+    @contextlib.contextmanager
+    def failing_capture(graph, pool=None):
+        yield
+        raise cuda_error
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", failing_capture)
+    step = graphs._GraphedStep(gen.sbd_block_step, "cuda", pool=None)
+    steps = dataclasses.replace(gen.EAGER_STEPS, sbd_block_step=step)
+    cfg = DecodeConfig(method="sbd", block_size=BLOCK, gamma=0.0, max_new_tokens=BUDGET)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "sbd_block_step: capturing the decode step in a CUDA graph failed (CUDA error: operation not permitted "
+            "when stream is capturing). A graph cannot hold a host synchronisation")) as info:
+        generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, steps=steps)
+    assert info.value.__cause__ is cuda_error and "Decode with cuda_graph=False" in str(info.value)
+
+
 def test_cuda_graph_refuses_the_oracle_ops(model, prompts):
     """Guards against a capture failing deep inside CUDA on the oracles' host reads (item, nonzero)."""
     with pytest.raises(ValueError, match=r"cuda_graph=True captures the decode steps, and the oracle ops \(attention, "
