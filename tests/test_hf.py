@@ -1900,6 +1900,64 @@ def test_graph_safe_steps_past_the_window_give_the_eager_tokens(family, method):
     assert checked.tokens == eager.tokens and torch.equal(checked.nfe, eager.nfe)
 
 
+def compiled_and_eager_decode_pass(sbd_model) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of one decode pass (C = 2 causal slots, K = 4 block rows, causal counts 2 and 1, after a prefill
+    of 3 and 2 tokens), eagerly and under torch.compile(fullgraph=True) with Dynamo's trace alone (backend
+    "eager"): a host read in the pass (.nonzero(), .item(), a Python branch on a tensor) breaks the trace."""
+    torch._dynamo.reset()
+    tokens = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    causal = torch.tensor([2, 1], dtype=torch.int32)
+    logits = []
+    for decode_pass in (sbd_model.decode_pass, torch.compile(sbd_model.decode_pass, fullgraph=True, backend="eager")):
+        cache = sbd_model.new_cache(2, 16)
+        sbd_model.decode_pass(torch.tensor([[3, 4, 5], [6, 7, 8]]), torch.tensor([3, 2], dtype=torch.int32), 0, cache)
+        logits.append(decode_pass(tokens, causal, 4, cache))
+    return logits[0], logits[1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_pass_traces_in_one_graph_or_cuda_graph_is_refused(family):
+    """Guards against a family whose decode pass syncs with the host reaching a CUDA-graph capture, which would fail
+    deep inside CUDA: each family's pass traces in one graph and gives the eager logits, or the family is one that
+    `host_sync_reason` names (DBRX: its experts loop over the experts hit), whose pass does break the trace and whose
+    `cuda_graph=True` is refused with the reason, before any CUDA check."""
+    from sbd_kernels.hf.generation import host_sync_reason
+
+    model = tiny_model(family)
+    sbd_model = hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    reason = host_sync_reason(model)
+    if reason is None:
+        eager, compiled = compiled_and_eager_decode_pass(sbd_model)
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+        return
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+        compiled_and_eager_decode_pass(sbd_model)
+    with pytest.raises(ValueError, match=re.escape(f"generate: cuda_graph=True captures the decode steps in CUDA "
+                                                   f"graphs, which cannot hold a host sync, and {reason}")):
+        hf.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, cuda_graph=True)
+
+
+def test_cuda_graph_is_refused_for_experts_run_as_a_loop():
+    """Guards against an MoE model loaded with transformers' "eager" experts implementation (a loop over the experts
+    hit, a host sync per layer) reaching a CUDA-graph capture: both entry points refuse it naming the experts and
+    the implementation that has no sync, and with that one ("grouped_mm") the pass traces in one graph."""
+    model = tiny_model("mixtral")
+    sbd_model = hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    model.set_experts_implementation("eager")
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+        compiled_and_eager_decode_pass(sbd_model)
+    words = ("cuda_graph=True captures the decode steps in CUDA graphs, which cannot hold a host sync, and its experts "
+             "(model.layers.0.mlp.experts and others) run transformers' 'eager' experts implementation")
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=re.escape(f"generate: {words}")):
+        hf.generate(model, ids, max_new_tokens=4, cuda_graph=True)
+    with pytest.raises(ValueError, match=re.escape(f"sbd_generate: {words}")):
+        model.generate(ids, max_new_tokens=4, custom_generate=hf.sbd_generate, cuda_graph=True)
+    model.set_experts_implementation("grouped_mm")
+    eager, compiled = compiled_and_eager_decode_pass(sbd_model)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
 def test_cuda_graph_needs_a_cuda_model_through_hf():
     """Guards against `cuda_graph=True` on a CPU model silently decoding eagerly, through either entry point."""
     model = tiny_model("llama")
@@ -1913,13 +1971,14 @@ def test_cuda_graph_needs_a_cuda_model_through_hf():
 
 @pytest.mark.cuda_only
 @pytest.mark.skipif(DEVICE != "cuda", reason="replays CUDA graphs (no GPU here)")
-@pytest.mark.parametrize("family", ["qwen3", *(name for name, _ in COMPILED_DECODE_FAMILIES)])
+@pytest.mark.parametrize("family", ["qwen3", "mixtral", *(name for name, _ in COMPILED_DECODE_FAMILIES)])
 @pytest.mark.parametrize("method", ["ntp", "sbd"])
 def test_cuda_graph_decode_through_hf_gives_the_eager_tokens(family, method):
     """Guards against replayed decode steps of an HF model differing from the eager decode (a buffer rebound
     between capture and replay, a host sync captured, positions read from a stale cache length), through the op
-    alone (Qwen 3) and through `torch_block_attention` too (windowed layers with W = 6 decoding past it)."""
-    overrides = {} if family == "qwen3" else {"sliding_window": 6}
+    alone (Qwen 3; Mixtral with its experts run by transformers' grouped_mm) and through `torch_block_attention`
+    too (windowed layers with W = 6 decoding past it)."""
+    overrides = {"sliding_window": 6} if family in dict(COMPILED_DECODE_FAMILIES) else {}
     model = tiny_model(family, **overrides).to(DEVICE)
     hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
     ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]], device=DEVICE)

@@ -121,6 +121,10 @@ def _decode_batch(sbd_model: SbdCausalLM, input_ids: Tensor, attention_mask: Ten
     """The decode of both entry points, with eos_token_id and pad_token_id taken as given, as HF's generate takes
     those of its resolved generation config: None (or no id) never stops on EOS, and pad_token_id None pads as
     `_pad_id` says. settings: the other `DecodeConfig` fields."""
+    reason = host_sync_reason(sbd_model.hf_model) if cuda_graph else None
+    if reason is not None:
+        raise ValueError(f"{caller}: cuda_graph=True captures the decode steps in CUDA graphs, which cannot hold a "
+                         f"host sync, and {reason}; decode with cuda_graph=False")
     eos_ids = _eos_ids(eos_token_id)
     pad_id = _pad_id(sbd_model, pad_token_id, eos_ids, caller)
     if block_size is None:
@@ -187,6 +191,32 @@ def refuse_synced_gpus(model: Any, synced_gpus: bool = False) -> None:
         raise ValueError(f"generate: synced-GPU decoding ({reason}) is not supported: each rank's decode runs its "
                          "own number of forward passes, and a sharded forward waits for every rank; decode with "
                          "an unsharded copy of the model (e.g. the full state dict loaded on one process)")
+
+
+# MoE families whose experts loop over the experts their tokens hit in the only implementation transformers gives
+# them (no `experts_implementation` dispatch): each MoE layer reads on the host which experts to run.
+EXPERT_LOOP_MODEL_TYPES = ("dbrx",)
+
+
+def host_sync_reason(model: Any) -> str | None:
+    """Why a decode pass of the HF `model` synchronises with the host, which a CUDA graph cannot capture, or None:
+    an MoE model whose experts loop over the experts their tokens hit (`.nonzero()` read on the host, then one
+    launch per expert) in transformers' "eager" experts implementation or in a family that has no other. The
+    other experts implementations ("grouped_mm", the default where torch has it, "batched_mm") run on the device
+    alone; every other family's decode step traces in one graph with no sync (tests/test_hf.py)."""
+    model_type = model.config.model_type
+    if model_type in EXPERT_LOOP_MODEL_TYPES:
+        return (f"{model_type}'s MoE layers loop over the experts their tokens hit (a host sync in every such layer; "
+                "transformers gives this family no other experts implementation)")
+    # The experts modules transformers dispatches by `config._experts_implementation` (`use_experts_implementation`
+    # sets `_is_expert_parallel` on them).
+    looping = [name for name, module in model.named_modules() if hasattr(module, "_is_expert_parallel")
+               and getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager"]
+    if looping:
+        return (f"its experts ({looping[0]}{' and others' if len(looping) > 1 else ''}) run transformers' 'eager' "
+                "experts implementation, a loop over the experts their tokens hit (a host sync in every MoE "
+                "layer); model.set_experts_implementation('grouped_mm') gives them one without")
+    return None
 
 
 # Processors / criteria HF builds from generation settings that the fused decode applies itself, by exact type (a
