@@ -1916,46 +1916,59 @@ def compiled_and_eager_decode_pass(sbd_model) -> tuple[torch.Tensor, torch.Tenso
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_decode_pass_traces_in_one_graph_or_cuda_graph_is_refused(family):
+def test_decode_pass_traces_in_one_graph_but_where_experts_loop(family):
     """Guards against a family whose decode pass syncs with the host reaching a CUDA-graph capture, which would fail
-    deep inside CUDA: each family's pass traces in one graph and gives the eager logits, or the family is one that
-    `host_sync_reason` names (DBRX: its experts loop over the experts hit), whose pass does break the trace and whose
-    `cuda_graph=True` is refused with the reason, before any CUDA check."""
-    from sbd_kernels.hf.generation import host_sync_reason
+    deep inside CUDA: each family's pass traces in one graph and gives the eager logits, but a family that
+    `EXPERT_LOOP_MODEL_TYPES` names (DBRX: its experts loop over the experts hit), whose pass does break the trace
+    and whose `cuda_graph=True` is refused with the reason, before any CUDA check. (The experts' grouped GEMM is
+    one opaque op in the trace: `test_cuda_graph_is_refused_for_experts_that_sync` covers it.)"""
+    from sbd_kernels.hf.generation import EXPERT_LOOP_MODEL_TYPES, host_sync_reason
 
     model = tiny_model(family)
     sbd_model = hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
-    reason = host_sync_reason(model)
-    if reason is None:
+    if family not in EXPERT_LOOP_MODEL_TYPES:
         eager, compiled = compiled_and_eager_decode_pass(sbd_model)
         torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
         return
     with pytest.raises(torch._dynamo.exc.TorchDynamoException):
         compiled_and_eager_decode_pass(sbd_model)
+    reason = host_sync_reason(model)
+    assert reason.startswith(f"{family}'s MoE layers loop over the experts their tokens hit"), reason
     with pytest.raises(ValueError, match=re.escape(f"generate: cuda_graph=True captures the decode steps in CUDA "
                                                    f"graphs, which cannot hold a host sync, and {reason}")):
         hf.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, cuda_graph=True)
 
 
-def test_cuda_graph_is_refused_for_experts_run_as_a_loop():
-    """Guards against an MoE model loaded with transformers' "eager" experts implementation (a loop over the experts
-    hit, a host sync per layer) reaching a CUDA-graph capture: both entry points refuse it naming the experts and
-    the implementation that has no sync, and with that one ("grouped_mm") the pass traces in one graph."""
+def test_cuda_graph_is_refused_for_experts_that_sync():
+    """Guards against an MoE model whose experts would sync with the host on a GPU reaching a CUDA-graph capture:
+    transformers' "eager" experts (a loop over the experts hit; the pass's trace breaks on it) and its
+    "grouped_mm" on other weights than bf16 (torch's CUDA grouped GEMM then loops over the experts, their offsets
+    read on the host) are refused by both entry points, naming the experts and the way out; "batched_mm", and
+    "grouped_mm" on bf16 weights, are not."""
+    from sbd_kernels.hf.generation import host_sync_reason
+
     model = tiny_model("mixtral")
     sbd_model = hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    ids = torch.tensor([[5, 6, 7]])
+    start = "cuda_graph=True captures the decode steps in CUDA graphs, which cannot hold a host sync, and its experts "
+    refusals = {"eager": "(model.layers.0.mlp.experts, ...) run transformers' 'eager' experts implementation, a loop",
+                "grouped_mm": "(model.layers.0.mlp.experts, ...) run transformers' 'grouped_mm' on torch.float32 "
+                              "weights, which torch's CUDA grouped GEMM takes in bf16 only"}
+    for implementation, words in refusals.items():
+        model.set_experts_implementation(implementation)
+        with pytest.raises(ValueError, match=re.escape(f"generate: {start}{words}")):
+            hf.generate(model, ids, max_new_tokens=4, cuda_graph=True)
+        with pytest.raises(ValueError, match=re.escape(f"sbd_generate: {start}{words}")):
+            model.generate(ids, max_new_tokens=4, custom_generate=hf.sbd_generate, cuda_graph=True)
     model.set_experts_implementation("eager")
     with pytest.raises(torch._dynamo.exc.TorchDynamoException):
         compiled_and_eager_decode_pass(sbd_model)
-    words = ("cuda_graph=True captures the decode steps in CUDA graphs, which cannot hold a host sync, and its experts "
-             "(model.layers.0.mlp.experts and others) run transformers' 'eager' experts implementation")
-    ids = torch.tensor([[5, 6, 7]])
-    with pytest.raises(ValueError, match=re.escape(f"generate: {words}")):
-        hf.generate(model, ids, max_new_tokens=4, cuda_graph=True)
-    with pytest.raises(ValueError, match=re.escape(f"sbd_generate: {words}")):
-        model.generate(ids, max_new_tokens=4, custom_generate=hf.sbd_generate, cuda_graph=True)
-    model.set_experts_implementation("grouped_mm")
+    model.set_experts_implementation("batched_mm")
+    assert host_sync_reason(model) is None
     eager, compiled = compiled_and_eager_decode_pass(sbd_model)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    model.set_experts_implementation("grouped_mm")
+    assert host_sync_reason(model.to(torch.bfloat16)) is None
 
 
 def test_cuda_graph_needs_a_cuda_model_through_hf():
@@ -1976,10 +1989,11 @@ def test_cuda_graph_needs_a_cuda_model_through_hf():
 def test_cuda_graph_decode_through_hf_gives_the_eager_tokens(family, method):
     """Guards against replayed decode steps of an HF model differing from the eager decode (a buffer rebound
     between capture and replay, a host sync captured, positions read from a stale cache length), through the op
-    alone (Qwen 3; Mixtral with its experts run by transformers' grouped_mm) and through `torch_block_attention`
-    too (windowed layers with W = 6 decoding past it)."""
+    alone (Qwen 3; Mixtral with its experts run by transformers' grouped_mm, in bf16: torch's CUDA grouped GEMM
+    loops on the host in other dtypes) and through `torch_block_attention` too (windowed layers with W = 6
+    decoding past it)."""
     overrides = {"sliding_window": 6} if family in dict(COMPILED_DECODE_FAMILIES) else {}
-    model = tiny_model(family, **overrides).to(DEVICE)
+    model = tiny_model(family, **overrides).to(DEVICE, torch.bfloat16 if family == "mixtral" else torch.float32)
     hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
     ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]], device=DEVICE)
     mask = (ids != 0).long()

@@ -199,23 +199,34 @@ EXPERT_LOOP_MODEL_TYPES = ("dbrx",)
 
 
 def host_sync_reason(model: Any) -> str | None:
-    """Why a decode pass of the HF `model` synchronises with the host, which a CUDA graph cannot capture, or None:
-    an MoE model whose experts loop over the experts their tokens hit (`.nonzero()` read on the host, then one
-    launch per expert) in transformers' "eager" experts implementation or in a family that has no other. The
-    other experts implementations ("grouped_mm", the default where torch has it, "batched_mm") run on the device
-    alone; every other family's decode step traces in one graph with no sync (tests/test_hf.py)."""
+    """Why a decode pass of the HF `model` would synchronise with the host on a GPU, which a CUDA graph cannot
+    capture, or None. MoE experts are the cases: transformers' "eager" experts implementation (and DBRX, which has
+    no other) reads which experts its tokens hit on the host and loops over them; its "grouped_mm" runs torch's
+    grouped GEMM, which CUDA computes in one kernel for bf16 weights only (torch's docs) and otherwise by a loop
+    over the experts whose token offsets it reads on the host; "batched_mm" gathers each token's expert weights
+    and runs on the device alone. Every other part of a supported family's decode pass traces in one graph with no
+    host read (tests/test_hf.py). Whether torch takes its one-kernel path for bf16 depends on the GPU and the torch
+    version and is not checked here: where it does not, the capture fails with an error that says so
+    (`sbd_kernels.graphs`)."""
     model_type = model.config.model_type
     if model_type in EXPERT_LOOP_MODEL_TYPES:
         return (f"{model_type}'s MoE layers loop over the experts their tokens hit (a host sync in every such layer; "
                 "transformers gives this family no other experts implementation)")
     # The experts modules transformers dispatches by `config._experts_implementation` (`use_experts_implementation`
     # sets `_is_expert_parallel` on them).
-    looping = [name for name, module in model.named_modules() if hasattr(module, "_is_expert_parallel")
-               and getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager"]
-    if looping:
-        return (f"its experts ({looping[0]}{' and others' if len(looping) > 1 else ''}) run transformers' 'eager' "
-                "experts implementation, a loop over the experts their tokens hit (a host sync in every MoE "
-                "layer); model.set_experts_implementation('grouped_mm') gives them one without")
+    for name, module in model.named_modules():
+        if not hasattr(module, "_is_expert_parallel"):
+            continue
+        implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        dtype = next(module.parameters()).dtype
+        if implementation == "eager":
+            return (f"its experts ({name}, ...) run transformers' 'eager' experts implementation, a loop over the "
+                    "experts their tokens hit (a host sync in every MoE layer); "
+                    "model.set_experts_implementation('grouped_mm') with bf16 weights, or 'batched_mm', has none")
+        if implementation == "grouped_mm" and dtype != torch.bfloat16:
+            return (f"its experts ({name}, ...) run transformers' 'grouped_mm' on {dtype} weights, which torch's CUDA "
+                    "grouped GEMM takes in bf16 only, looping over the experts with their token offsets read on the "
+                    "host otherwise; load the model in bf16, or model.set_experts_implementation('batched_mm')")
     return None
 
 
