@@ -23,6 +23,7 @@ __all__ = [
     "add_option",
     "checked_number",
     "choice_list",
+    "cuda_graph_problem",
     "device",
     "existing_file",
     "existing_file_or_none",
@@ -222,6 +223,18 @@ def device(text: str) -> str:
     if not _DEVICE.fullmatch(text):
         raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
     return text
+
+
+def cuda_graph_problem(args: argparse.Namespace) -> str | None:
+    """Why --cuda-graph cannot apply to these arguments (None: it can, or it is off)."""
+    if not args.cuda_graph:
+        return None
+    if not args.device.startswith("cuda"):
+        return f"--cuda-graph needs --device cuda (CUDA graphs replay on a GPU), got --device {args.device}"
+    if args.ops != "fused":
+        return ("--cuda-graph needs --ops fused: the naive ops read values on the host, which a CUDA graph "
+                "capture refuses")
+    return None
 
 
 def require_device(name: str) -> None:

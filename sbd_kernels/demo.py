@@ -191,23 +191,27 @@ class TaskData:
 
 def decode(model: SbdModel, prompts: list[list[int]], method: str, gamma: float | None,
            max_new_tokens: int, batch_size: int, ops: DecodeOps, eos_id: int = TOKENIZER.EOS,
-           pad_id: int = TOKENIZER.PAD) -> DecodeResult:
+           pad_id: int = TOKENIZER.PAD, *, cuda_graph: bool = False) -> DecodeResult:
     cfg = DecodeConfig(method=method, block_size=BLOCK_SIZE, gamma=gamma or 0.0, max_new_tokens=max_new_tokens)
-    return generate(model, prompts, cfg, eos_id=eos_id, pad_id=pad_id, batch_size=batch_size, ops=ops)
+    return generate(model, prompts, cfg, eos_id=eos_id, pad_id=pad_id, batch_size=batch_size, ops=ops,
+                    cuda_graph=cuda_graph)
 
 
 def timed_decode(model: SbdModel, prompts: list[list[int]], method: str, gamma: float | None,
                  max_new_tokens: int, batch_size: int, ops: DecodeOps, max_runs: int, eos_id: int = TOKENIZER.EOS,
-                 pad_id: int = TOKENIZER.PAD) -> DecodeResult:
+                 pad_id: int = TOKENIZER.PAD, *, cuda_graph: bool = False) -> DecodeResult:
     """The run of median wall time among identical decodes (greedy: same tokens every time), repeated
     until TIMING_MIN_S of decoding or max_runs runs. A 0.3 s SBD run on this shared 2-core machine is
     easily doubled by a neighbour's burst; a 15 s NTP run averages such bursts out and is timed once.
     The median, not the fastest, so that short runs are not favoured over long ones. RuntimeError when a
-    sequence stopped early on invalid logits (`DecodeResult.require_complete`): no table row from such a run."""
-    runs = [decode(model, prompts, method, gamma, max_new_tokens, batch_size, ops, eos_id, pad_id)]
+    sequence stopped early on invalid logits (`DecodeResult.require_complete`): no table row from such a run.
+    cuda_graph: each decode replays its steps from CUDA graphs, its captures timed with it."""
+    runs = [decode(model, prompts, method, gamma, max_new_tokens, batch_size, ops, eos_id, pad_id,
+                   cuda_graph=cuda_graph)]
     runs[0].require_complete(f"{method} decode (gamma {gamma})")
     while sum(r.wall_s for r in runs) < TIMING_MIN_S and len(runs) < max_runs:
-        runs.append(decode(model, prompts, method, gamma, max_new_tokens, batch_size, ops, eos_id, pad_id))
+        runs.append(decode(model, prompts, method, gamma, max_new_tokens, batch_size, ops, eos_id, pad_id,
+                           cuda_graph=cuda_graph))
     return sorted(runs, key=lambda r: r.wall_s)[len(runs) // 2]
 
 
@@ -251,17 +255,18 @@ def code_task_header(num_prompts: int) -> str:
 
 
 def measure_rows(models: dict[str, SbdModel], data: TaskData, batch_size: int, gammas: tuple[float, ...],
-                 ops: DecodeOps, max_runs: int = 5) -> list[Row]:
-    """Every row of one task's table, speedups against NTP of the same model."""
+                 ops: DecodeOps, max_runs: int = 5, *, cuda_graph: bool = False) -> list[Row]:
+    """Every row of one task's table, speedups against NTP of the same model (every decode with CUDA-graph
+    replays when `cuda_graph`)."""
     runs = [("sbd", "ntp", None), *(("sbd", "sbd", g) for g in gammas), ("ntp_only", "ntp", None)]
     ids = {"eos_id": data.eos_id, "pad_id": data.pad_id}
     for model in models.values():                 # warm-up: first-call costs stay out of the timings
         for method in ("ntp", "sbd"):
-            decode(model, data.prompts[:1], method, 0.1, data.budget, batch_size, ops, **ids)
+            decode(model, data.prompts[:1], method, 0.1, data.budget, batch_size, ops, **ids, cuda_graph=cuda_graph)
     rows, baseline = [], {}
     for name, method, gamma in runs:
         result = timed_decode(models[name], data.prompts, method, gamma, data.budget, batch_size, ops, max_runs,
-                              **ids)
+                              **ids, cuda_graph=cuda_graph)
         hit_rate, similarity = data.score(result)
         row = Row(name, method, gamma, hit_rate, result.total_nfe, result.total_generated,
                   tokens_per_s=result.tokens_per_s, block_size=BLOCK_SIZE if method == "sbd" else None,
@@ -274,10 +279,11 @@ def measure_rows(models: dict[str, SbdModel], data: TaskData, batch_size: int, g
 
 
 def measure_task(models: dict[str, SbdModel], task: str, num_prompts: int, batch_size: int,
-                 gammas: tuple[float, ...], ops: DecodeOps, max_runs: int = 5) -> list[Row]:
+                 gammas: tuple[float, ...], ops: DecodeOps, max_runs: int = 5, *,
+                 cuda_graph: bool = False) -> list[Row]:
     """Every row of one task's table (`add`, `rot13` or `code`), speedups against NTP of the same model."""
     data = code_task_data(num_prompts) if task == CODE_TASK else synthetic_task_data(task, num_prompts)
-    return measure_rows(models, data, batch_size, gammas, ops, max_runs)
+    return measure_rows(models, data, batch_size, gammas, ops, max_runs, cuda_graph=cuda_graph)
 
 
 def exact_kv_check(model: SbdModel, task: str, num_prompts: int, ops: DecodeOps) -> tuple[bool, str]:
@@ -377,6 +383,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=argtypes.positive_int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--device", type=argtypes.device, default="cpu",
                         help="cpu (C++ kernels) or cuda (Triton kernels)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="replay the decode steps from CUDA graphs (--device cuda, --ops fused): a decode pass "
+                        "of these small models is otherwise bound by the host's kernel launches on a GPU")
     parser.add_argument("--json", type=argtypes.output_file, default=None, help="write the results to this JSON file")
     parser.add_argument("--plot", type=_plot_file, default=None,
                         help=f"write accuracy vs NFE speedup to this image ({', '.join(PLOT_FORMATS)})")
@@ -384,6 +393,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> list[dict]:
+    usage_problem = argtypes.cuda_graph_problem(args)
+    if usage_problem:
+        raise argtypes.UsageError(usage_problem)
     argtypes.require_device(args.device)
     tasks = selected_tasks(args.tasks)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -397,8 +409,9 @@ def main(args: argparse.Namespace) -> list[dict]:
     models = random_models(preset) if preset else bundled_models(args.threads)
     models = {name: model.to(args.device) for name, model in models.items()}
     source = f"random {preset} models" if preset else f"checkpoints in {CHECKPOINT_DIR}"
+    replays = "; decode steps replayed from CUDA graphs" if args.cuda_graph else ""
     print(f"sbd demo: {source}; block size {BLOCK_SIZE}; batch {args.batch_size}; {num_prompts} held-out "
-          f"prompts per task; {args.ops} ops on {args.device}; {torch.get_num_threads()} threads; "
+          f"prompts per task; {args.ops} ops on {args.device}{replays}; {torch.get_num_threads()} threads; "
           f"torch {torch.__version__}\n")
     results = []
     for task in tasks:
@@ -408,7 +421,7 @@ def main(args: argparse.Namespace) -> list[dict]:
             task_prompts = args.num_prompts or (2 if preset else CODE_PROMPTS)
             print(code_task_header(task_prompts))
         rows = measure_task(task_models, task, task_prompts, args.batch_size, gammas, ops,
-                            args.timing_runs or (1 if preset else 5))
+                            args.timing_runs or (1 if preset else 5), cuda_graph=args.cuda_graph)
         passed, summary = exact_kv_check(task_models["sbd"], task, min(args.kv_prompts, task_prompts), ops)
         print(format_table(task, rows))
         print(summary + "\n", flush=True)

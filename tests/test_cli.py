@@ -159,6 +159,9 @@ BAD_ARGUMENTS = [
     ([*GENERATE, "--max-new-tokens", "0"], "argument --max-new-tokens: "),
     ([*GENERATE, "--seed", "-1"], "argument --seed: "),
     ([*GENERATE, "--seed", "9223372036854775808"], "argument --seed: must be an integer in [0, 2**63)"),
+    ([*GENERATE, "--cuda-graph"], "--cuda-graph needs --device cuda (CUDA graphs replay on a GPU), got --device cpu"),
+    ([*GENERATE, "--device", "cuda", "--ops", "naive", "--cuda-graph"],
+     "--cuda-graph needs --ops fused: the naive ops read values on the host"),
     ([*GENERATE, "--num-prompts", "3", "--seed", "9223372036854775806"],
      ("--seed 9223372036854775806: prompt i samples with seed + i, and with 3 prompts the last seed, "
      "9223372036854775808, does not fit in int64 (use --seed <= 9223372036854775805)")),
@@ -210,6 +213,8 @@ BAD_ARGUMENTS = [
     ([*DEMO, "--num-prompts", "0"], "argument --num-prompts: "),
     ([*DEMO, "--batch-size", "0"], "argument --batch-size: "),
     ([*DEMO, "--timing-runs", "0"], "argument --timing-runs: "),
+    ([*DEMO, "--cuda-graph"], "--cuda-graph needs --device cuda (CUDA graphs replay on a GPU), got --device cpu"),
+    ([*DEMO, "--device", "cuda", "--ops", "naive", "--cuda-graph"], "--cuda-graph needs --ops fused"),
     ([*DEMO, "--kv-prompts", "0"], "argument --kv-prompts: "),
     ([*DEMO, "--threads", "0"], "argument --threads: "),
     ([*DEMO, "--gammas", "0.1,abc"], "argument --gammas: "),
@@ -376,6 +381,21 @@ def test_error_while_running_exits_1_with_one_line(paths, tmp_path, capsys, argv
     assert info.value.code == 1
     line = error_line(capsys.readouterr().err, argv[0])
     assert words.format(**paths) in line
+
+
+@pytest.mark.parametrize("command", ["generate", "demo"])
+def test_cuda_graph_reaches_the_decode(tiny_checkpoint, monkeypatch, command):
+    """Guards against --cuda-graph being parsed and then dropped on the way to the decode (the run would be eager
+    and its tokens/s host-bound on a GPU): with the device check passed, both commands decode with
+    cuda_graph=True, which on this CPU model is refused by the decode itself."""
+    monkeypatch.setattr(cli.argtypes, "require_device", lambda name: None)
+    monkeypatch.setattr("sbd_kernels.model.load_checkpoint",
+                        lambda path, map_location: load_checkpoint(path, map_location="cpu"))
+    monkeypatch.setattr(torch.nn.Module, "to", lambda module, *args, **kwargs: module)  # the demo's models stay here
+    argv = {"generate": ["generate", "--checkpoint", str(tiny_checkpoint), "--num-prompts", "1"],
+            "demo": ["demo", "--quick", "--tasks", "add", "--num-prompts", "1"]}[command]
+    with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device, it is on cpu"):
+        cli.main([*argv, "--device", "cuda", "--cuda-graph", "--debug"])
 
 
 @NO_GPU
