@@ -157,13 +157,13 @@ class _GraphedStep:
             with torch.cuda.graph(graph, pool=self.pool):
                 self.fn(*args)
         except RuntimeError as err:
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first_line = (str(err).strip() or type(err).__name__).splitlines()[0]
             raise RuntimeError(
                 f"{self.name}: capturing the decode step in a CUDA graph failed ({first_line}). A graph cannot hold a "
                 "host synchronisation (.item(), .nonzero(), .tolist(), a copy to the CPU), which some models' forwards "
                 "do: an MoE layer that loops over the experts its tokens hit, for one (Hugging Face's 'eager' "
-                "experts implementation; its 'grouped_mm' one has no sync). Decode with cuda_graph=False; the "
-                "chained error below shows where the step failed") from err
+                "experts implementation, or torch's grouped GEMM where it cannot run in one kernel). Decode with "
+                "cuda_graph=False; the chained error below shows where the step failed") from err
         return graph
 
 
