@@ -1991,9 +1991,11 @@ def test_cuda_graph_decode_through_hf_gives_the_eager_tokens(family, method):
     between capture and replay, a host sync captured, positions read from a stale cache length), through the op
     alone (Qwen 3; Mixtral with its experts run by transformers' grouped_mm, in bf16: torch's CUDA grouped GEMM
     loops on the host in other dtypes) and through `torch_block_attention` too (windowed layers with W = 6
-    decoding past it)."""
+    decoding past it; GPT-OSS's experts by batched_mm, in fp32)."""
     overrides = {"sliding_window": 6} if family in dict(COMPILED_DECODE_FAMILIES) else {}
     model = tiny_model(family, **overrides).to(DEVICE, torch.bfloat16 if family == "mixtral" else torch.float32)
+    if family == "gpt_oss":
+        model.set_experts_implementation("batched_mm")
     hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
     ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]], device=DEVICE)
     mask = (ids != 0).long()
