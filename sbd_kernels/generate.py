@@ -768,8 +768,7 @@ def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eo
         raise ValueError(f"generate: cuda_graph=True captures the decode steps, and the oracle ops "
                          f"({', '.join(_oracle_ops(ops))}, naive_ops) read values on the host, a sync that a CUDA "
                          "graph capture refuses; decode them without cuda_graph")
-    if cuda_graph and device.type != "cuda":
-        raise ValueError(f"generate: cuda_graph=True needs the model on a CUDA device, it is on {device}")
+    graph_mode = _graph_mode(device) if cuda_graph else None
     batch_size = None if batch_size is None else integer("generate", "batch_size", batch_size)
     if batch_size is not None and not batch_size >= 1:
         raise ValueError(f"generate: batch_size must be >= 1 (or None: one batch), got {batch_size}")
@@ -785,7 +784,8 @@ def generate(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, *, eo
         # seeds seed + first + i; arange(seed + first, seed + first + len) would overflow on its exclusive end
         # when the last seed is 2**63 - 1.
         seed = torch.arange(len(chunk), dtype=torch.int64, device=device) + (cfg.seed + first)
-        parts.append(decode_batch(model, chunk, seed, ops, sp, _graphed(steps) if cuda_graph else steps.for_batch()))
+        batch_steps = _graphed(steps, graph_mode) if graph_mode else steps.for_batch()
+        parts.append(decode_batch(model, chunk, seed, ops, sp, batch_steps))
     return DecodeResult.concat(parts)
 
 
@@ -795,11 +795,21 @@ def _oracle_ops(ops: DecodeOps) -> list[str]:
     return [f.name for f in dataclasses.fields(ops) if getattr(ops, f.name) is getattr(oracles, f.name)]
 
 
-def _graphed(steps: StepFunctions) -> StepFunctions:
-    """CUDA-graph replay of `steps` for one batch (a fresh capture per batch: new state and cache buffers)."""
-    from sbd_kernels.graphs import graphed_steps
+def _graph_mode(device: torch.device) -> str:
+    """The `graphs.graphed_steps` mode of a `cuda_graph=True` decode on `device`: "cuda" (captured and replayed);
+    ValueError elsewhere. Tests put "check" in its place to run a CUDA-graph test's decodes on the CPU, eagerly
+    under the same static-buffer checks (`sbd_kernels.testing.rehearse_cuda_graphs`)."""
+    if device.type != "cuda":
+        raise ValueError(f"generate: cuda_graph=True needs the model on a CUDA device, it is on {device}")
+    return "cuda"
 
-    return graphed_steps(steps, "cuda")
+
+def _graphed(steps: StepFunctions, mode: str) -> StepFunctions:
+    """`steps` for one batch under `graphs.graphed_steps(steps, mode)` (a fresh capture per batch: new state and
+    cache buffers)."""
+    from sbd_kernels.graphs import graphed_steps  # it imports this module
+
+    return graphed_steps(steps, mode)
 
 
 # ----------------------------------------------------------------------------------------------------

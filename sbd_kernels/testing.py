@@ -201,6 +201,32 @@ def triton_test_device(environ: MutableMapping[str, str] | None = None) -> str:
     return device
 
 
+# How a CUDA-graph test replays the decode steps: captured from CUDA graphs (on a GPU), or rehearsed.
+CUDA_GRAPH_MODES = ("cuda", "check")
+
+
+def rehearse_cuda_graphs(monkeypatch: Any, mode: str) -> None:
+    """Mode "check" (any device): a `cuda_graph=True` decode (`generate`, and `hf.generate` through it) runs its
+    steps eagerly under the static-buffer checks of `graphs.graphed_steps(..., "check")` instead of refusing a
+    CPU model, so that a CUDA-graph test's own code, its models' refusals and its token checks run where no GPU
+    is; the capture alone needs one. Mode "cuda" changes nothing."""
+    if mode not in CUDA_GRAPH_MODES:
+        raise ValueError(f"rehearse_cuda_graphs: mode must be one of {CUDA_GRAPH_MODES}, got {mode!r}")
+    if mode == "check":
+        from sbd_kernels import generate
+
+        monkeypatch.setattr(generate, "_graph_mode", lambda device: "check")
+
+
+def cuda_graph_mode_params(device: str) -> list:
+    """The pytest parameters of a CUDA-graph test, for `rehearse_cuda_graphs`: "cuda" (captured and replayed; on
+    a GPU only, marked `cuda_only` so that it runs first there) and "check" (rehearsed, on any device)."""
+    import pytest
+
+    on_a_gpu = [pytest.mark.cuda_only, pytest.mark.skipif(device != "cuda", reason="replays CUDA graphs (no GPU here)")]
+    return [pytest.param("cuda", marks=on_a_gpu), "check"]
+
+
 def configure_triton_environment(environ: MutableMapping[str, str]) -> str:
     """Sets up `environ` (os.environ in tests/conftest.py, before any Triton kernel is imported) for the
     device of `triton_test_device` and returns it: "cpu" sets TRITON_INTERPRET=1 unless already set; "cuda"

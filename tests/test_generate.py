@@ -21,7 +21,7 @@ import torch
 from sbd_kernels import generate as gen
 from sbd_kernels.generate import DecodeConfig, generate, oracle_decode
 from sbd_kernels.model import KVCache, ModelConfig, Transformer
-from sbd_kernels.testing import tolerance, triton_test_device
+from sbd_kernels.testing import cuda_graph_mode_params, rehearse_cuda_graphs, tolerance, triton_test_device
 
 DEVICE = triton_test_device()
 EOS, PAD = 1, 0
@@ -496,13 +496,13 @@ def test_cuda_graph_needs_a_cuda_model(prompts):
         generate(cpu_model, prompts, DecodeConfig(max_new_tokens=4), eos_id=EOS, pad_id=PAD, cuda_graph=True)
 
 
-@pytest.mark.cuda_only
-@pytest.mark.skipif(DEVICE != "cuda", reason="replays CUDA graphs (no GPU here)")
+@pytest.mark.parametrize("graphs", cuda_graph_mode_params(DEVICE))
 @pytest.mark.parametrize("method", ["ntp", "sbd"])
-def test_cuda_graph_decode_gives_the_eager_tokens(model, prompts, method):
+def test_cuda_graph_decode_gives_the_eager_tokens(model, prompts, method, graphs, monkeypatch):
     """Guards against a decode step whose CUDA-graph replay differs from its eager run (a buffer read at
     capture time, a host value baked into the graph, a kernel skipped on replay): same answers, NFE and
-    acceptance counts, at temperature 0 and with sampling."""
+    acceptance counts, at temperature 0 and with sampling. Rehearsed on any device (graphs "check")."""
+    rehearse_cuda_graphs(monkeypatch, graphs)
     for temperature in (0.0, 1.0):
         cfg = DecodeConfig(method=method, block_size=BLOCK, gamma=0.5, temperature=temperature,
                            max_new_tokens=BUDGET)

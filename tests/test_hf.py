@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 from sbd_kernels import hf
 from sbd_kernels.generate import DecodeConfig, generate, naive_ops, oracle_decode
 from sbd_kernels.model import ModelConfig, Transformer
-from sbd_kernels.testing import assert_close, triton_test_device
+from sbd_kernels.testing import assert_close, cuda_graph_mode_params, rehearse_cuda_graphs, triton_test_device
 from sbd_kernels.train import sbd_loss
 
 DEVICE = triton_test_device()
@@ -1982,16 +1982,17 @@ def test_cuda_graph_needs_a_cuda_model_through_hf():
         model.generate(ids, max_new_tokens=4, custom_generate=hf.sbd_generate, cuda_graph=True)
 
 
-@pytest.mark.cuda_only
-@pytest.mark.skipif(DEVICE != "cuda", reason="replays CUDA graphs (no GPU here)")
+@pytest.mark.parametrize("graphs", cuda_graph_mode_params(DEVICE))
 @pytest.mark.parametrize("family", ["qwen3", "mixtral", *(name for name, _ in COMPILED_DECODE_FAMILIES)])
 @pytest.mark.parametrize("method", ["ntp", "sbd"])
-def test_cuda_graph_decode_through_hf_gives_the_eager_tokens(family, method):
+def test_cuda_graph_decode_through_hf_gives_the_eager_tokens(family, method, graphs, monkeypatch):
     """Guards against replayed decode steps of an HF model differing from the eager decode (a buffer rebound
     between capture and replay, a host sync captured, positions read from a stale cache length), through the op
     alone (Qwen 3; Mixtral with its experts run by transformers' grouped_mm, in bf16: torch's CUDA grouped GEMM
     loops on the host in other dtypes) and through `torch_block_attention` too (windowed layers with W = 6
-    decoding past it; GPT-OSS's experts by batched_mm, in fp32)."""
+    decoding past it; GPT-OSS's experts by batched_mm, in fp32). Rehearsed on any device (graphs "check"): the
+    same decodes under the static-buffer checks, without the capture."""
+    rehearse_cuda_graphs(monkeypatch, graphs)
     overrides = {"sliding_window": 6} if family in dict(COMPILED_DECODE_FAMILIES) else {}
     model = tiny_model(family, **overrides).to(DEVICE, torch.bfloat16 if family == "mixtral" else torch.float32)
     if family == "gpt_oss":
