@@ -25,7 +25,9 @@ forward synchronises with the host) raises RuntimeError naming the step and the 
 chained.
 
 On CPU tensors (`mode="check"`), nothing is captured: every call runs eagerly with the same checks, so the
-static-buffer discipline is tested without a GPU.
+static-buffer discipline is tested without a GPU, and every call a capture or replay would take runs under
+`host_syncs`, which names the operations a capture would refuse (a host read such as `.item()` or `.nonzero()`,
+a tensor built from Python data on a device, `torch.tensor(x, device=...)`): RuntimeError naming the step and them.
 """
 from __future__ import annotations
 
@@ -34,8 +36,114 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sbd_kernels.generate import StepFunctions
+
+# What a CUDA graph capture refuses, on the GPU tensors of a step: reading their values on the host (`.item()`,
+# `bool(t)`, a Python branch on a tensor, `torch.equal`) or sizing an output by them (the host reads the size to
+# allocate). Dispatch shows these on any device; `.tolist()`, `.cpu()` and `.numpy()` of a CPU tensor dispatch
+# nothing and go unseen there (torch.compile(fullgraph=True) breaks on them: tests/test_hf.py).
+HOST_SYNC_OPS = frozenset({
+    "aten._local_scalar_dense", "aten.is_nonzero", "aten.equal", "aten.nonzero", "aten.masked_select",
+    "aten._unique", "aten._unique2", "aten.unique_dim", "aten.unique_consecutive", "aten.bincount",
+})
+# Indexing by a boolean mask (`x[mask]`, `x[mask] = v`) sizes its output by the mask's values.
+_BOOL_INDEXING_OPS = frozenset({"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"})
+# Factories: given a device, a tensor on the step's GPU (built from Python data, `torch.tensor(x, device=...)`, a
+# copy from the host, which a capture refuses: pytorch/pytorch#124582); without one, a CPU tensor on a GPU too,
+# whose values the host reads without a sync (torch.distributions' argument checks do).
+_FROM_HOST_DATA = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+_FACTORIES = _FROM_HOST_DATA | {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.linspace,
+                                torch.eye, torch.rand, torch.randn, torch.randint, torch.scalar_tensor}
+
+
+class _Scan:
+    """What one `host_syncs` call found, and the CPU tensors of the step (built without a device, or computed
+    from such tensors alone), which stay on the host on a GPU too."""
+
+    def __init__(self) -> None:
+        self.found: list[str] = []
+        self.host = torch.utils.weak.WeakIdKeyDictionary()
+
+    def on_host(self, tensors: list[torch.Tensor]) -> bool:
+        return bool(tensors) and all(t in self.host for t in tensors)
+
+    def mark_host(self, value: Any) -> None:
+        for t in _tensors_in(value):
+            self.host[t] = True
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in torch.utils._pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+class _FactoryScan(TorchFunctionMode):
+    """Marks the CPU tensors that factories build without a device; records tensors built from Python data on a
+    device, and host tensors moved to a device (`.to(x.device)`, `.cuda()`)."""
+
+    def __init__(self, scan: _Scan) -> None:
+        super().__init__()
+        self.scan = scan
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in _FACTORIES:
+            if kwargs.get("device") is None:
+                self.scan.mark_host(result)
+            elif func in _FROM_HOST_DATA and args and not isinstance(args[0], torch.Tensor):
+                self.scan.found.append(f"torch.{func.__name__}(<Python data>, device=...)")
+        elif func in (torch.Tensor.to, torch.Tensor.cuda) and self.scan.on_host(_tensors_in(args[:1])):
+            target = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, torch.device)]
+            if func is torch.Tensor.cuda or target:
+                self.scan.found.append(f"Tensor.{func.__name__}(<a device>) of a CPU tensor")
+            else:
+                self.scan.mark_host(result)
+        return result
+
+
+class _OpScan(TorchDispatchMode):
+    """Records the operations of HOST_SYNC_OPS (and boolean-mask indexing) on tensors that are not host tensors;
+    marks the outputs of operations on host tensors alone as host tensors."""
+
+    def __init__(self, scan: _Scan) -> None:
+        super().__init__()
+        self.scan = scan
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        inputs = _tensors_in((args, kwargs))
+        on_host = self.scan.on_host(inputs)
+        if not on_host and _refused_in_capture(func, args, kwargs):
+            self.scan.found.append(str(func))
+        result = func(*args, **kwargs)
+        if on_host:
+            self.scan.mark_host(result)
+        return result
+
+
+def _refused_in_capture(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the dispatched `func(*args, **kwargs)` reads device values on the host (HOST_SYNC_OPS)."""
+    name = str(func.overloadpacket)
+    if name in HOST_SYNC_OPS:
+        return True
+    if name == "aten.repeat_interleave" and func._overloadname == "Tensor":
+        return kwargs.get("output_size") is None  # the output size is the repeats' sum, read on the host
+    if name in _BOOL_INDEXING_OPS:
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ())
+    return False
+
+
+def host_syncs(fn: Callable, *args: Any, **kwargs: Any) -> tuple[Any, list[str]]:
+    """(fn(*args, **kwargs), what it ran that a CUDA graph capture refuses, sorted, each once: e.g.
+    ["aten.nonzero.default", "torch.tensor(<Python data>, device=...)"]), on any device. The arguments and every
+    tensor not built inside `fn` count as GPU tensors; HOST_SYNC_OPS says what is and is not seen."""
+    scan = _Scan()
+    with _FactoryScan(scan), _OpScan(scan):
+        result = fn(*args, **kwargs)
+    return result, sorted(set(scan.found))
 
 
 def _tensors_of(obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -122,8 +230,11 @@ class _GraphedStep:
             self.bound[key] = _Binding((model, cache, state), constants, _addresses(state, cache), weights)
         else:
             self._check_static(self.bound[key], (model, cache, state), constants)
-        if self.mode == "check" or calls == 0:
+        if calls == 0:  # the warm-up, eager on a GPU too
             self.fn(*args)
+            return
+        if self.mode == "check":
+            self._run_checked(args)
             return
         if key not in self.graphs:
             self.graphs[key] = self._capture(args)
@@ -150,6 +261,15 @@ class _GraphedStep:
             raise RuntimeError(f"{self.name}: model tensors {', '.join(moved)} moved to new memory since the step "
                                "was captured (a replay would read the old memory); keep the model in place "
                                "during a decode, or decode with new graphed_steps()")
+
+    def _run_checked(self, args: tuple) -> None:
+        """Mode "check": the call a capture or replay would take, run eagerly; RuntimeError when it ran operations a
+        capture refuses."""
+        _, found = host_syncs(self.fn, *args)
+        if found:
+            raise RuntimeError(f"{self.name}: the step ran {', '.join(found)}, which a CUDA graph capture refuses (a "
+                               "read of device values on the host, an output sized by values, or a tensor built from "
+                               "host data, a copy to the GPU); such a model cannot decode with cuda_graph=True")
 
     def _capture(self, args: tuple) -> Any:
         graph = torch.cuda.CUDAGraph()

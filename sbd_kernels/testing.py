@@ -213,9 +213,7 @@ def rehearse_cuda_graphs(monkeypatch: Any, mode: str) -> None:
     if mode not in CUDA_GRAPH_MODES:
         raise ValueError(f"rehearse_cuda_graphs: mode must be one of {CUDA_GRAPH_MODES}, got {mode!r}")
     if mode == "check":
-        from sbd_kernels import generate
-
-        monkeypatch.setattr(generate, "_graph_mode", lambda device: "check")
+        monkeypatch.setattr("sbd_kernels.generate._graph_mode", lambda device: "check")
 
 
 def cuda_graph_mode_params(device: str) -> list:

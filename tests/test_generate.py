@@ -453,6 +453,54 @@ def test_graph_checks_catch_a_step_that_moves_a_buffer(model, prompts):
         generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, steps=steps)
 
 
+HOST_SYNC_CASES = {  # name: (a function of a "GPU" tensor x, what `host_syncs` must name)
+    "item": (lambda x: x.sum().item(), ["aten._local_scalar_dense.default"]),
+    "a Python branch": (lambda x: 1 if x.any() else 0, ["aten._local_scalar_dense.default"]),
+    "nonzero": (lambda x: x.nonzero(), ["aten.nonzero.default"]),
+    "boolean-mask read": (lambda x: x[x > 2], ["aten.index.Tensor"]),
+    "boolean-mask write": (lambda x: x.clone().__setitem__(x > 2, 0.0), ["aten.index_put_.default"]),
+    "repeats from a tensor": (lambda x: x.repeat_interleave(x.long()), ["aten.repeat_interleave.Tensor"]),
+    "Python data on the device": (lambda x: x + torch.tensor(0.5, device=x.device),
+                                  ["torch.tensor(<Python data>, device=...)"]),
+    "a CPU tensor moved to the device": (lambda x: x + torch.arange(6.0).to(x.device),
+                                         ["Tensor.to(<a device>) of a CPU tensor"]),
+    "device factories and in-place writes": (lambda x: torch.zeros(6, device=x.device).index_copy_(
+        0, torch.arange(6, device=x.device), x).masked_fill_(x > 2, 1.0), []),
+    "repeats with output_size": (lambda x: x.repeat_interleave(x.long(), output_size=15), []),
+    "host tensors' own values": (lambda x: x * torch.distributions.Normal(0, 1).icdf(torch.tensor(0.9)), []),
+    "a 0-dim CPU tensor as a scalar": (lambda x: x * torch.tensor(0.5), []),
+}
+
+
+@pytest.mark.parametrize("case", HOST_SYNC_CASES)
+def test_host_syncs_names_what_a_capture_refuses(case):
+    """Guards against the host-sync scan of graphed_steps(mode="check") missing what a CUDA graph capture refuses on
+    a tensor of the step (a host read, an output sized by values, host data copied to the device), or naming what
+    stays on the device or on the host alone (CPU tensors built without a device, as torch.distributions' checks)."""
+    from sbd_kernels.graphs import host_syncs
+
+    fn, expected = HOST_SYNC_CASES[case]
+    assert host_syncs(fn, torch.arange(6.0))[1] == expected
+
+
+def test_graph_checks_catch_a_step_that_syncs(model, prompts):
+    """Guards against mode "check" passing a step that a capture would refuse: its second call (the first a capture
+    takes; the first runs eagerly on a GPU too) raises naming the step and the operation."""
+    from sbd_kernels.graphs import graphed_steps
+
+    def syncing_step(model_, cache, state, ops, sp, causal_slots):
+        gen.sbd_block_step(model_, cache, state, ops, sp, causal_slots)
+        if state.finished.all():
+            pass
+
+    steps = graphed_steps(dataclasses.replace(gen.EAGER_STEPS, sbd_block_step=syncing_step), "check")
+    cfg = DecodeConfig(method="sbd", block_size=BLOCK, gamma=0.0, max_new_tokens=BUDGET)
+    # generate runs under inference mode, where bool() of a tensor dispatches aten.is_nonzero (else aten._local_scalar_dense)
+    with pytest.raises(RuntimeError, match=re.escape("syncing_step: the step ran aten.is_nonzero.default, which a "
+                                                     "CUDA graph capture refuses")):
+        generate(model, prompts, cfg, eos_id=EOS, pad_id=PAD, steps=steps)
+
+
 def test_a_step_that_cannot_be_captured_names_the_step_and_the_cause(model, prompts, monkeypatch):
     """Guards against a model whose forward syncs with the host (an MoE layer looping over the experts hit) failing
     the capture with CUDA's bare "operation not permitted when stream is capturing": the error names the step, the
