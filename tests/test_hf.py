@@ -1863,13 +1863,19 @@ def test_sampling_follows_the_seed_and_the_generation_config_filters():
 @pytest.mark.parametrize("method", ["ntp", "sbd"])
 def test_graph_safe_steps_give_the_eager_tokens_through_hf(sbd_model, method):
     """Guards against the HF decode pass rebinding SbdCache or state buffers (CUDA-graph replays would read stale
-    memory): the replay wrapper's static-buffer checks, run on CPU without capturing, pass for the NTP and SBD
-    steps of every family, and the tokens equal the eager ones."""
+    memory) or syncing with the host: the replay wrapper's checks, run on CPU without capturing, pass for the NTP
+    and SBD steps of every family, and the tokens equal the eager ones; but for the families whose own code
+    `family_host_sync_reason` refuses, where the checks name what a capture would refuse."""
     from sbd_kernels.generate import EAGER_STEPS
     from sbd_kernels.graphs import graphed_steps
+    from sbd_kernels.hf.generation import family_host_sync_reason
 
     cfg = DecodeConfig(method=method, block_size=4, gamma=0.5, max_new_tokens=10)
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11]]
+    if family_host_sync_reason(sbd_model.hf_model.config) is not None:
+        with pytest.raises(RuntimeError, match="_step: the step ran .*, which a CUDA graph capture refuses"):
+            generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0, steps=graphed_steps(EAGER_STEPS, "check"))
+        return
     checked = generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0, steps=graphed_steps(EAGER_STEPS, "check"))
     eager = generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0)
     assert checked.tokens == eager.tokens and torch.equal(checked.nfe, eager.nfe)
@@ -1915,28 +1921,54 @@ def compiled_and_eager_decode_pass(sbd_model) -> tuple[torch.Tensor, torch.Tenso
     return logits[0], logits[1]
 
 
+def decode_pass_host_syncs(sbd_model) -> list[str]:
+    """What one decode pass (as in `compiled_and_eager_decode_pass`) runs that a CUDA graph capture refuses
+    (`graphs.host_syncs`)."""
+    from sbd_kernels.graphs import host_syncs
+
+    cache = sbd_model.new_cache(2, 16)
+    sbd_model.decode_pass(torch.tensor([[3, 4, 5], [6, 7, 8]]), torch.tensor([3, 2], dtype=torch.int32), 0, cache)
+    tokens, causal = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]), torch.tensor([2, 1], dtype=torch.int32)
+    return host_syncs(sbd_model.decode_pass, tokens, causal, 4, cache)[1]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_decode_pass_traces_in_one_graph_but_where_experts_loop(family):
-    """Guards against a family whose decode pass syncs with the host reaching a CUDA-graph capture, which would fail
-    deep inside CUDA: each family's pass traces in one graph and gives the eager logits, but a family that
-    `EXPERT_LOOP_MODEL_TYPES` names (DBRX: its experts loop over the experts hit), whose pass does break the trace
-    and whose `cuda_graph=True` is refused with the reason, before any CUDA check. (The experts' grouped GEMM is
-    one opaque op in the trace: `test_cuda_graph_is_refused_for_experts_that_sync` covers it.)"""
-    from sbd_kernels.hf.generation import EXPERT_LOOP_MODEL_TYPES, host_sync_reason
+def test_decode_pass_is_graph_safe_unless_refused(family):
+    """Guards against a family whose decode pass syncs with the host, or copies host data to the GPU, reaching a
+    CUDA-graph capture, which would fail deep inside CUDA: each family's pass runs nothing a capture refuses
+    (`graphs.host_syncs`: host reads, outputs sized by values, tensors built from Python data on the device) and
+    traces in one graph (Dynamo also breaks on `.tolist()` / `.cpu()`, which dispatch does not show on the CPU) with
+    the eager logits; but a family whose own code `family_host_sync_reason` refuses (DBRX's experts loop, PhiMoE's
+    rotary frequencies computed on the host, Gemma 3n's activation sparsity) does run such operations, and its
+    `cuda_graph=True` is refused with the reason, before any CUDA check. (The experts' grouped GEMM takes another
+    path on the CPU than on a GPU: `test_cuda_graph_is_refused_for_experts_that_sync` covers it.)"""
+    from sbd_kernels.hf.generation import family_host_sync_reason
 
     model = tiny_model(family)
     sbd_model = hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
-    if family not in EXPERT_LOOP_MODEL_TYPES:
+    reason = family_host_sync_reason(model.config)
+    with torch.no_grad():
+        found = decode_pass_host_syncs(sbd_model)
+    if reason is None:
+        assert found == [], f"{family}'s decode pass runs {found}, which a CUDA graph capture refuses"
         eager, compiled = compiled_and_eager_decode_pass(sbd_model)
         torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
         return
-    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
-        compiled_and_eager_decode_pass(sbd_model)
-    reason = host_sync_reason(model)
-    assert reason.startswith(f"{family}'s MoE layers loop over the experts their tokens hit"), reason
+    assert found, f"{family} is refused ({reason}), but its decode pass runs nothing a capture refuses"
     with pytest.raises(ValueError, match=re.escape(f"generate: cuda_graph=True captures the decode steps in CUDA "
                                                    f"graphs, which cannot hold a host sync, and {reason}")):
         hf.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, cuda_graph=True)
+
+
+def test_gemma3n_is_graph_safe_without_activation_sparsity():
+    """Guards against refusing every Gemma 3n model for the activation sparsity of some: with none in any layer,
+    its decode pass runs nothing a capture refuses and `cuda_graph=True` is not refused for it."""
+    from sbd_kernels.hf.generation import host_sync_reason
+
+    model = tiny_model("gemma3n_text", activation_sparsity_pattern=[0.0] * 4)
+    with torch.no_grad():
+        found = decode_pass_host_syncs(hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4))
+    assert host_sync_reason(model) is None and found == []
 
 
 def test_cuda_graph_is_refused_for_experts_that_sync():

@@ -194,25 +194,43 @@ def refuse_synced_gpus(model: Any, synced_gpus: bool = False) -> None:
                          "an unsharded copy of the model (e.g. the full state dict loaded on one process)")
 
 
-# MoE families whose experts loop over the experts their tokens hit in the only implementation transformers gives
-# them (no `experts_implementation` dispatch): each MoE layer reads on the host which experts to run.
-EXPERT_LOOP_MODEL_TYPES = ("dbrx",)
+# Families whose decode pass, in the only code transformers gives them, reads device values on the host or copies
+# host data to the device in every pass, which a CUDA graph capture refuses (tests/test_hf.py scans every family's
+# pass with `graphs.host_syncs`).
+HOST_SYNC_FAMILIES = {
+    "dbrx": "dbrx's MoE layers loop over the experts their tokens hit (a host sync in every such layer; transformers "
+            "gives this family no other experts implementation)",
+    "phimoe": "phimoe's rotary embedding computes its inverse frequencies on the host in every pass and copies them to "
+              "the GPU (transformers' PhimoeRotaryEmbedding.forward)",
+}
+
+
+def family_host_sync_reason(config: Any) -> str | None:
+    """The part of `host_sync_reason` that the family's own code decides, whatever runs its experts: the families of
+    HOST_SYNC_FAMILIES, and Gemma 3n's activation sparsity. What it names, `graphs.host_syncs` sees on any device."""
+    if config.model_type in HOST_SYNC_FAMILIES:
+        return HOST_SYNC_FAMILIES[config.model_type]
+    if any(p > 0 for p in getattr(config, "activation_sparsity_pattern", None) or ()):
+        return (f"{config.model_type}'s MLPs with activation sparsity (activation_sparsity_pattern) build their "
+                "Gaussian cut-off with torch.tensor(..., device=...) in every pass, a copy from the host (transformers' "
+                "_gaussian_topk)")
+    return None
 
 
 def host_sync_reason(model: Any) -> str | None:
-    """Why a decode pass of the HF `model` would synchronise with the host on a GPU, which a CUDA graph cannot
-    capture, or None. MoE experts are the cases: transformers' "eager" experts implementation (and DBRX, which has
-    no other) reads which experts its tokens hit on the host and loops over them; its "grouped_mm" runs torch's
-    grouped GEMM, which CUDA computes in one kernel for bf16 weights only (torch's docs) and otherwise by a loop
-    over the experts whose token offsets it reads on the host; "batched_mm" gathers each token's expert weights
-    and runs on the device alone. Every other part of a supported family's decode pass traces in one graph with no
-    host read (tests/test_hf.py). Whether torch takes its one-kernel path for bf16 depends on the GPU and the torch
-    version and is not checked here: where it does not, the capture fails with an error that says so
-    (`sbd_kernels.graphs`)."""
-    model_type = model.config.model_type
-    if model_type in EXPERT_LOOP_MODEL_TYPES:
-        return (f"{model_type}'s MoE layers loop over the experts their tokens hit (a host sync in every such layer; "
-                "transformers gives this family no other experts implementation)")
+    """Why a decode pass of the HF `model` would synchronise with the host on a GPU (or copy host data to it),
+    which a CUDA graph cannot capture, or None. The cases: the families of HOST_SYNC_FAMILIES; Gemma 3n's
+    activation sparsity (its MLPs build their Gaussian cut-off with `torch.tensor(..., device=...)` in every pass);
+    and MoE experts: transformers' "eager" experts implementation reads on the host which experts its tokens hit and
+    loops over them; its "grouped_mm" runs torch's grouped GEMM, which CUDA computes in one kernel for bf16 weights
+    only (torch's docs) and otherwise by a loop over the experts whose token offsets it reads on the host;
+    "batched_mm" gathers each token's expert weights and runs on the device alone. Every other part of a supported
+    family's decode pass runs nothing a capture refuses (tests/test_hf.py). Whether torch takes its one-kernel path
+    for bf16 depends on the GPU and the torch version and is not checked here: where it does not, the capture fails
+    with an error that says so (`sbd_kernels.graphs`)."""
+    reason = family_host_sync_reason(model.config)
+    if reason is not None:
+        return reason
     # The experts modules transformers dispatches by `config._experts_implementation` (`use_experts_implementation`
     # sets `_is_expert_parallel` on them).
     for name, module in model.named_modules():
