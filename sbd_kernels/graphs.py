@@ -81,7 +81,8 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
 
 class _FactoryScan(TorchFunctionMode):
     """Marks the CPU tensors that factories build without a device; records tensors built from Python data on a
-    device, and host tensors moved to a device (`.to(x.device)`, `.cuda()`)."""
+    device (`torch.tensor(x, device=...)`, `t.new_tensor(x)`), and host tensors moved to a device (`.to(x.device)`,
+    `.cuda()`)."""
 
     def __init__(self, scan: _Scan) -> None:
         super().__init__()
@@ -95,6 +96,11 @@ class _FactoryScan(TorchFunctionMode):
                 self.scan.mark_host(result)
             elif func in _FROM_HOST_DATA and args and not isinstance(args[0], torch.Tensor):
                 self.scan.found.append(f"torch.{func.__name__}(<Python data>, device=...)")
+        elif func is torch.Tensor.new_tensor:
+            if self.scan.on_host(_tensors_in(args[:1])) and kwargs.get("device") is None:
+                self.scan.mark_host(result)
+            else:
+                self.scan.found.append("Tensor.new_tensor(<Python data>) of a tensor on the device")
         elif func in (torch.Tensor.to, torch.Tensor.cuda) and self.scan.on_host(_tensors_in(args[:1])):
             target = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, torch.device)]
             if func is torch.Tensor.cuda or target:

@@ -462,6 +462,8 @@ HOST_SYNC_CASES = {  # name: (a function of a "GPU" tensor x, what `host_syncs` 
     "repeats from a tensor": (lambda x: x.repeat_interleave(x.long()), ["aten.repeat_interleave.Tensor"]),
     "Python data on the device": (lambda x: x + torch.tensor(0.5, device=x.device),
                                   ["torch.tensor(<Python data>, device=...)"]),
+    "Python data on the device of a tensor": (lambda x: x + x.new_tensor([0.5] * 6),
+                                              ["Tensor.new_tensor(<Python data>) of a tensor on the device"]),
     "a CPU tensor moved to the device": (lambda x: x + torch.arange(6.0).to(x.device),
                                          ["Tensor.to(<a device>) of a CPU tensor"]),
     "device factories and in-place writes": (lambda x: torch.zeros(6, device=x.device).index_copy_(
@@ -469,6 +471,7 @@ HOST_SYNC_CASES = {  # name: (a function of a "GPU" tensor x, what `host_syncs` 
     "repeats with output_size": (lambda x: x.repeat_interleave(x.long(), output_size=15), []),
     "host tensors' own values": (lambda x: x * torch.distributions.Normal(0, 1).icdf(torch.tensor(0.9)), []),
     "a 0-dim CPU tensor as a scalar": (lambda x: x * torch.tensor(0.5), []),
+    "Python data beside a CPU tensor": (lambda x: x * torch.tensor(0.5).new_tensor(2.0).item(), []),
 }
 
 
