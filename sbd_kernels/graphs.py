@@ -43,8 +43,8 @@ from sbd_kernels.generate import StepFunctions
 
 # What a CUDA graph capture refuses, on the GPU tensors of a step: reading their values on the host (`.item()`,
 # `bool(t)`, a Python branch on a tensor, `torch.equal`) or sizing an output by them (the host reads the size to
-# allocate). Dispatch shows these on any device; `.tolist()`, `.cpu()` and `.numpy()` of a CPU tensor dispatch
-# nothing and go unseen there (torch.compile(fullgraph=True) breaks on them: tests/test_hf.py).
+# allocate). Dispatch shows these on any device; `.tolist()`, `.numpy()`, `.cpu()` and `.to("cpu")` of a CPU tensor
+# dispatch nothing, and are seen as the Tensor methods they are (_READ_BACK_METHODS).
 HOST_SYNC_OPS = frozenset({
     "aten._local_scalar_dense", "aten.is_nonzero", "aten.equal", "aten.nonzero", "aten.masked_select",
     "aten._unique", "aten._unique2", "aten.unique_dim", "aten.unique_consecutive", "aten.bincount",
@@ -55,6 +55,8 @@ _BOOL_INDEXING_OPS = frozenset({"aten.index", "aten.index_put", "aten.index_put_
 # copy from the host, which a capture refuses: pytorch/pytorch#124582); without one, a CPU tensor on a GPU too,
 # whose values the host reads without a sync (torch.distributions' argument checks do).
 _FROM_HOST_DATA = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+# Tensor methods that copy a tensor to the host (`.to("cpu")` too: a device given by name, not a tensor's device).
+_READ_BACK_METHODS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu})
 _FACTORIES = _FROM_HOST_DATA | {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.linspace,
                                 torch.eye, torch.rand, torch.randn, torch.randint, torch.scalar_tensor}
 
@@ -81,8 +83,8 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
 
 class _FactoryScan(TorchFunctionMode):
     """Marks the CPU tensors that factories build without a device; records tensors built from Python data on a
-    device (`torch.tensor(x, device=...)`, `t.new_tensor(x)`), and host tensors moved to a device (`.to(x.device)`,
-    `.cuda()`)."""
+    device (`torch.tensor(x, device=...)`, `t.new_tensor(x)`), host tensors moved to a device (`.to(x.device)`,
+    `.cuda()`), and device tensors copied to the host (`.tolist()`, `.cpu()`, ...)."""
 
     def __init__(self, scan: _Scan) -> None:
         super().__init__()
@@ -107,7 +109,17 @@ class _FactoryScan(TorchFunctionMode):
                 self.scan.found.append(f"Tensor.{func.__name__}(<a device>) of a CPU tensor")
             else:
                 self.scan.mark_host(result)
+        elif func in _READ_BACK_METHODS or (func is torch.Tensor.to and _to_cpu_by_name(args, kwargs)):
+            if self.scan.on_host(_tensors_in(args[:1])):
+                self.scan.mark_host(result)
+            else:
+                self.scan.found.append(f"Tensor.{func.__name__}() of a tensor on the device")
         return result
+
+
+def _to_cpu_by_name(args: tuple, kwargs: dict) -> bool:
+    """Whether `Tensor.to(*args, **kwargs)` names the CPU as its device ("cpu", "cpu:0")."""
+    return any(isinstance(a, str) and a.split(":")[0] == "cpu" for a in (*args[1:], kwargs.get("device")))
 
 
 class _OpScan(TorchDispatchMode):

@@ -466,6 +466,10 @@ HOST_SYNC_CASES = {  # name: (a function of a "GPU" tensor x, what `host_syncs` 
                                               ["Tensor.new_tensor(<Python data>) of a tensor on the device"]),
     "a CPU tensor moved to the device": (lambda x: x + torch.arange(6.0).to(x.device),
                                          ["Tensor.to(<a device>) of a CPU tensor"]),
+    "tolist": (lambda x: x.tolist(), ["Tensor.tolist() of a tensor on the device"]),
+    "a copy to the CPU": (lambda x: (x.cpu(), x.to("cpu"), x.to(device="cpu:0")),
+                          ["Tensor.cpu() of a tensor on the device", "Tensor.to() of a tensor on the device"]),
+    "a CPU tensor's own read-back": (lambda x: x * len(torch.arange(3).tolist()), []),
     "device factories and in-place writes": (lambda x: torch.zeros(6, device=x.device).index_copy_(
         0, torch.arange(6, device=x.device), x).masked_fill_(x > 2, 1.0), []),
     "repeats with output_size": (lambda x: x.repeat_interleave(x.long(), output_size=15), []),

@@ -1937,8 +1937,7 @@ def test_decode_pass_is_graph_safe_unless_refused(family):
     """Guards against a family whose decode pass syncs with the host, or copies host data to the GPU, reaching a
     CUDA-graph capture, which would fail deep inside CUDA: each family's pass runs nothing a capture refuses
     (`graphs.host_syncs`: host reads, outputs sized by values, tensors built from Python data on the device) and
-    traces in one graph (Dynamo also breaks on `.tolist()` / `.cpu()`, which dispatch does not show on the CPU) with
-    the eager logits; but a family whose own code `family_host_sync_reason` refuses (DBRX's experts loop, PhiMoE's
+    traces in one graph under torch.compile(fullgraph=True) with the eager logits; but a family whose own code `family_host_sync_reason` refuses (DBRX's experts loop, PhiMoE's
     rotary frequencies computed on the host, Gemma 3n's activation sparsity) does run such operations, and its
     `cuda_graph=True` is refused with the reason, before any CUDA check. (The experts' grouped GEMM takes another
     path on the CPU than on a GPU: `test_cuda_graph_is_refused_for_experts_that_sync` covers it.)"""
