@@ -298,10 +298,12 @@ class _GraphedStep:
             first_line = (str(err).strip() or type(err).__name__).splitlines()[0]
             raise RuntimeError(
                 f"{self.name}: capturing the decode step in a CUDA graph failed ({first_line}). A graph cannot hold a "
-                "host synchronisation (.item(), .nonzero(), .tolist(), a copy to the CPU), which some models' forwards "
-                "do: an MoE layer that loops over the experts its tokens hit, for one (Hugging Face's 'eager' "
-                "experts implementation, or torch's grouped GEMM where it cannot run in one kernel). Decode with "
-                "cuda_graph=False; the chained error below shows where the step failed") from err
+                "host synchronisation (.item(), .nonzero(), .tolist(), a copy to the CPU) or a copy of host data to "
+                "the GPU (torch.tensor(x, device=...)), which some models' forwards do: an MoE layer that loops over "
+                "the experts its tokens hit, for one (Hugging Face's 'eager' experts implementation, or torch's "
+                "grouped GEMM where it cannot run in one kernel); graphed_steps(steps, 'check') names such operations "
+                "on any device. Decode with cuda_graph=False; the chained error below shows where the step "
+                "failed") from err
         return graph
 
 
