@@ -551,6 +551,16 @@ def test_cuda_graph_needs_a_cuda_model(prompts):
         generate(cpu_model, prompts, DecodeConfig(max_new_tokens=4), eos_id=EOS, pad_id=PAD, cuda_graph=True)
 
 
+def test_rehearsing_cuda_graphs_names_a_wrong_mode(monkeypatch):
+    """Guards against a misspelt mode ("CPU", "checks") leaving a CUDA-graph test unrehearsed: it is refused by name,
+    and nothing is patched."""
+    with pytest.raises(ValueError, match=re.escape("rehearse_cuda_graphs: mode must be one of ('cuda', 'check'), "
+                                                   "got 'checks'")):
+        rehearse_cuda_graphs(monkeypatch, "checks")
+    with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device"):
+        gen._graph_mode(torch.device("cpu"))
+
+
 @pytest.mark.parametrize("graphs", cuda_graph_mode_params(DEVICE))
 @pytest.mark.parametrize("method", ["ntp", "sbd"])
 def test_cuda_graph_decode_gives_the_eager_tokens(model, prompts, method, graphs, monkeypatch):

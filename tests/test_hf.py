@@ -1906,30 +1906,30 @@ def test_graph_safe_steps_past_the_window_give_the_eager_tokens(family, method):
     assert checked.tokens == eager.tokens and torch.equal(checked.nfe, eager.nfe)
 
 
-def compiled_and_eager_decode_pass(sbd_model) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits of one decode pass (C = 2 causal slots, K = 4 block rows, causal counts 2 and 1, after a prefill
-    of 3 and 2 tokens), eagerly and under torch.compile(fullgraph=True) with Dynamo's trace alone (backend
-    "eager"): a host read in the pass (.nonzero(), .item(), a Python branch on a tensor) breaks the trace."""
-    torch._dynamo.reset()
+def prefilled_decode_pass_args(sbd_model) -> tuple:
+    """The arguments of one decode pass (C = 2 causal slots, K = 4 block rows, causal counts 2 and 1) on a fresh
+    cache after a prefill of 3 and 2 tokens: (tokens, num_causal, block_size, cache)."""
+    cache = sbd_model.new_cache(2, 16)
+    sbd_model.decode_pass(torch.tensor([[3, 4, 5], [6, 7, 8]]), torch.tensor([3, 2], dtype=torch.int32), 0, cache)
     tokens = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
-    causal = torch.tensor([2, 1], dtype=torch.int32)
-    logits = []
-    for decode_pass in (sbd_model.decode_pass, torch.compile(sbd_model.decode_pass, fullgraph=True, backend="eager")):
-        cache = sbd_model.new_cache(2, 16)
-        sbd_model.decode_pass(torch.tensor([[3, 4, 5], [6, 7, 8]]), torch.tensor([3, 2], dtype=torch.int32), 0, cache)
-        logits.append(decode_pass(tokens, causal, 4, cache))
-    return logits[0], logits[1]
+    return tokens, torch.tensor([2, 1], dtype=torch.int32), 4, cache
+
+
+def compiled_and_eager_decode_pass(sbd_model) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of one decode pass (`prefilled_decode_pass_args`), eagerly and under torch.compile(fullgraph=True)
+    with Dynamo's trace alone (backend "eager"): a host read in the pass (.nonzero(), .item(), a Python branch on a
+    tensor) breaks the trace."""
+    torch._dynamo.reset()
+    compiled = torch.compile(sbd_model.decode_pass, fullgraph=True, backend="eager")
+    return tuple(decode_pass(*prefilled_decode_pass_args(sbd_model)) for decode_pass in (sbd_model.decode_pass, compiled))
 
 
 def decode_pass_host_syncs(sbd_model) -> list[str]:
-    """What one decode pass (as in `compiled_and_eager_decode_pass`) runs that a CUDA graph capture refuses
+    """What one decode pass (`prefilled_decode_pass_args`) runs that a CUDA graph capture refuses
     (`graphs.host_syncs`)."""
     from sbd_kernels.graphs import host_syncs
 
-    cache = sbd_model.new_cache(2, 16)
-    sbd_model.decode_pass(torch.tensor([[3, 4, 5], [6, 7, 8]]), torch.tensor([3, 2], dtype=torch.int32), 0, cache)
-    tokens, causal = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]), torch.tensor([2, 1], dtype=torch.int32)
-    return host_syncs(sbd_model.decode_pass, tokens, causal, 4, cache)[1]
+    return host_syncs(sbd_model.decode_pass, *prefilled_decode_pass_args(sbd_model))[1]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -1937,9 +1937,10 @@ def test_decode_pass_is_graph_safe_unless_refused(family):
     """Guards against a family whose decode pass syncs with the host, or copies host data to the GPU, reaching a
     CUDA-graph capture, which would fail deep inside CUDA: each family's pass runs nothing a capture refuses
     (`graphs.host_syncs`: host reads, outputs sized by values, tensors built from Python data on the device) and
-    traces in one graph under torch.compile(fullgraph=True) with the eager logits; but a family whose own code `family_host_sync_reason` refuses (DBRX's experts loop, PhiMoE's
-    rotary frequencies computed on the host, Gemma 3n's activation sparsity) does run such operations, and its
-    `cuda_graph=True` is refused with the reason, before any CUDA check. (The experts' grouped GEMM takes another
+    traces in one graph under torch.compile(fullgraph=True) with the eager logits; but a family whose own code
+    `family_host_sync_reason` refuses (DBRX's experts loop, PhiMoE's rotary frequencies computed on the host,
+    Gemma 3n's activation sparsity) does run such operations, and its `cuda_graph=True` is refused with the
+    reason, before any CUDA check. (The experts' grouped GEMM takes another
     path on the CPU than on a GPU: `test_cuda_graph_is_refused_for_experts_that_sync` covers it.)"""
     from sbd_kernels.hf.generation import family_host_sync_reason
 

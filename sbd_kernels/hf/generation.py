@@ -150,8 +150,8 @@ def generate(model: Any, input_ids: Tensor, attention_mask: Tensor | None = None
     several (default: the model's generation config's; `[]`: no EOS stop); pad_token_id: default the model's
     generation config's, else the first EOS id (as HF), else 0; block_size: default the one recorded by
     `enable_sbd`; temperature > 0 samples, after the top_k / top_p / min_p filters (0 / 1 / 0 = off), sequence i
-    with seed `seed + i`; cuda_graph: replay the decode steps from CUDA graphs (model on a CUDA device; MoE experts
-    that would sync with the host are refused, `host_sync_reason`). Returns
+    with seed `seed + i`; cuda_graph: replay the decode steps from CUDA graphs (model on a CUDA device; a model
+    whose pass would sync with the host or copy host data to the GPU is refused, `host_sync_reason`). Returns
     `SbdGenerateOutput` (see the module docstring). A model sharded over several ranks (DeepSpeed ZeRO-3, FSDP) is
     refused (`refuse_synced_gpus`).
     """
