@@ -54,10 +54,11 @@ build: $(BUILT)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(DEPS): $(BIN)/python requirements-dev.txt
+$(DEPS): $(BIN)/python requirements-dev.txt requirements-corpus.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -r requirements-dev.txt
+	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/sbd-code-corpus -r requirements-corpus.txt
 	touch $@
 
 # flock: one build at a time in this checkout (concurrent builds would overwrite each other's objects).

@@ -1,7 +1,10 @@
 """Real-data task: line-level code completion on the Python sources of a pinned package (`code` in `sbd demo`).
 
-Data. The `.py` files of transformers 5.23.0 as installed from its wheel (pinned in requirements-dev.txt): the same
-bytes on every machine, no download, and every file is checked against the wheel's RECORD (sha256) before use
+Data. The `.py` files of transformers 5.23.0 as installed from its wheel: the same bytes on every machine, and every
+file is checked against the wheel's RECORD (sha256) before use. They are read from a copy of the package installed
+beside the environment, in `corpus_folder()` (`pip install --no-deps --target <folder> transformers==5.23.0`, which
+`make` runs from requirements-corpus.txt), so the environment's own transformers can be any release; or from the
+environment's transformers where it is 5.23.0
 (2860 files, 52.8 MB). Files are split by file name: a file is held out when crc32 of its path (relative to
 site-packages) is 0 mod 10 (258 files, 5.4 MB). `corpus()` returns both splits and a sha256 of the corpus and of
 each split (over path and bytes of every file, in path order), printed by `python -m sbd_kernels.code_models
@@ -30,6 +33,7 @@ import hashlib
 import importlib.metadata
 import io
 import random
+import sys
 import zlib
 from dataclasses import dataclass
 from functools import cache
@@ -87,20 +91,35 @@ class Corpus:
 
 
 class CorpusError(RuntimeError):
-    """The installed package is not the pinned one, or a file differs from its wheel."""
+    """The pinned package's sources are not installed, or a file differs from its wheel."""
+
+
+def corpus_folder() -> Path:
+    """Where the corpus's copy of the pinned package is installed, beside this environment (its sys.prefix: the
+    venv's folder), whatever release of the package the environment itself runs."""
+    return Path(sys.prefix) / "sbd-code-corpus"
+
+
+def install_command() -> str:
+    return f"pip install --no-deps --target {corpus_folder()} {PACKAGE}=={VERSION}"
 
 
 def pinned_distribution() -> importlib.metadata.Distribution:
-    """The installed distribution of the pinned package; CorpusError when it is missing or another version."""
+    """The pinned package's distribution: the copy in corpus_folder(), else the environment's own when it is the
+    pinned version; CorpusError naming the install command otherwise."""
+    copy = next(iter(importlib.metadata.distributions(name=PACKAGE, path=[str(corpus_folder())])), None)
+    if copy is not None and copy.version == VERSION:
+        return copy
     try:
         dist = importlib.metadata.distribution(PACKAGE)
-    except importlib.metadata.PackageNotFoundError as err:
-        raise CorpusError(f"the code task reads the sources of {PACKAGE}=={VERSION}; install it "
-                          f"(pip install {PACKAGE}=={VERSION})") from err
-    if dist.version != VERSION:
-        raise CorpusError(f"the code task reads the sources of {PACKAGE}=={VERSION}, found {dist.version}: other "
-                          f"bytes would give another held-out set (pip install {PACKAGE}=={VERSION})")
-    return dist
+    except importlib.metadata.PackageNotFoundError:
+        found = "none is installed"
+    else:
+        if dist.version == VERSION:
+            return dist
+        found = f"found {dist.version}, whose bytes would give another held-out set"
+    raise CorpusError(f"the code task reads the sources of {PACKAGE}=={VERSION} ({found}); install them beside "
+                      f"the environment: {install_command()}")
 
 
 def corpus_unavailable() -> str | None:

@@ -118,7 +118,7 @@ def selected_tasks(tasks: str | None) -> list[str]:
     from sbd_kernels import code_completion
 
     names = tasks.split(",") if tasks else list(TASKS)
-    # Why the code task cannot run here (transformers missing, or not the pinned version), or None.
+    # Why the code task cannot run here (the pinned transformers sources not installed), or None.
     reason = code_completion.corpus_unavailable() if CODE_TASK in names else None
     if reason is None:
         return names

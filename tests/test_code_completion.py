@@ -4,6 +4,7 @@ windows, a few training steps of a tiny model, the curve command and the demo's 
 import argparse
 import json
 import random
+import re
 import types
 from pathlib import Path
 
@@ -75,17 +76,38 @@ def test_corpus_refuses_other_bytes(monkeypatch):
         cc.corpus.cache_clear()
 
 
-def test_the_dev_requirements_pin_the_corpus_version():
-    """Guards against the corpus tests being skipped in CI: the pin CI installs is the corpus's version."""
-    pins = (Path(__file__).resolve().parent.parent / "requirements-dev.txt").read_text().split()
+def test_make_installs_the_corpus_version_where_the_corpus_reads_it():
+    """Guards against the corpus tests being skipped in CI: `make` installs requirements-corpus.txt's pin, the
+    corpus's version, into the folder corpus_folder() names (sys.prefix is the venv)."""
+    repo = Path(__file__).resolve().parent.parent
+    pins = (repo / "requirements-corpus.txt").read_text().split()
     assert f"{cc.PACKAGE}=={cc.VERSION}" in pins
+    assert f"--target $(VENV)/{cc.corpus_folder().name} -r requirements-corpus.txt" in (repo / "Makefile").read_text()
 
 
-def test_corpus_refuses_another_version(monkeypatch):
-    """Guards against reading another transformers version without a word: its bytes give another data set."""
-    fake = types.SimpleNamespace(version="4.0.0")
-    monkeypatch.setattr(cc.importlib.metadata, "distribution", lambda name: fake)
-    with pytest.raises(cc.CorpusError, match="5.23.0, found 4.0.0"):
+def _fake_dist_info(folder: Path, version: str) -> None:
+    info = folder / f"{cc.PACKAGE}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {cc.PACKAGE}\nVersion: {version}\n")
+
+
+def test_corpus_reads_the_copy_beside_the_environment(tmp_path, monkeypatch):
+    """Guards against the corpus following the environment's own transformers (a newer release: another held-out
+    set) where the pinned copy is installed beside it."""
+    monkeypatch.setattr(cc, "corpus_folder", lambda: tmp_path)
+    monkeypatch.setattr(cc.importlib.metadata, "distribution", lambda name: types.SimpleNamespace(version="5.25.0"))
+    _fake_dist_info(tmp_path, cc.VERSION)
+    assert Path(cc.pinned_distribution().locate_file("")) == tmp_path
+
+
+def test_corpus_refuses_another_version(tmp_path, monkeypatch):
+    """Guards against reading another transformers version without a word, in the environment or in the copy
+    beside it: its bytes give another data set. The error names the command that installs the pinned one."""
+    monkeypatch.setattr(cc, "corpus_folder", lambda: tmp_path)
+    _fake_dist_info(tmp_path, "5.22.0")
+    monkeypatch.setattr(cc.importlib.metadata, "distribution", lambda name: types.SimpleNamespace(version="4.0.0"))
+    with pytest.raises(cc.CorpusError, match=f"5.23.0 \\(found 4.0.0.*--target {re.escape(str(tmp_path))} "
+                                             "transformers==5.23.0"):
         cc._recorded_hashes()
 
 
