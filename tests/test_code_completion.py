@@ -24,9 +24,10 @@ CORPUS_SHA256 = {
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-# Tests that read the corpus run where the pinned transformers is installed: CI's (requirements-dev.txt, whose pin
-# test_the_dev_requirements_pin_the_corpus_version holds to cc.VERSION). Elsewhere (a GPU machine's own
-# transformers) they are skipped with the reason. tests/test_demo.py marks the demo's code task with it too.
+# Tests that read the corpus run where the pinned transformers sources are installed: in CI, beside the venv (`make`
+# installs requirements-corpus.txt, whose pin test_make_installs_the_corpus_version_where_the_corpus_reads_it holds
+# to cc.VERSION). Elsewhere (a GPU machine without them) they are skipped with the reason. tests/test_demo.py marks
+# the demo's code task with it too.
 needs_corpus = pytest.mark.skipif(cc.corpus_unavailable() is not None, reason=str(cc.corpus_unavailable()))
 
 
