@@ -377,11 +377,21 @@ def pad_prompts(prompts: list[list[int]], pad_id: int, device: torch.device) -> 
     return tokens.to(device), lengths.to(device)
 
 
+def mask_column(mask_id: int, vocab: int) -> int | None:
+    """The mask token's column in logits [..., V], or None where they have none: a model whose LM head covers only
+    the first V ids of its embeddings (Apertus 1.5's heads, pruned to the text ids) draws no id past them, the mask
+    token included, so there is nothing to leave out. V is a static size: no host sync."""
+    return mask_id if mask_id < vocab else None
+
+
 def _sample(ops: DecodeOps, logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
             compute: torch.Tensor, sp: DecodeConstants) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """entropy_sample over logits [B, K, V] -> (tokens [B, K] int64, entropy [B, K] fp32, valid [B, K])."""
+    """entropy_sample over logits [B, K, V] -> (tokens [B, K] int64, entropy [B, K] fp32, valid [B, K]), the mask
+    token's column (`mask_column`) left out."""
+    column = mask_column(sp.mask_id, logits.shape[-1])
     tokens, entropy, _, valid = ops.entropy_sample(
-        logits, seed, offset, temperature_val=sp.temperature, compute_mask=compute, mask_token_id=sp.mask_id,
+        logits, seed, offset, temperature_val=sp.temperature, compute_mask=compute,
+        mask_token_id=-1 if column is None else column,
         top_k_val=sp.top_k, top_p_val=sp.top_p, min_p_val=sp.min_p)
     return tokens, entropy, valid
 
@@ -978,7 +988,7 @@ def oracle_decode(model: SbdModel, prompts: list[list[int]], cfg: DecodeConfig, 
         def observe(answer_len, logits, entropy, candidates, accepted, i=i):
             if observer is not None:
                 observer(OraclePass(i, answer_len, logits.float(), entropy.float(), candidates, accepted,
-                                    sp.mask_id))
+                                    mask_column(sp.mask_id, logits.shape[-1])))
         tokens, nfe, counts, stopped_early = decode_one(model, prompt, cfg.seed + i, ops, sp, observe)
         answers.append(_strip_after_eos(tokens, sp.eos_ids))
         all_tokens.append(tokens)

@@ -4,6 +4,7 @@ a silently wrong result. The decoding tests run the model on CUDA (the Triton ke
 on the CPU otherwise; training stays on the CPU."""
 import contextlib
 import re
+import warnings
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from sbd_kernels import hf
 from sbd_kernels.generate import DecodeConfig, generate, naive_ops, oracle_decode
+from sbd_kernels.hf.model import cache_argument_name
 from sbd_kernels.model import ModelConfig, Transformer
 from sbd_kernels.testing import assert_close, cuda_graph_mode_params, rehearse_cuda_graphs, triton_test_device
 from sbd_kernels.train import sbd_loss
@@ -31,13 +33,13 @@ FAMILIES = hf.SUPPORTED_MODEL_TYPES
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "olmoe", "flex_olmo", "phimoe",
                 "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open", "dbrx", "minimax_m2", "hy_v3",
                 "aria_text", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam", "cohere2_moe", "gpt_oss",
-                "granitemoe_swa")
+                "granitemoe_swa", "param2moe", "sarvam_moe", "minicpm5_moe", "ergo")
 # Families whose released configs have sliding-window layers: their tiny models take a window of WINDOW, above the
 # longest span of the per-family tests (22 positions: a decode pass's cache slots plus its block), with a full layer
 # after a windowed one unless the family orders them itself.
 WINDOWED_FAMILIES = ("gemma3_text", "olmo3", "cohere2", "ministral", "cwm", "exaone_moe", "afmoe", "mellum", "laguna",
                      "kolibri1", "beam", "cohere2_moe", "gemma2", "vaultgemma", "gpt_oss", "granite_swa",
-                     "granitemoe_swa", "gemma4_text", "gemma4_unified_text", "gemma3n_text")
+                     "granitemoe_swa", "gemma4_text", "gemma4_unified_text", "gemma3n_text", "ergo")
 WINDOW = 24
 # GPT-OSS sink logits of the tiny models: the top scores of their std-1 weights lie around this value.
 SINK_LOGIT_MEAN = 20.0
@@ -53,7 +55,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def tiny_config(family: str, attn: str = "sdpa", **overrides):
     """A 2-layer GQA config of `family` (head dim 8, 4 query heads, 2 KV heads; 4 for GPT-NeoX and Persimmon),
     no sliding window but a window of WINDOW in WINDOWED_FAMILIES. head_dim is set for every family: gemma and glm default to 256 and 128 whatever the hidden
-    size. The family's own departures from Llama that its real checkpoints use are switched on."""
+    size. The family's own departures from Llama that its real checkpoints use are switched on. Skips a family the
+    installed transformers does not have (a release older than CI's pin: `make test-lower-bounds`)."""
+    if family not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {family} models")
     if attn == "sdpa" and family in SDPA_REFUSED:
         attn = "eager"
     common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -99,6 +104,14 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
         common.update(d_model=32, n_heads=4, n_layers=2, max_seq_len=256,
                       attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
                       ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 2, "moe_top_k": 2})
+    if family == "apertus1p5_text":
+        # Apertus 1.5's released heads are pruned to the text ids: logits over the first output_vocab_size ids of
+        # the embeddings' vocabulary (the mask token MASK_ID lies past them).
+        common["output_vocab_size"] = VOCAB - 16
+    if family == "ergo":
+        # Ergo's MLP widths default to 32768 (its dense first layer) and 8192 (its shared expert); its full layers
+        # scale queries and keys by sqrt(global_attention_scale), as its long-context checkpoints do.
+        common.update(first_dense_intermediate_size=64, shared_intermediate_size=32, global_attention_scale=2.0)
     if family in MOE_FAMILIES:
         # Every token takes both experts: with the default routing and std-1 weights a router near-tie flipped an
         # expert choice between two attention implementations (3-13 of 6336 logits beyond the fp32 tolerance), an
@@ -228,14 +241,64 @@ def test_mask_token_is_added_and_embeddings_grow_only_when_needed():
     assert model.get_input_embeddings().weight.shape[0] == VOCAB + 1
 
 
+def test_decode_passes_hand_the_cache_under_the_name_the_model_takes(sbd_model):
+    """Guards against the cache reaching the model under the name transformers 5.24 deprecated (past_key_values,
+    a FutureWarning on every pass, removed in 5.40): the name is read from the model's forward."""
+    from packaging.version import Version
+
+    new_name = Version(transformers.__version__) >= Version("5.24")
+    assert cache_argument_name(sbd_model.hf_model) == ("cache" if new_name else "past_key_values")
+    cache = sbd_model.new_cache(1, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        sbd_model.decode_pass(torch.tensor([[3, 4, MASK_ID, MASK_ID]], device=DEVICE),
+                              torch.tensor([2], dtype=torch.int32, device=DEVICE), 2, cache)
+
+
+def test_a_pruned_lm_head_stays_pruned_and_its_missing_mask_column_is_not_left_out():
+    """Guards against two traps of an LM head narrower than the embeddings (Apertus 1.5's heads keep the text ids):
+    HF's resize for a new mask token would grow the head over the image and audio ids (then drawn with logits of
+    their own), and the sampler told to leave out a mask column the logits do not have (sbd.entropy_sample refuses
+    a mask id past V)."""
+    width = VOCAB - 16
+    model = tiny_model("apertus1p5_text")
+    tokenizer = word_tokenizer([f"<s{i}>" for i in range(VOCAB - 60)])          # no room: <|sbd_mask|> gets id 96
+    sbd_model = hf.enable_sbd(model, tokenizer, block_size=4).to(DEVICE)
+    assert sbd_model.mask_token_id == VOCAB
+    assert model.get_input_embeddings().weight.shape[0] == VOCAB + 1
+    assert model.get_output_embeddings().weight.shape[0] == width == model.config.output_vocab_size
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    cfg = DecodeConfig(method="sbd", block_size=4, max_new_tokens=8, temperature=0.0)
+    result = generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0)
+    assert max(max(t) for t in result.tokens) < width
+    assert result.answers == oracle_decode(sbd_model, prompts, cfg, eos_id=1, pad_id=0).answers
+
+
+def test_collator_refuses_targets_past_a_pruned_lm_head():
+    """Guards against training targets the pruned head has no logit for (an IndexError in the loss on the CPU, a
+    device assert on a GPU): refused naming the example and positions; in the context (labels -100) they pass."""
+    width = VOCAB - 16
+    model = tiny_model("apertus1p5_text")
+    hf.enable_sbd(model, mask_token_id=MASK_ID)
+    collator = hf.SbdDataCollator(model.config, block_min=2, block_max=2)
+    tokens = [3, 4, width + 2, 5, 6, 7]
+    with pytest.raises(ValueError, match=f"example 1 has target ids past the LM head's output_vocab_size {width} "
+                                         r"at positions \[2\]"):
+        collator([{"input_ids": [3, 4, 5, 6]}, {"input_ids": tokens}])
+    labels = [-100, -100, -100, 5, 6, 7]
+    batch = collator([{"input_ids": tokens, "labels": labels}])
+    assert batch["input_ids"].max() == width + 2
+
+
 SUPPORTED = ("Supported families: llama, mistral, qwen2, qwen3, gemma, granite, olmo, olmo2, phi, phi3, cohere, glm, "
-             "glm4, smollm3, starcoder2, gpt_neox, persimmon, helium, ernie4_5, arcee, apertus, seed_oss, "
-             "hunyuan_v1_dense, bitnet, exaone4, nanochat, internlm3, iquestcoder, hyperclovax, jais2, ministral3, "
-             "stablelm, nemotron, mixtral, qwen2_moe, qwen3_moe, granitemoe, granitemoeshared, olmoe, flex_olmo, "
-             "phimoe, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open, dbrx, minimax_m2, hy_v3, aria_text, "
-             "gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum, laguna, kolibri1, beam, "
-             "cohere2_moe, gemma2, vaultgemma, gpt_oss, granite_swa, granitemoe_swa, gemma4_text, gemma4_unified_text, "
-             "gemma3n_text (decoder-only text models")
+             "glm4, smollm3, starcoder2, gpt_neox, persimmon, helium, ernie4_5, arcee, apertus, apertus1p5_text, "
+             "seed_oss, hunyuan_v1_dense, bitnet, exaone4, nanochat, internlm3, iquestcoder, exaone, hyperclovax, "
+             "jais2, ministral3, stablelm, nemotron, mixtral, qwen2_moe, qwen3_moe, granitemoe, granitemoeshared, "
+             "olmoe, flex_olmo, phimoe, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open, dbrx, minimax_m2, "
+             "hy_v3, aria_text, param2moe, sarvam_moe, minicpm5_moe, gemma3_text, olmo3, cohere2, ministral, cwm, "
+             "exaone_moe, afmoe, mellum, laguna, kolibri1, beam, cohere2_moe, gemma2, vaultgemma, gpt_oss, "
+             "granite_swa, granitemoe_swa, ergo, gemma4_text, gemma4_unified_text, gemma3n_text (decoder-only text "
+             "models")
 
 
 @pytest.mark.parametrize("family,overrides,reason", [
@@ -589,13 +652,13 @@ def test_cached_sbd_decode_with_the_naive_ops_through_hf(sbd_model):
 def test_sbd_cache_refuses_a_plain_forward_and_missing_position_ids(sbd_model):
     """Guards against an SbdCache passed to HF's own forward: without position ids HF would derive them from one
     cache length, and its attention would see no cached keys (block-logit error 8.8 instead of 1e-5)."""
-    cache = sbd_model.new_cache(1, 16)
     model = sbd_model.hf_model
+    given = {cache_argument_name(model): sbd_model.new_cache(1, 16)}
     with pytest.raises(hf.SbdCacheError, match="position_ids"):
-        model(input_ids=torch.tensor([[3, 4]], device=DEVICE), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([[3, 4]], device=DEVICE), use_cache=True, **given)
     with pytest.raises(hf.SbdCacheError, match="cannot be passed to a plain HF forward"):
         model(input_ids=torch.tensor([[3, 4]], device=DEVICE), position_ids=torch.tensor([[0, 1]], device=DEVICE),
-              past_key_values=cache, use_cache=True)
+              use_cache=True, **given)
 
 
 @pytest.mark.parametrize("family,overrides,window", [

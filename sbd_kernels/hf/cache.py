@@ -30,7 +30,7 @@ def _refuse(what: str) -> SbdCacheError:
         f"{what}. SbdCache is written by sbd.block_attention_with_kvcache inside SBD decode passes "
         "(SbdCausalLM.decode_pass, sbd_kernels.hf.generate), which also build the position ids (causal row i at "
         "L_b + i, block row j at L_b + c_b + j); it cannot be passed to a plain HF forward or HF generate as "
-        "past_key_values")
+        "its cache (past_key_values, or cache from transformers 5.24)")
 
 
 class SbdCacheLayer(CacheLayerMixin):

@@ -17,6 +17,7 @@ through `torch_block_attention`, which applies them.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,45 +38,49 @@ from sbd_kernels.hf.cache import SbdCache
 from sbd_kernels.hf.window import attention_window, mask_by_layer_type, window_band
 from sbd_kernels.model import check_decode_pass, decode_positions
 
-# Decoder-only families whose attention layers call transformers' AttentionInterface with RoPE applied before
-# attention and no other position or mask input. The decode pass travels in the decoder layers' keyword arguments,
-# and, for StableLM and Nemotron, whose layers call attention without them, as this thread's pass of the model's
-# config (`active_pass`). Each is
-# checked by tests/test_hf.py on a tiny config: HF greedy tokens, cached SBD passes against a recompute, the training
-# masks of every base implementation. What sets them apart from Llama happens before or after the attention call, in
-# the model's own code: embedding, residual and logit multipliers (gemma, granite, cohere, hyperclovax), logit
-# soft-capping (nanochat), query scaling that grows with the position (ministral3, from the position ids a pass
-# carries), rotary embeddings on part of the head or interleaved (phi, glm, glm4, cohere, gpt_neox, persimmon,
-# glm4_moe, solar_open, minimax_m2, stablelm, nemotron), layers without RoPE (smollm3), q / k norms (qwen3, olmo2,
-# cohere, persimmon, hunyuan_v1_dense, apertus, exaone4, nanochat, olmoe, flex_olmo, hunyuan_v1_moe, glm4_moe, dots1,
-# minimax_m2, hy_v3), clipped q / k / v (dbrx), norms inside or after the sublayers (glm4, bitnet, exaone4,
+# Decoder-only families whose attention layers call transformers' AttentionInterface with RoPE applied before attention
+# and no other position or mask input. The decode pass travels in the decoder layers' keyword arguments, and, for
+# StableLM and Nemotron, whose layers call attention without them, as this thread's pass of the model's config
+# (`active_pass`). Each is checked by tests/test_hf.py on a tiny config: HF greedy tokens, cached SBD passes against a
+# recompute, the training masks of every base implementation. What sets them apart from Llama happens before or after
+# the attention call, in the model's own code: embedding, residual and logit multipliers (gemma, granite, cohere,
+# hyperclovax), logit soft-capping (nanochat), query scaling that grows with the position (ministral3, from the position
+# ids a pass carries), rotary embeddings on part of the head or interleaved (phi, glm, glm4, cohere, gpt_neox,
+# persimmon, glm4_moe, solar_open, minimax_m2, stablelm, nemotron), layers without RoPE (smollm3), q / k norms (qwen3,
+# olmo2, cohere, persimmon, hunyuan_v1_dense, apertus, exaone4, nanochat, olmoe, flex_olmo, hunyuan_v1_moe, glm4_moe,
+# dots1, minimax_m2, hy_v3), clipped q / k / v (dbrx), norms inside or after the sublayers (glm4, bitnet, exaone4,
 # flex_olmo, hyperclovax), LayerNorm for RMSNorm (olmo, phi, cohere, starcoder2, gpt_neox, persimmon, phimoe, jais2,
 # dbrx, stablelm, nemotron), attention and MLP in parallel (phi, cohere, gpt_neox), a fused QKV projection (gpt_neox,
-# persimmon, phi3, dbrx), other MLP activations (arcee's, jais2's and nemotron's squared ReLU, apertus' xIELU),
-# routed experts for the MLP (mixtral, qwen2_moe, qwen3_moe, granitemoe, olmoe, flex_olmo, phimoe, dbrx, minimax_m2;
-# beside shared experts in qwen2_moe, granitemoeshared, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open,
-# hy_v3, aria_text; after dense first layers in ernie4_5_moe, glm4_moe and hy_v3): a token's experts follow from its
-# own hidden state, so a cached pass routes as a recompute does. internlm3 and iquestcoder are Llama under their own
-# names.
-# Families with sliding-window layers (gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum,
-# laguna, kolibri1, beam, cohere2_moe, gemma2, vaultgemma, gpt_oss, granite_swa, granitemoe_swa; mistral, phi3,
-# starcoder2, qwen2 and others when configured with one) decode and train with their windows
-# (`sbd_kernels.hf.window`); their full layers may differ as well (cohere2's and kolibri1's take no RoPE, gemma3's
-# another RoPE base), output gates follow attention (afmoe, laguna, beam), and most of them route experts. gemma2
-# and vaultgemma soft-cap their attention scores, and gpt_oss, granite_swa and granitemoe_swa add a sink logit per
-# head to every row's softmax, which their decode passes apply in PyTorch (`torch_block_attention`). gemma4_text and
-# gemma4_unified_text give their full layers another head size (512 in the released models, which the PyTorch path
-# computes) and KV head count than their windowed ones (`layer_cache_shapes`); their and gemma3n_text's last layers
-# attend to the keys and values of the last earlier layer of their type (KV sharing).
+# persimmon, phi3, dbrx), other MLP activations (arcee's, jais2's and nemotron's squared ReLU, apertus' xIELU), routed
+# experts for the MLP (mixtral, qwen2_moe, qwen3_moe, granitemoe, olmoe, flex_olmo, phimoe, dbrx, minimax_m2; beside
+# shared experts in qwen2_moe, granitemoeshared, ernie4_5_moe, hunyuan_v1_moe, glm4_moe, dots1, solar_open, hy_v3,
+# aria_text, param2moe, sarvam_moe, minicpm5_moe; after dense first layers in ernie4_5_moe, glm4_moe, hy_v3, param2moe,
+# sarvam_moe and minicpm5_moe), a sigmoid output gate after attention (minicpm5_moe): a token's experts follow from its
+# own hidden state, so a cached pass routes as a recompute does. internlm3, iquestcoder and exaone (EXAONE 3.0 / 3.5)
+# are Llama under their own names, apertus1p5_text is Apertus with an LM head pruned to the text ids
+# (`output_vocab_size`; see `_ensure_embedding_row`); param2moe and sarvam_moe are GLM-4.5's MoE with RoPE over the
+# whole head.
+# Families with sliding-window layers (gemma3_text, olmo3, cohere2, ministral, cwm, exaone_moe, afmoe, mellum, laguna,
+# kolibri1, beam, cohere2_moe, gemma2, vaultgemma, gpt_oss, granite_swa, granitemoe_swa, ergo; mistral, phi3,
+# starcoder2, qwen2 and others when configured with one) decode and train with their windows (`sbd_kernels.hf.window`);
+# their full layers may differ as well (cohere2's, kolibri1's and ergo's take no RoPE, gemma3's another RoPE base,
+# ergo's scale their queries and keys before the cache), output gates follow attention (afmoe, laguna, beam), and most
+# of them route experts. gemma2 and vaultgemma soft-cap their attention scores, and gpt_oss, granite_swa and
+# granitemoe_swa add a sink logit per head to every row's softmax, which their decode passes apply in PyTorch
+# (`torch_block_attention`). gemma4_text and gemma4_unified_text give their full layers another head size (512 in the
+# released models, which the PyTorch path computes) and KV head count than their windowed ones (`layer_cache_shapes`);
+# their and gemma3n_text's last layers attend to the keys and values of the last earlier layer of their type (KV
+# sharing).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo", "olmo2", "phi", "phi3",
                          "cohere", "glm", "glm4", "smollm3", "starcoder2", "gpt_neox", "persimmon", "helium",
-                         "ernie4_5", "arcee", "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "exaone4",
-                         "nanochat", "internlm3", "iquestcoder", "hyperclovax", "jais2", "ministral3", "stablelm",
-                         "nemotron", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "olmoe",
-                         "flex_olmo", "phimoe", "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe", "dots1", "solar_open",
-                         "dbrx", "minimax_m2", "hy_v3", "aria_text", "gemma3_text", "olmo3", "cohere2", "ministral",
-                         "cwm", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam", "cohere2_moe",
-                         "gemma2", "vaultgemma", "gpt_oss", "granite_swa", "granitemoe_swa", "gemma4_text",
+                         "ernie4_5", "arcee", "apertus", "apertus1p5_text", "seed_oss", "hunyuan_v1_dense", "bitnet",
+                         "exaone4", "nanochat", "internlm3", "iquestcoder", "exaone", "hyperclovax", "jais2",
+                         "ministral3", "stablelm", "nemotron", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe",
+                         "granitemoeshared", "olmoe", "flex_olmo", "phimoe", "ernie4_5_moe", "hunyuan_v1_moe",
+                         "glm4_moe", "dots1", "solar_open", "dbrx", "minimax_m2", "hy_v3", "aria_text", "param2moe",
+                         "sarvam_moe", "minicpm5_moe", "gemma3_text", "olmo3", "cohere2", "ministral", "cwm",
+                         "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam", "cohere2_moe", "gemma2",
+                         "vaultgemma", "gpt_oss", "granite_swa", "granitemoe_swa", "ergo", "gemma4_text",
                          "gemma4_unified_text", "gemma3n_text")
 # Families whose attention adds ALiBi biases (MPT and Falcon say so in their config: attn_config.alibi, alibi).
 ALIBI_MODEL_TYPES = ("bloom",)
@@ -183,9 +188,17 @@ def _unused_reserved_token(tokenizer: Any, taken: set[int]) -> int | None:
 
 
 def _ensure_embedding_row(model: nn.Module, token_id: int) -> None:
-    """Resizes the model's embeddings (and tied / untied LM head) so that `token_id` has a row."""
-    if token_id >= model.get_input_embeddings().weight.shape[0]:
-        model.resize_token_embeddings(token_id + 1)
+    """Resizes the model's embeddings (and tied / untied LM head) so that `token_id` has a row. An LM head pruned
+    to fewer ids than the embeddings (Apertus 1.5's `output_vocab_size`) is kept as it is: HF's resize would grow
+    it to the new vocabulary, giving the ids past the pruned ones (image and audio codes) logits to be drawn."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if token_id < rows:
+        return
+    head = model.get_output_embeddings()
+    pruned = getattr(model.config, "output_vocab_size", None) is not None
+    model.resize_token_embeddings(token_id + 1)
+    if pruned:
+        model.set_output_embeddings(head)
 
 
 def choose_mask_token(model: nn.Module, tokenizer: Any = None, mask_token_id: int | None = None) -> int:
@@ -287,6 +300,13 @@ def enable_sbd(model: nn.Module, tokenizer: Any = None, *, block_size: int | Non
     return SbdCausalLM(model)
 
 
+def cache_argument_name(hf_model: nn.Module) -> str:
+    """The name under which the model's forward takes its cache: "cache" from transformers 5.24 on (which still
+    takes "past_key_values", with a FutureWarning on every call, until 5.40), "past_key_values" before."""
+    parameters = inspect.signature(hf_model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 @dataclass(frozen=True)
 class DenseMaskMod:
     """A FlexAttention `mask_mod(b, h, q, kv)` that reads a boolean mask tensor `allowed [B or 1, T, T]` (True =
@@ -384,6 +404,7 @@ class SbdCausalLM(nn.Module):
         if config._attn_implementation != ATTN_IMPLEMENTATION or getattr(config, "sbd_mask_token_id", None) is None:
             raise ValueError("SbdCausalLM: prepare the model with sbd_kernels.hf.enable_sbd(model, tokenizer) first")
         self.hf_model = hf_model
+        self._cache_argument = cache_argument_name(hf_model)
 
     @property
     def config(self) -> Any:
@@ -451,9 +472,8 @@ class SbdCausalLM(nn.Module):
         sbd_pass = SbdPass(cache, num_causal, block_size, attention_op)
         with cache.decode_pass(), active_pass(self.config, sbd_pass):
             out = self.hf_model(input_ids=tokens, position_ids=positions, attention_mask=SBD_PASS_MASK,
-                                past_key_values=cache, use_cache=True,
-                                logits_to_keep=_last_rows(tokens.shape[1], keep_last, tokens.device),
-                                sbd_pass=sbd_pass)
+                                use_cache=True, logits_to_keep=_last_rows(tokens.shape[1], keep_last, tokens.device),
+                                sbd_pass=sbd_pass, **{self._cache_argument: cache})
         cache.advance(num_causal)
         # In the model's dtype: `sbd.entropy_sample` reads bf16 / fp16 logits and computes in fp32, and an fp32
         # copy of [B, K, V] logits cost 8% of a batch-16 decode of a small model here.

@@ -282,13 +282,28 @@ class SbdDataCollator:
         elif example.get("loss_mask") is not None:
             name, targets = "loss_mask", torch.as_tensor(example["loss_mask"]).bool()
         else:
-            targets = torch.ones(real.stop - real.start, dtype=torch.bool)
-            targets[0] = False
-            return tokens[real], targets
+            name, targets = None, torch.zeros(tokens.numel(), dtype=torch.bool)
+            targets[real.start + 1:real.stop] = True
         if targets.shape != tokens.shape:
             raise ValueError(f"SbdDataCollator: {name} must have the length of input_ids ({tokens.numel()}), got "
                              f"shape {tuple(targets.shape)}")
+        self._refuse_targets_past_the_head(index, tokens, targets, real)
         return tokens[real], targets[real]
+
+    def _refuse_targets_past_the_head(self, index: int, tokens: Tensor, targets: Tensor, real: slice) -> None:
+        """ValueError naming example `index` and the positions where a target token has no logit: a model whose LM
+        head is pruned to its first `output_vocab_size` ids (Apertus 1.5: the text ids) cannot be trained to emit
+        the others (its loss would index past the logits: a bare IndexError on the CPU, a device assert on a
+        GPU). Such ids may stay in the context, outside the targets."""
+        width = getattr(self.model_config, "output_vocab_size", None)
+        if width is None:
+            return
+        found = ((tokens[real] >= width) & targets[real]).nonzero().flatten() + real.start
+        if found.numel():
+            raise ValueError(f"SbdDataCollator: example {index} has target ids past the LM head's "
+                             f"output_vocab_size {width} at positions {found.tolist()} (ids "
+                             f"{tokens[found].tolist()}); the model has no logits for them: leave them out of the "
+                             "targets (labels -100 or loss_mask 0 there)")
 
     def _refuse_mask_token(self, index: int, tokens: Tensor, real: slice) -> None:
         """ValueError naming example `index` and the positions of its input_ids where a real token is the SBD mask

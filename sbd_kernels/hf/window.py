@@ -26,7 +26,7 @@ from torch import Tensor
 LAYER_TYPED_WINDOW_MODEL_TYPES = ("qwen2", "qwen3", "qwen2_moe", "dots1", "exaone4", "gemma3_text", "olmo3", "cohere2",
                                   "ministral", "cwm", "exaone_moe", "afmoe", "mellum", "laguna", "kolibri1", "beam",
                                   "cohere2_moe", "gemma2", "vaultgemma", "gpt_oss", "granite_swa", "granitemoe_swa",
-                                  "gemma4_text", "gemma4_unified_text", "gemma3n_text")
+                                  "ergo", "gemma4_text", "gemma4_unified_text", "gemma3n_text")
 
 
 def attention_window(config: Any) -> int | None:
