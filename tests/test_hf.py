@@ -309,8 +309,12 @@ SUPPORTED = ("Supported families: llama, mistral, qwen2, qwen3, gemma, granite, 
     ("gemma4_text", {"use_bidirectional_attention": "all"}, "bidirectional attention"),
     ("phi3", {"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0] * 4, "short_factor": [1.0] * 4,
                                "original_max_position_embeddings": 128}}, "longrope"),
+    # RoPE parameters per layer type (Gemma 3, Gemma 4, Ergo): a length-dependent type on one of them.
+    ("gemma3_text", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                         "full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0}}},
+     r"'dynamic' \(full_attention layers\)"),
 ], ids=["qwen2-sliding-layer-without-window", "exaone4-sliding-layer-without-window", "llama-dynamic-rope",
-        "embeddinggemma-bidirectional", "gemma4-bidirectional", "phi3-128k-longrope"])
+        "embeddinggemma-bidirectional", "gemma4-bidirectional", "phi3-128k-longrope", "gemma3-dynamic-rope-full-layers"])
 def test_enable_refuses_what_sbd_cannot_decode_exactly(family, overrides, reason):
     """Guards against SBD silently running on layers whose attention or positions differ between a cached pass
     and a recompute: a sliding layer whose window the config does not state, length-dependent RoPE, and on models

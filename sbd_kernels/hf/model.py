@@ -158,11 +158,23 @@ def check_supported(config: Any) -> None:
                                        f"layer types {sorted(layer_types)}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _unsupported(model_type, f"model type {model_type!r} is not supported")
+    for layers, rope_type in rope_types(config).items():
+        if rope_type in LENGTH_DEPENDENT_ROPE:
+            raise _unsupported(model_type, f"RoPE scaling {rope_type!r} ({layers}) changes with the sequence length, "
+                                           "so cached keys would not match a recompute; use a model without it")
+
+
+def rope_types(config: Any) -> dict[str, str | None]:
+    """The RoPE type of the config by the layers it applies to: {"all layers": type} for one set of parameters,
+    {layer type: type} where `rope_parameters` holds one set per layer type (Gemma 3, Gemma 4, Ergo: a layer type
+    mapped to None takes no RoPE and is left out)."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-    if rope_type in LENGTH_DEPENDENT_ROPE:
-        raise _unsupported(model_type, f"RoPE scaling {rope_type!r} changes with the sequence length, so cached keys "
-                                       "would not match a recompute; use a model without it")
+    if not isinstance(rope, dict):
+        return {}
+    if any(isinstance(value, dict) or value is None for value in rope.values()):
+        return {f"{layers} layers": params.get("rope_type", params.get("type"))
+                for layers, params in rope.items() if isinstance(params, dict)}
+    return {"all layers": rope.get("rope_type", rope.get("type"))}
 
 
 def _special_token_ids(model: nn.Module, tokenizer: Any = None) -> dict[str, set[int]]:
