@@ -15,7 +15,7 @@ import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import setup
 from setuptools.errors import CompileError, ExecError
 
 
@@ -140,7 +140,6 @@ class BuildWithIsaFlags(BuildExtension):
 
 
 setup(
-    packages=find_packages(include=["sbd_kernels", "sbd_kernels.*"]),
     ext_modules=get_extensions(),
     cmdclass={"build_ext": BuildWithIsaFlags.with_options(use_ninja=False)},
 )

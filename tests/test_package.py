@@ -122,3 +122,19 @@ def test_hf_import_minimums_are_the_hf_extra_of_pyproject():
     root = Path(__file__).resolve().parents[1]
     extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["hf"]
     assert extra == [f"{name}>={version}" for name, version in MINIMUM.items()]
+
+
+def test_package_discovery_ships_the_checkpoint_folders():
+    """Guards against the bundled checkpoints (what `sbd demo` decodes) dropped from wheels: their folders hold no
+    __init__.py, so plain discovery leaves them out of the packages, and setuptools warned it would stop shipping
+    their files ("Package would be ignored"). Namespace discovery takes them, and no __pycache__ folder."""
+    import setuptools
+
+    tomllib = pytest.importorskip("tomllib")
+    repo = Path(__file__).resolve().parent.parent
+    find = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert find["namespaces"] is True
+    packages = set(setuptools.find_namespace_packages(str(repo), include=find["include"], exclude=find["exclude"]))
+    assert {"sbd_kernels.checkpoints", "sbd_kernels.checkpoints.code_sbd", "sbd_kernels.checkpoints.code_ntp",
+            "sbd_kernels.ops.attention"} <= packages
+    assert not any("__pycache__" in name for name in packages)
