@@ -46,6 +46,8 @@ SINK_LOGIT_MEAN = 20.0
 # Families whose HF model refuses sdpa (Gemma 2, VaultGemma: sdpa has no soft-capping; GPT-OSS, Granite SWA: no
 # sinks): their tiny models run eager where a test asks for sdpa.
 SDPA_REFUSED = ("gemma2", "vaultgemma", "gpt_oss", "granite_swa", "granitemoe_swa")
+# The LM head of the tiny Apertus 1.5 models, pruned to the first APERTUS_HEAD ids (MASK_ID lies past them).
+APERTUS_HEAD = VOCAB - 16
 # Families with attention sinks: HF runs none under flex_attention on the CPU.
 SINK_FAMILIES = ("gpt_oss", "granite_swa", "granitemoe_swa")
 
@@ -106,8 +108,8 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
                       ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 2, "moe_top_k": 2})
     if family == "apertus1p5_text":
         # Apertus 1.5's released heads are pruned to the text ids: logits over the first output_vocab_size ids of
-        # the embeddings' vocabulary (the mask token MASK_ID lies past them).
-        common["output_vocab_size"] = VOCAB - 16
+        # the embeddings' vocabulary.
+        common["output_vocab_size"] = APERTUS_HEAD
     if family == "ergo":
         # Ergo's MLP widths default to 32768 (its dense first layer) and 8192 (its shared expert); its full layers
         # scale queries and keys by sqrt(global_attention_scale), as its long-context checkpoints do.
@@ -260,34 +262,32 @@ def test_a_pruned_lm_head_stays_pruned_and_its_missing_mask_column_is_not_left_o
     HF's resize for a new mask token would grow the head over the image and audio ids (then drawn with logits of
     their own), and the sampler told to leave out a mask column the logits do not have (sbd.entropy_sample refuses
     a mask id past V)."""
-    width = VOCAB - 16
     model = tiny_model("apertus1p5_text")
     tokenizer = word_tokenizer([f"<s{i}>" for i in range(VOCAB - 60)])          # no room: <|sbd_mask|> gets id 96
     sbd_model = hf.enable_sbd(model, tokenizer, block_size=4).to(DEVICE)
     assert sbd_model.mask_token_id == VOCAB
     assert model.get_input_embeddings().weight.shape[0] == VOCAB + 1
-    assert model.get_output_embeddings().weight.shape[0] == width == model.config.output_vocab_size
+    assert model.get_output_embeddings().weight.shape[0] == APERTUS_HEAD == model.config.output_vocab_size
     prompts = [[3, 4, 5, 6], [7, 8]]
     cfg = DecodeConfig(method="sbd", block_size=4, max_new_tokens=8, temperature=0.0)
     result = generate(sbd_model, prompts, cfg, eos_id=1, pad_id=0)
-    assert max(max(t) for t in result.tokens) < width
+    assert max(max(t) for t in result.tokens) < APERTUS_HEAD
     assert result.answers == oracle_decode(sbd_model, prompts, cfg, eos_id=1, pad_id=0).answers
 
 
 def test_collator_refuses_targets_past_a_pruned_lm_head():
     """Guards against training targets the pruned head has no logit for (an IndexError in the loss on the CPU, a
     device assert on a GPU): refused naming the example and positions; in the context (labels -100) they pass."""
-    width = VOCAB - 16
     model = tiny_model("apertus1p5_text")
     hf.enable_sbd(model, mask_token_id=MASK_ID)
     collator = hf.SbdDataCollator(model.config, block_min=2, block_max=2)
-    tokens = [3, 4, width + 2, 5, 6, 7]
-    with pytest.raises(ValueError, match=f"example 1 has target ids past the LM head's output_vocab_size {width} "
+    tokens = [3, 4, APERTUS_HEAD + 2, 5, 6, 7]
+    with pytest.raises(ValueError, match=f"example 1 has target ids past the LM head's output_vocab_size {APERTUS_HEAD} "
                                          r"at positions \[2\]"):
         collator([{"input_ids": [3, 4, 5, 6]}, {"input_ids": tokens}])
     labels = [-100, -100, -100, 5, 6, 7]
     batch = collator([{"input_ids": tokens, "labels": labels}])
-    assert batch["input_ids"].max() == width + 2
+    assert batch["input_ids"].max() == APERTUS_HEAD + 2
 
 
 SUPPORTED = ("Supported families: llama, mistral, qwen2, qwen3, gemma, granite, olmo, olmo2, phi, phi3, cohere, glm, "

@@ -112,15 +112,19 @@ def test_install_instructions_name_what_exists():
     assert 'pip install "setuptools>=77" wheel' in readme
 
 
+def _pyproject() -> dict:
+    """pyproject.toml of the checkout, parsed (skips the test before Python 3.11, which has no tomllib)."""
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+
+
 def test_hf_import_minimums_are_the_hf_extra_of_pyproject():
     """Guards against the two copies of the HF minimums drifting apart: what `sbd_kernels.hf` refuses at import
     and what pyproject.toml's `hf` extra asks pip for."""
     pytest.importorskip("transformers")
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     from sbd_kernels.hf._versions import MINIMUM
 
-    root = Path(__file__).resolve().parents[1]
-    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["hf"]
+    extra = _pyproject()["project"]["optional-dependencies"]["hf"]
     assert extra == [f"{name}>={version}" for name, version in MINIMUM.items()]
 
 
@@ -130,11 +134,10 @@ def test_package_discovery_ships_the_checkpoint_folders():
     their files ("Package would be ignored"). Namespace discovery takes them, and no __pycache__ folder."""
     import setuptools
 
-    tomllib = pytest.importorskip("tomllib")
-    repo = Path(__file__).resolve().parent.parent
-    find = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    find = _pyproject()["tool"]["setuptools"]["packages"]["find"]
     assert find["namespaces"] is True
-    packages = set(setuptools.find_namespace_packages(str(repo), include=find["include"], exclude=find["exclude"]))
+    repo = str(Path(__file__).resolve().parents[1])
+    packages = set(setuptools.find_namespace_packages(repo, include=find["include"], exclude=find["exclude"]))
     assert {"sbd_kernels.checkpoints", "sbd_kernels.checkpoints.code_sbd", "sbd_kernels.checkpoints.code_ntp",
             "sbd_kernels.ops.attention"} <= packages
     assert not any("__pycache__" in name for name in packages)
