@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -2029,13 +2030,46 @@ def test_decode_pass_is_graph_safe_unless_refused(family):
 
 def test_gemma3n_is_graph_safe_without_activation_sparsity():
     """Guards against refusing every Gemma 3n model for the activation sparsity of some: with none in any layer,
-    its decode pass runs nothing a capture refuses and `cuda_graph=True` is not refused for it."""
-    from sbd_kernels.hf.generation import host_sync_reason
+    its decode pass runs nothing a capture refuses and `cuda_graph=True` is not refused for it; but on
+    transformers before 5.23, whose Gemma 3n copies a host tensor to the device in every pass, it is refused and
+    the scan sees the copy."""
+    from sbd_kernels.hf.generation import HOST_SYNC_BEFORE, host_sync_reason
 
     model = tiny_model("gemma3n_text", activation_sparsity_pattern=[0.0] * 4)
     with torch.no_grad():
         found = decode_pass_host_syncs(hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4))
-    assert host_sync_reason(model) is None and found == []
+    if Version(transformers.__version__) >= HOST_SYNC_BEFORE["gemma3n"][0]:
+        assert host_sync_reason(model) is None and found == []
+    else:
+        assert "(fixed in 5.23)" in host_sync_reason(model) and found == ["Tensor.to(<a device>) of a CPU tensor"]
+
+
+@pytest.mark.parametrize("family, version, words", [
+    ("gemma3n_text", "5.17.0", ("text model copies a host tensor to the device in every pass (AltUp's magnitude "
+                               "normalisation builds torch.tensor(1e-5) on the host; 5.13-5.22) in transformers "
+                               '5.17.0 (fixed in 5.23); upgrade: pip install "transformers>=5.23"')),
+    ("gemma3n_text", "5.22.2", "in transformers 5.22.2 (fixed in 5.23)"),
+    ("gemma3n_text", "5.23.0", None),
+    ("aria_text", "5.17.0", ("experts read their token counts on the host in every MoE layer (AriaGroupedExpertsGemm: "
+                            "tokens_per_expert.cpu(); 5.13-5.17) in transformers 5.17.0 (fixed in 5.18); upgrade: pip "
+                            'install "transformers>=5.18"')),
+    ("aria_text", "5.18.0", None)])
+def test_cuda_graph_is_refused_for_host_syncs_of_older_transformers(monkeypatch, family, version, words):
+    """Guards against a decode on a transformers release whose code for the family syncs with the host in every
+    pass (GPU images carry 5.17) reaching a CUDA-graph capture, which refuses it: `cuda_graph=True` is refused
+    there naming the release and the upgrade, and not from the release that fixed it. (On a release before the
+    fix, `test_decode_pass_is_graph_safe_unless_refused` checks that the scan sees what is named.)"""
+    from sbd_kernels.hf.generation import family_host_sync_reason
+
+    overrides = {"activation_sparsity_pattern": [0.0] * 4} if family == "gemma3n_text" else {}
+    model = tiny_model(family, **overrides)
+    hf.enable_sbd(model, mask_token_id=MASK_ID, block_size=4)
+    monkeypatch.setattr(transformers, "__version__", version)
+    if words is None:
+        assert family_host_sync_reason(model.config) is None
+        return
+    with pytest.raises(ValueError, match=re.escape(f"{family}'s ") + ".*" + re.escape(words)):
+        hf.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, cuda_graph=True)
 
 
 def test_cuda_graph_is_refused_for_experts_that_sync():
@@ -2068,6 +2102,20 @@ def test_cuda_graph_is_refused_for_experts_that_sync():
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
     model.set_experts_implementation("grouped_mm")
     assert host_sync_reason(model.to(torch.bfloat16)) is None
+
+
+def test_experts_are_found_without_the_expert_parallel_flag():
+    """Guards against missing the experts of every MoE model on transformers 5.13-5.17, whose experts modules lack
+    the `_is_expert_parallel` flag that 5.18 added: without it, 'eager' experts are still refused for
+    `cuda_graph=True`."""
+    from sbd_kernels.hf.generation import host_sync_reason
+
+    model = tiny_model("mixtral")
+    model.set_experts_implementation("eager")
+    for module in model.modules():
+        if hasattr(module, "_is_expert_parallel"):
+            del module._is_expert_parallel
+    assert "(model.layers.0.mlp.experts, ...) run transformers' 'eager' experts" in host_sync_reason(model)
 
 
 def test_cuda_graph_needs_a_cuda_model_through_hf():

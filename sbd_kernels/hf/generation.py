@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import transformers
+from packaging.version import Version
 from torch import Tensor
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -205,11 +207,27 @@ HOST_SYNC_FAMILIES = {
 }
 
 
+# Families whose decode pass synced with the host in every pass before a transformers release (model_type prefix ->
+# (the release that fixed it, what the older code does)); found by `graphs.host_syncs` on the releases named.
+HOST_SYNC_BEFORE = {
+    "gemma3n": (Version("5.23"), ("text model copies a host tensor to the device in every pass (AltUp's magnitude "
+                                  "normalisation builds torch.tensor(1e-5) on the host; 5.13-5.22)")),
+    "aria": (Version("5.18"), ("experts read their token counts on the host in every MoE layer "
+                               "(AriaGroupedExpertsGemm: tokens_per_expert.cpu(); 5.13-5.17)")),
+}
+
+
 def family_host_sync_reason(config: Any) -> str | None:
     """The part of `host_sync_reason` that the family's own code decides, whatever runs its experts: the families of
-    HOST_SYNC_FAMILIES, and Gemma 3n's activation sparsity. What it names, `graphs.host_syncs` sees on any device."""
+    HOST_SYNC_FAMILIES, those of HOST_SYNC_BEFORE on the transformers releases before the fix, and Gemma 3n's
+    activation sparsity. What it names, `graphs.host_syncs` sees on any device."""
     if config.model_type in HOST_SYNC_FAMILIES:
         return HOST_SYNC_FAMILIES[config.model_type]
+    installed = Version(transformers.__version__)
+    for prefix, (fixed_in, what) in HOST_SYNC_BEFORE.items():
+        if config.model_type.startswith(prefix) and installed < fixed_in:
+            return (f"{config.model_type}'s {what} in transformers {installed} (fixed in {fixed_in}); upgrade: "
+                    f'pip install "transformers>={fixed_in}"')
     if any(p > 0 for p in getattr(config, "activation_sparsity_pattern", None) or ()):
         return (f"{config.model_type}'s MLPs with activation sparsity (activation_sparsity_pattern) build their "
                 "Gaussian cut-off with torch.tensor(..., device=...) in every pass, a copy from the host (transformers' "
@@ -231,10 +249,8 @@ def host_sync_reason(model: Any) -> str | None:
     reason = family_host_sync_reason(model.config)
     if reason is not None:
         return reason
-    # The experts modules transformers dispatches by `config._experts_implementation` (`use_experts_implementation`
-    # sets `_is_expert_parallel` on them).
     for name, module in model.named_modules():
-        if not hasattr(module, "_is_expert_parallel"):
+        if not _is_dispatched_experts(module):
             continue
         implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
         dtype = next(module.parameters()).dtype
@@ -247,6 +263,15 @@ def host_sync_reason(model: Any) -> str | None:
                     "grouped GEMM takes in bf16 only, looping over the experts with their token offsets read on the "
                     "host otherwise; load the model in bf16, or model.set_experts_implementation('batched_mm')")
     return None
+
+
+def _is_dispatched_experts(module: torch.nn.Module) -> bool:
+    """Whether `module` is an experts module that transformers dispatches by `config._experts_implementation`: its
+    `use_experts_implementation` decorator sets `is_transposed` and `is_concatenated` on every instance in 5.13-5.25
+    (the `_is_expert_parallel` flag it also sets came in 5.18: keyed on it, the experts of every MoE model went
+    unseen on 5.13-5.17)."""
+    return (hasattr(module, "is_transposed") and hasattr(module, "is_concatenated")
+            and hasattr(getattr(module, "config", None), "_experts_implementation"))
 
 
 # Processors / criteria HF builds from generation settings that the fused decode applies itself, by exact type (a
