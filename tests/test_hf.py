@@ -531,6 +531,40 @@ def test_sbd_cache_takes_each_layers_shape_and_shares_the_kv_shared_layers_buffe
         hf.SbdCache(3, 1, 4, [2, 2], 8)
 
 
+@pytest.mark.parametrize("family", ["gemma4_text", "gemma3n_text"])
+@pytest.mark.parametrize("shared", [0, 1, 2])
+def test_kv_sharing_without_the_config_property_is_derived_as_newer_configs_say(family, shared):
+    """Guards against a cache on transformers 5.13-5.22 (whose configs have no `kv_sharing_modes`: the modeling
+    code derives it from `num_kv_shared_layers`) giving each KV-shared layer buffers of its own, never written:
+    without the property, the layers each layer reads the keys and values of, derived for the tiny config's layer
+    types, equal those the installed transformers' config gives (a 4-layer model, 0-2 shared layers; with 3, a
+    layer type has no producer and the config refuses itself)."""
+    from types import SimpleNamespace
+
+    from sbd_kernels.hf.model import kv_shared_with
+
+    config = tiny_model(family, num_kv_shared_layers=shared).config
+    if not hasattr(config, "kv_sharing_modes"):
+        pytest.skip(f"transformers {transformers.__version__}'s configs have no kv_sharing_modes to compare with")
+    older = SimpleNamespace(model_type=config.model_type, num_hidden_layers=config.num_hidden_layers,
+                            num_kv_shared_layers=shared)
+    assert kv_shared_with(older, config.layer_types) == kv_shared_with(config, config.layer_types)
+
+
+def test_kv_sharing_that_leaves_no_producer_is_refused():
+    """Guards against deriving KV sharing in which a shared layer has no earlier layer of its type computing the
+    keys and values it reads (every layer shared, or a type only among the shared ones)."""
+    from types import SimpleNamespace
+
+    from sbd_kernels.hf.model import kv_sharing_modes
+
+    types = ["sliding_attention", "sliding_attention", "full_attention", "full_attention"]
+    for shared in (2, 4):
+        older = SimpleNamespace(model_type="gemma4_text", num_hidden_layers=4, num_kv_shared_layers=shared)
+        with pytest.raises(ValueError, match=f"num_kv_shared_layers={shared} of 4 layers leaves no earlier layer"):
+            kv_sharing_modes(older, types)
+
+
 def test_cached_sbd_decode_equals_the_full_recompute_oracle(sbd_model):
     """Guards against the SBD cache protocol (first pass appends the previous block, later passes write nothing,
     block rows at L + c + j) disagreeing with a recompute, for every supported family."""

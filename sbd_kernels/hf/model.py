@@ -381,11 +381,39 @@ def layer_cache_shapes(config: Any) -> tuple[list[int], list[int], list[int | No
     # Configs without grouped-query attention (GPT-NeoX) have no num_key_value_heads: one KV head per query head.
     shapes = [(getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
                getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads) for c in layer_configs]
-    modes = getattr(config, "kv_sharing_modes", None) or [None] * layers
     types = getattr(config, "layer_types", None) or ["full_attention"] * layers
-    stores = {types[i]: i for i in range(layers) if modes[i] == "store"}
-    shared_with = [stores[types[i]] if modes[i] == "reuse" else None for i in range(layers)]
-    return [heads for heads, _ in shapes], [dim for _, dim in shapes], shared_with
+    return [heads for heads, _ in shapes], [dim for _, dim in shapes], kv_shared_with(config, types)
+
+
+def kv_shared_with(config: Any, layer_types: list[str]) -> list[int | None]:
+    """Per layer: the earlier layer whose keys and values it attends to (and then it keeps no cache), or None."""
+    modes = kv_sharing_modes(config, layer_types)
+    stores = {layer_types[i]: i for i in range(len(modes)) if modes[i] == "store"}
+    return [stores[layer_types[i]] if mode == "reuse" else None for i, mode in enumerate(modes)]
+
+
+def kv_sharing_modes(config: Any, layer_types: list[str]) -> list[str | None]:
+    """Per layer: "reuse" (attends to the keys and values of the "store" layer of its type, and keeps no cache),
+    "store" or None. transformers 5.23+ configs say it (`kv_sharing_modes`); before 5.23 the modeling code of Gemma
+    3n and Gemma 4 derived it from `num_kv_shared_layers` (the last ones reuse; the last layer of each type before
+    them stores), which this derives the same way: keyed on `kv_sharing_modes` alone, a cache on transformers
+    5.13-5.22 held a second copy of the keys and values for each shared layer, never written nor read."""
+    layers = config.num_hidden_layers
+    modes = getattr(config, "kv_sharing_modes", None)
+    if modes is not None:
+        return list(modes)
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    first_shared = layers - shared
+    if shared == 0:
+        return [None] * layers
+    producers = layer_types[:first_shared]
+    if first_shared <= 0 or set(producers) != set(layer_types):
+        raise ValueError(f"{config.model_type}: num_kv_shared_layers={shared} of {layers} layers leaves no earlier "
+                         f"layer of each type ({sorted(set(layer_types))}) to compute the keys and values they share")
+    modes = [None] * first_shared + ["reuse"] * shared
+    for layer_type in set(layer_types):
+        modes[first_shared - 1 - producers[::-1].index(layer_type)] = "store"
+    return modes
 
 
 def _check_block_mask_within_window(config: Any, positions: Tensor) -> None:
