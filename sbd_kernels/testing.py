@@ -10,8 +10,10 @@ their inputs on the CPU, where the oracles run; `on_device` runs a launcher on d
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
+import json
 import os
 from collections.abc import Callable, MutableMapping
 from typing import Any
@@ -299,34 +301,60 @@ SHARD_VARIABLE = "SBD_TEST_SHARD"
 # (`sbd gpu-check` removes it first, and compares it with the JUnit outcomes to count the tests a budget-stopped
 # run did not reach).
 PLAN_VARIABLE = "SBD_TEST_PLAN"
+# A folder in which each pytest process of a run writes the seconds of every test it ran (setup + call +
+# teardown), as <pid>.json: `tools/run_tests.py --record-durations` merges them into tests/durations.json.
+DURATIONS_VARIABLE = "SBD_TEST_DURATIONS"
 
 
 def select_shard(items: list, spec: str, group_of: Callable[[Any], str | None] = lambda item: None,
-                 weight_of: Callable[[Any], int] = lambda item: 1) -> tuple[list, list]:
-    """(kept, dropped) for SBD_TEST_SHARD=`spec` "i/n": the units are dealt in order, each to the shard with the
-    least weight so far (the lowest index on a tie), and shard i keeps its own, so n runs with i = 0..n-1 run each
-    item once between them, heavy parametrisations spread over all of them. A unit is one item, or all the items
-    of one `group_of` name (tests that share an expensive module fixture: one shard builds it, not every shard),
-    at the place of its first item, weighing `weight_of` that item. With every weight 1 this is every n-th unit
-    from the i-th on; a group that weighs w tests makes the next units go to the other shards until they have
-    caught up. Raises ValueError unless 0 <= i < n."""
+                 weight_of: Callable[[Any], float] = lambda item: 1.0) -> tuple[list, list]:
+    """(kept, dropped) for SBD_TEST_SHARD=`spec` "i/n", each in the items' order: the units are dealt heaviest
+    first (in their order on a tie), each to the shard with the least weight so far (the lowest index on a tie),
+    and shard i keeps its own, so n runs with i = 0..n-1 run each item once between them and end close together
+    (longest-processing-time dealing: the shards' loads differ by at most the last unit dealt, one of the
+    lightest). A unit is one item, or all the items of one `group_of` name (tests that share an expensive module
+    fixture: one shard builds it, not every shard); it weighs the sum of its items' `weight_of` (seconds, from
+    tests/durations.json). With equal weights and no groups this is every n-th item from the i-th on. Raises
+    ValueError unless 0 <= i < n."""
     try:
         index, count = (int(part) for part in spec.split("/"))
     except ValueError:
         raise ValueError(f"{SHARD_VARIABLE} must be i/n, e.g. 0/4, got {spec!r}") from None
     if not 0 <= index < count:
         raise ValueError(f"{SHARD_VARIABLE}={spec}: needs 0 <= i < n")
-    shard_of: dict[int | str, int] = {}  # an item's position, or its group's name: the shard of its unit
-    loads = [0] * count
-    kept, dropped = [], []
-    for position, item in enumerate(items):
-        group = group_of(item)
-        unit = position if group is None else group
-        if unit not in shard_of:
-            shard_of[unit] = loads.index(min(loads))
-            loads[shard_of[unit]] += weight_of(item)
-        (kept if shard_of[unit] == index else dropped).append(item)
+    unit_of = [position if group_of(item) is None else group_of(item) for position, item in enumerate(items)]
+    weights: dict[int | str, float] = {}  # in the order of each unit's first item
+    for unit, item in zip(unit_of, items):
+        weights[unit] = weights.get(unit, 0.0) + weight_of(item)
+    shard_of: dict[int | str, int] = {}
+    loads = [0.0] * count
+    for unit in sorted(weights, key=lambda unit: -weights[unit]):  # stable: equal weights keep their order
+        shard_of[unit] = loads.index(min(loads))
+        loads[shard_of[unit]] += weights[unit]
+    kept = [item for unit, item in zip(unit_of, items) if shard_of[unit] == index]
+    dropped = [item for unit, item in zip(unit_of, items) if shard_of[unit] != index]
     return kept, dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedDurations:
+    """Recorded seconds per test node id (tests/durations.json), and what a test not among them weighs."""
+
+    seconds: dict[str, float]
+    default: float
+
+    def of(self, node_id: str) -> float:
+        return self.seconds.get(node_id, self.default)
+
+
+def load_test_durations(path: str | os.PathLike) -> RecordedDurations:
+    """The durations file written by `tools/run_tests.py --record-durations`; without one every test weighs 1."""
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except FileNotFoundError:
+        return RecordedDurations({}, 1.0)
+    return RecordedDurations(data["tests"], data["default_s"])
 
 
 # Test files that run Triton kernels or `device=...` code: first in a run on a GPU (`gpu_run_order`), and

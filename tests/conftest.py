@@ -6,25 +6,33 @@ SBD_TEST_DEVICE=cuda they run compiled, on CUDA tensors (TRITON_INTERPRET stays 
 the CUDA-only tests run, and the oracles still run on the CPU (`sbd_kernels.testing.on_device`). Both
 settings collect the same tests.
 
-SBD_TEST_SHARD=i/n keeps every n-th test from the i-th on (0 <= i < n; the tests of one `same_shard` name count
-as one, of the weight the marker gives it, and the other shards take more tests after it), so that n pytest
-processes started side by side run the suite once between them (`make test` does, one per core, and
-`sbd gpu-check`, to compile Triton kernels on several cores). On CUDA the tests run in
+SBD_TEST_SHARD=i/n keeps the i-th of n shards (0 <= i < n) of the tests dealt by their recorded durations
+(tests/durations.json; the tests of one `same_shard` name count as one unit), so that n pytest processes
+started side by side run the suite once between them and end close together (`make test` does, one per core,
+and `sbd gpu-check`, to compile Triton kernels on several cores). On CUDA the tests run in
 `gpu_run_order`: the `cuda_only` ones first, then the kernel test files in turns.
 SBD_TEST_PLAN=path writes the node ids about to run there, in order, unless the file exists.
+SBD_TEST_DURATIONS=folder writes the seconds of every test run there (`tools/run_tests.py --record-durations`).
 """
+import json
 import os
 
 from sbd_kernels.testing import (
+    DURATIONS_VARIABLE,
     PLAN_VARIABLE,
     SHARD_VARIABLE,
     configure_triton_environment,
     gpu_run_order,
+    load_test_durations,
     patch_the_interpreter_once_per_launch,
     select_shard,
 )
 
 TRITON_DEVICE = configure_triton_environment(os.environ)
+DURATIONS_FILE = os.path.join(os.path.dirname(__file__), "durations.json")
+# Taken out of the environment, so that the pytest runs that tests start record nothing.
+_RECORD_DURATIONS_IN = os.environ.pop(DURATIONS_VARIABLE, None)
+_recorded: dict[str, float] = {}
 if os.environ.get("TRITON_INTERPRET") == "1":
     patch_the_interpreter_once_per_launch()
 
@@ -53,24 +61,15 @@ torch.ops.sbd._set_cpu_isa(_BEST_ISA)
 
 def shard_group(item) -> str | None:
     """The name of `@pytest.mark.same_shard(name)`: tests that share an expensive module fixture run in one
-    shard (a CMake build of the library took 112-125 s in each of two shards)."""
+    shard (a CMake build of the library took 112-125 s in each of two shards). The group weighs its tests'
+    recorded durations, the build's included."""
     marker = item.get_closest_marker("same_shard")
     if marker is None:
         return None
-    if len(marker.args) != 1 or not isinstance(marker.args[0], str):
+    if len(marker.args) != 1 or not isinstance(marker.args[0], str) or marker.kwargs:
         raise pytest.UsageError(f"{item.nodeid}: same_shard takes one name, the group's, e.g. "
-                                f"@pytest.mark.same_shard(\"cmake_build\"); got {marker.args!r}")
+                                f"@pytest.mark.same_shard(\"cmake_build\"); got {marker.args!r} {marker.kwargs!r}")
     return marker.args[0]
-
-
-def shard_weight(item) -> int:
-    """`@pytest.mark.same_shard(name, weight=w)`: the group's time in average tests, so that the shards that do
-    not run it take more of the others (default 1)."""
-    marker = item.get_closest_marker("same_shard")
-    weight = 1 if marker is None else marker.kwargs.get("weight", 1)
-    if not isinstance(weight, int) or isinstance(weight, bool) or weight < 1:
-        raise pytest.UsageError(f"{item.nodeid}: same_shard's weight must be an integer >= 1, got {weight!r}")
-    return weight
 
 
 def pytest_collection_modifyitems(config, items):
@@ -79,9 +78,22 @@ def pytest_collection_modifyitems(config, items):
                                  lambda item: item.get_closest_marker("cuda_only") is not None)
     spec = os.environ.get(SHARD_VARIABLE)
     if spec:
-        kept, dropped = select_shard(items, spec, shard_group, shard_weight)
+        durations = load_test_durations(DURATIONS_FILE)
+        kept, dropped = select_shard(items, spec, shard_group, lambda item: durations.of(item.nodeid))
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def pytest_runtest_logreport(report):
+    """SBD_TEST_DURATIONS: each test's setup, call and teardown seconds, summed per node id."""
+    if _RECORD_DURATIONS_IN is not None:
+        _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if _RECORD_DURATIONS_IN is not None:
+        with open(os.path.join(_RECORD_DURATIONS_IN, f"{os.getpid()}.json"), "w") as handle:
+            json.dump(_recorded, handle)
 
 
 def pytest_collection_finish(session):

@@ -19,13 +19,10 @@ SOURCE_LIST = REPO / "csrc" / "sources.txt"
 ISA_FLAG = re.compile(r"-m(avx|fma|f16c)|-DCPU_CAPABILITY")
 
 needs_cmake = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
-# The tests of the CMake build share one configure and build (module fixtures): in one shard of a sharded run.
-# Together they took 65-95 s on a 2-core AMD EPYC Zen 4; dealt in turns with the rest, their shard ended 118-120 s
-# after the other. The other shard takes the next `weight` units alone. With one run's durations of every test, the
-# dealing gave: below 40, a difference of -10 or +110 s by the parity of the weight (the demo's 32 s test and the
-# curve command's 14 s follow the build); 40-550, the other shard 46-84 s behind, steadily; 60: 49 s behind (180:
-# 60 s simulated, 60 and 64 s measured).
-one_cmake_build = pytest.mark.same_shard("cmake_build", weight=60)
+# The tests of the CMake build share one configure and build (module fixtures): in one shard of a sharded run,
+# one unit weighing their recorded durations (tests/durations.json), the build's 65-95 s on a 2-core AMD EPYC Zen 4
+# included.
+one_cmake_build = pytest.mark.same_shard("cmake_build")
 # What torch's own CMake config (Caffe2Config.cmake) stops with when torch is a CUDA build and CMake finds no
 # CUDA toolkit: a requirement of libtorch, not of this project's CPU-only library.
 TORCH_NEEDS_CUDA_TOOLKIT = "uses CUDA but I cannot find the CUDA"

@@ -23,6 +23,7 @@ from sbd_kernels.testing import (
     call_on_copies,
     configure_triton_environment,
     gpu_run_order,
+    load_test_durations,
     on_device,
     op_on_given_tensors,
     select_shard,
@@ -174,30 +175,59 @@ def test_shards_split_the_run_once():
 
 def test_a_shard_group_runs_in_one_shard():
     """Guards against tests that share an expensive module fixture (the CMake build) split over shards, each
-    building it: a group is one unit, dealt at the place of its first item, and the other items stay dealt
-    in turns."""
+    building it: a group is one unit, weighing its items, and the other items are dealt in turns."""
     items = ["a", "cmake1", "b", "cmake2", "c", "d", "cmake3", "e"]
     group = {"cmake1": "cmake", "cmake2": "cmake", "cmake3": "cmake"}.get
     kept = [select_shard(items, f"{i}/2", group)[0] for i in range(2)]
-    assert kept == [["a", "b", "d"], ["cmake1", "cmake2", "c", "cmake3", "e"]]
+    assert kept == [["cmake1", "cmake2", "d", "cmake3"], ["a", "b", "c", "e"]]
     assert select_shard(items, "0/2", group)[1] == kept[1]
 
 
-def test_a_heavy_shard_group_gives_the_other_shards_more_of_the_rest():
-    """Guards against the shard that runs a heavy group (the CMake build, ~95 s) also taking its 1 / n of the
-    other tests: it ended 118 s after the other shard. The units after a group of weight w go to the other
-    shards until their loads catch up, then in turns; every item still runs once."""
-    items = ["a", "cmake1", "b", "c", "cmake2", "d", "e", "f", "g"]
+def test_shards_are_dealt_by_weight_and_end_together():
+    """Guards against shards that end minutes apart: dealt in turns by count, two runs of this suite on 2 cores
+    ended 103 s apart where the heavy tests fell on one side. Units go heaviest first to the least-loaded shard,
+    so the loads differ by at most the lightest unit; each shard keeps its items in their order, and every item
+    runs once."""
+    seconds = {"a": 1, "b": 9, "c": 2, "d": 7, "e": 3, "f": 3, "g": 1, "cmake1": 4, "cmake2": 2}
+    items = list(seconds)
     group = {"cmake1": "cmake", "cmake2": "cmake"}.get
+    kept = [select_shard(items, f"{i}/2", group, seconds.get)[0] for i in range(2)]
+    assert kept == [["a", "b", "e", "f"], ["c", "d", "g", "cmake1", "cmake2"]]
+    assert [sum(seconds[item] for item in shard) for shard in kept] == [16, 16]
+    three = [select_shard(items, f"{i}/3", group, seconds.get)[0] for i in range(3)]
+    assert sorted(item for shard in three for item in shard) == sorted(items)
+    assert [sum(seconds[item] for item in shard) for shard in three] == [11, 11, 10]
 
-    def weight(item):
-        return 3 if item.startswith("cmake") else 1
 
-    kept = [select_shard(items, f"{i}/2", group, weight)[0] for i in range(2)]
-    assert kept == [["a", "b", "c", "d", "f"], ["cmake1", "cmake2", "e", "g"]]
-    three = [select_shard(items, f"{i}/3", group, weight)[0] for i in range(3)]
-    assert sorted(i for shard in three for i in shard) == sorted(items)
-    assert three[1] == ["cmake1", "cmake2"]
+def test_a_test_without_a_recorded_duration_weighs_the_default(tmp_path):
+    """Guards against a new test (not in tests/durations.json) weighing nothing, or a missing file stopping the
+    run: the file's default weighs the tests it does not list, and without a file every test weighs 1."""
+    path = tmp_path / "durations.json"
+    path.write_text(json.dumps({"about": "", "default_s": 0.04, "tests": {"tests/test_x.py::test_slow": 12.5}}))
+    durations = load_test_durations(path)
+    assert durations.of("tests/test_x.py::test_slow") == 12.5 and durations.of("tests/test_x.py::test_new") == 0.04
+    assert load_test_durations(tmp_path / "absent.json").of("tests/test_x.py::test_slow") == 1.0
+
+
+def test_the_durations_file_lists_the_slow_tests_and_weighs_the_others_by_their_mean(monkeypatch):
+    """Guards against a durations file that lists thousands of fast tests, or weighs the unlisted ones as 0."""
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import run_tests
+
+    document = run_tests.durations_document({"t::slow": 12.345, "t::mid": 0.5, "t::a": 0.1, "t::b": 0.3}, "CPU X")
+    assert document["tests"] == {"t::mid": 0.5, "t::slow": 12.35} and document["default_s"] == 0.2
+    assert "on CPU X" in document["about"]
+
+
+def test_the_suite_has_a_durations_file_that_names_its_tests():
+    """Guards against dealing the shards by a stale file: the tests it lists are still collected (a renamed
+    test weighs the default; rerun `python tools/run_tests.py --record-durations`)."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+                          cwd=REPO, capture_output=True, text=True, check=False)
+    collected = {line for line in proc.stdout.splitlines() if "::" in line}
+    listed = json.loads((REPO / "tests" / "durations.json").read_text())["tests"]
+    stale = sorted(set(listed) - collected)
+    assert len(listed) > 100 and not stale, f"{len(stale)} tests no longer collected, e.g. {stale[:3]}"
 
 
 def same_shard_item(*args, **kwargs):
@@ -209,25 +239,14 @@ def same_shard_item(*args, **kwargs):
 
 def test_a_same_shard_marker_without_its_name_stops_the_run():
     """Guards against a bare `@pytest.mark.same_shard` (no group name) failing with an IndexError in the
-    collection hook, or a marker's name not reaching select_shard."""
+    collection hook, a marker's name not reaching select_shard, or a weight given to the marker silently
+    ignored (a group weighs its tests' recorded durations)."""
     import conftest
 
     assert conftest.shard_group(same_shard_item("cmake_build")) == "cmake_build"
-    for args in ((), ("a", "b"), (3,)):
+    for args, kwargs in (((), {}), (("a", "b"), {}), ((3,), {}), (("cmake_build",), {"weight": 60})):
         with pytest.raises(pytest.UsageError, match=r"test_x.py::test_y: same_shard takes one name"):
-            conftest.shard_group(same_shard_item(*args))
-
-
-def test_a_same_shard_weight_must_be_a_positive_integer():
-    """Guards against a weight of 0 or below (its shard would take every following test) or a string reaching
-    the dealing arithmetic: the marker's weight is checked by name, and absent it weighs 1."""
-    import conftest
-
-    assert conftest.shard_weight(same_shard_item("cmake_build")) == 1
-    assert conftest.shard_weight(same_shard_item("cmake_build", weight=550)) == 550
-    for weight in (0, -3, "550", 2.5, True):
-        with pytest.raises(pytest.UsageError, match=r"test_x.py::test_y: same_shard's weight must be an integer"):
-            conftest.shard_weight(same_shard_item("cmake_build", weight=weight))
+            conftest.shard_group(same_shard_item(*args, **kwargs))
 
 
 def test_the_cmake_tests_share_a_shard():

@@ -1,10 +1,11 @@
 """`make test`: the test suite in one pytest process per core, side by side, on the CPU.
 
-    python tools/run_tests.py [--shards N] [PYTEST ARGS...]     # from the repository root
+    python tools/run_tests.py [--shards N] [--record-durations] [PYTEST ARGS...]     # from the repository root
 
-Each process runs every N-th test (SBD_TEST_SHARD=i/N, tests/conftest.py; the CMake tests, which share one
-build, in one of them, and the other processes take the tests right after them), with TRITON_INTERPRET=1 so
-that the Triton kernels run on CPU tensors. Most of the suite is single-threaded Python (the Triton interpreter,
+Each process runs one of N shards of the tests (SBD_TEST_SHARD=i/N, tests/conftest.py), dealt by the seconds
+each test took when they were last recorded (tests/durations.json, `--record-durations`; the CMake tests, which
+share one build, in one shard), so that the shards end close together, with TRITON_INTERPRET=1 so that the
+Triton kernels run on CPU tensors. Most of the suite is single-threaded Python (the Triton interpreter,
 the oracles, subprocesses that import torch): on the 2-core reference machine (AMD EPYC Zen 4) two processes ran it
 in 8.5-11 minutes (8.7-11.6 with later tests, on a busy machine; 8.1-12.7 with 39 Hugging Face families, 8.4-10.5
 with 59, 8.3-10.5 with 67), where one process had taken 17.3 minutes (with 71 more real-process CLI cases, ~2.5
@@ -103,10 +104,52 @@ def run(shards: int, pytest_args: list[str], paths: list[str] | None = None, cwd
     return next((status for status in statuses if status != 0), 0)
 
 
+DURATIONS_FILE = REPO / "tests" / "durations.json"
+# Tests below this many seconds are left out of the durations file and weigh the mean of their recorded times:
+# with them all the file would hold ~6900 entries; the ~380 above it held 838 of the 1127 recorded seconds.
+LISTED_FROM_S = 0.5
+
+
+def durations_document(recorded: dict[str, float], cpu: str) -> dict:
+    """tests/durations.json from {node id: seconds}: the tests of LISTED_FROM_S or more, sorted by node id, and
+    `default_s`, the mean of the others (what a test not listed weighs when the tests are dealt to shards)."""
+    listed = {node: round(seconds, 2) for node, seconds in sorted(recorded.items()) if seconds >= LISTED_FROM_S}
+    others = [seconds for seconds in recorded.values() if seconds < LISTED_FROM_S]
+    return {"about": f"seconds per test (setup + call + teardown) on {cpu}, recorded by `python tools/run_tests.py "
+                     f"--record-durations`; tests under {LISTED_FROM_S} s weigh default_s, their mean. The shards of "
+                     "`make test` are dealt by these (sbd_kernels.testing.select_shard).",
+            "default_s": round(sum(others) / max(1, len(others)), 4), "tests": listed}
+
+
+def record_durations(shards: int, pytest_args: list[str]) -> int:
+    """Runs the suite, and where every shard passed writes the seconds of its tests to DURATIONS_FILE."""
+    import json
+
+    from sbd_kernels.machine import cpu_model
+    from sbd_kernels.testing import DURATIONS_VARIABLE
+
+    with tempfile.TemporaryDirectory(prefix="sbd-durations-") as folder:
+        status = run(shards, pytest_args, extra_env={DURATIONS_VARIABLE: folder})
+        if status != 0:
+            print("run_tests: a shard failed; the durations file is left as it was")
+            return status
+        recorded = {}
+        for path in Path(folder).glob("*.json"):
+            recorded.update(json.loads(path.read_text()))
+    DURATIONS_FILE.write_text(json.dumps(durations_document(recorded, cpu_model()), indent=1) + "\n")
+    print(f"run_tests: the durations of {len(recorded)} tests written to {DURATIONS_FILE.relative_to(REPO)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shards_option(parser)
+    parser.add_argument("--record-durations", action="store_true",
+                        help=f"write each test's seconds to {DURATIONS_FILE.relative_to(REPO)} (where every shard "
+                             "passed), by which the shards are dealt")
     args, pytest_args = parser.parse_known_args(argv)
+    if args.record_durations:
+        return record_durations(args.shards, pytest_args)
     return run(args.shards, pytest_args)
 
 
