@@ -214,6 +214,18 @@ def test_a_test_without_a_recorded_duration_weighs_the_default(tmp_path):
     assert load_test_durations(tmp_path / "absent.json").of("tests/test_x.py::test_slow") == 1.0
 
 
+def test_shards_weigh_recorded_durations_on_the_cpu_setting_alone(monkeypatch):
+    """Guards against dealing a CUDA run by CPU durations (interpreted Triton tests, the CMake build that skips
+    there): on CUDA every test weighs the same; on the CPU the slowest recorded test weighs its seconds."""
+    import conftest
+
+    listed = json.loads((REPO / "tests" / "durations.json").read_text())["tests"]
+    slowest = types.SimpleNamespace(nodeid=max(listed, key=listed.get))
+    assert conftest.shard_weight()(slowest) == listed[slowest.nodeid] > 10
+    monkeypatch.setattr(conftest, "TRITON_DEVICE", "cuda")
+    assert conftest.shard_weight()(slowest) == 1.0
+
+
 def test_the_durations_file_lists_the_slow_tests_and_weighs_the_others_by_their_mean(monkeypatch):
     """Guards against a durations file that lists thousands of fast tests, or weighs the unlisted ones as 0."""
     monkeypatch.syspath_prepend(str(REPO / "tools"))
