@@ -100,10 +100,11 @@ def test_conftest_sets_the_interpreter_only_without_cuda():
     assert default.returncode == 0 and default.stdout.split() == ["cpu", "1"], default.stderr[-2000:]
 
 
-def collected(**env: str | None) -> list[str]:
-    """The node ids of the whole suite under `env`, sorted (also when this test runs in a shard: the CUDA setting
-    orders the tests before the shard takes its share)."""
-    code = ("import sys, pytest; sys.exit(pytest.main(['tests', '--collect-only', '-q', '-p', 'no:cacheprovider']))")
+def collected(*pytest_args: str, **env: str | None) -> list[str]:
+    """The node ids of the whole suite (selected by `pytest_args`) under `env`, sorted (also when this test runs
+    in a shard: the CUDA setting orders the tests before the shard takes its share)."""
+    code = ("import sys, pytest; sys.exit(pytest.main(['tests', '--collect-only', '-q', '-p', 'no:cacheprovider', "
+            f"*{list(pytest_args)!r}]))")
     proc = run_python(code, **{"SBD_TEST_SHARD": None, **env})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return sorted(line for line in proc.stdout.splitlines() if "::" in line)
@@ -142,20 +143,11 @@ def test_gpu_run_order_puts_cuda_only_first_then_takes_the_gpu_files_in_turns():
     assert gpu_run_order([], str, bool) == []
 
 
-def collect_the_whole_suite(*pytest_args: str) -> set[str]:
-    """The node ids that `pytest --collect-only` finds in tests/ on the CPU setting, also when the calling test
-    runs in a shard (SBD_TEST_SHARD is not passed on)."""
-    env = {**{k: v for k, v in os.environ.items() if k != "SBD_TEST_SHARD"}, "SBD_TEST_DEVICE": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           *pytest_args, "tests/"], check=True, cwd=REPO, capture_output=True, text=True, env=env)
-    return {line for line in proc.stdout.splitlines() if "::" in line}
-
-
 def test_the_cuda_only_tests_carry_their_marker():
     """Guards against a CUDA-only test losing its `cuda_only` marker: it would come late in a budgeted GPU run
     (gpu_run_order), maybe after the stop."""
     marked = {node.split("::")[0] + "::" + node.split("::")[1].split("[")[0]
-              for node in collect_the_whole_suite("-m", "cuda_only")}
+              for node in collected("-m", "cuda_only", SBD_TEST_DEVICE="cpu")}
     assert marked == {
         "tests/test_attention_triton.py::test_opcheck_cuda",
         "tests/test_attention_triton.py::test_decode_step_compiles_fullgraph_cuda",
@@ -239,9 +231,8 @@ def test_the_durations_file_lists_the_slow_tests_and_weighs_the_others_by_their_
 def test_the_suite_has_a_durations_file_that_names_its_tests():
     """Guards against dealing the shards by a stale file: the tests it lists are still collected (a renamed
     test weighs the default; rerun `python tools/run_tests.py --record-durations`)."""
-    collected = collect_the_whole_suite()
     listed = json.loads((REPO / "tests" / "durations.json").read_text())["tests"]
-    stale = sorted(set(listed) - collected)
+    stale = sorted(set(listed) - set(collected(SBD_TEST_DEVICE="cpu")))
     assert len(listed) > 100 and not stale, f"{len(stale)} tests no longer collected, e.g. {stale[:3]}"
 
 
