@@ -322,7 +322,8 @@ def select_shard(items: list, spec: str, group_of: Callable[[Any], str | None] =
         raise ValueError(f"{SHARD_VARIABLE} must be i/n, e.g. 0/4, got {spec!r}") from None
     if not 0 <= index < count:
         raise ValueError(f"{SHARD_VARIABLE}={spec}: needs 0 <= i < n")
-    unit_of = [position if group_of(item) is None else group_of(item) for position, item in enumerate(items)]
+    groups = [group_of(item) for item in items]
+    unit_of = [position if group is None else group for position, group in enumerate(groups)]
     weights: dict[int | str, float] = {}  # in the order of each unit's first item
     for unit, item in zip(unit_of, items):
         weights[unit] = weights.get(unit, 0.0) + weight_of(item)

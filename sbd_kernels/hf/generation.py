@@ -252,7 +252,7 @@ def host_sync_reason(model: Any) -> str | None:
     for name, module in model.named_modules():
         if not _is_dispatched_experts(module):
             continue
-        implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        implementation = module.config._experts_implementation
         dtype = next(module.parameters()).dtype
         if implementation == "eager":
             return (f"its experts ({name}, ...) run transformers' 'eager' experts implementation, a loop over the "
