@@ -1933,8 +1933,9 @@ def test_two_process_training(tmp_path, mode, wrapper):
     worker = Path(__file__).with_name("hf_distributed_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker), mode,
            str(tmp_path)]
+    # TMPDIR: torchrun's agent leaves a torchelastic_* folder in the temporary directory it is given.
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert result["world"] == 2 and result["wrapper"] == wrapper

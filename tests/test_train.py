@@ -673,7 +673,8 @@ def test_torchrun_two_processes(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "sbd_kernels.train", "--preset", "tiny", "--steps", "3", "--batch-size", "2",
            "--eval-examples", "1", "--out", out]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # TMPDIR: torchrun's agent leaves a torchelastic_* folder in the temporary directory it is given.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world 2" in proc.stderr
