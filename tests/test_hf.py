@@ -55,6 +55,13 @@ SINK_FAMILIES = ("gpt_oss", "granite_swa", "granitemoe_swa")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+# Families whose own forward fails on older transformers releases, with or without SBD: (fixed in, what fails).
+BROKEN_BEFORE = {
+    "dbrx": (Version("5.15"), ("its router and experts take ffn_hidden_size inputs instead of d_model, so HF's "
+                               "forward fails on every config where the two differ, released DBRX among them")),
+}
+
+
 def tiny_config(family: str, attn: str = "sdpa", **overrides):
     """A 2-layer GQA config of `family` (head dim 8, 4 query heads, 2 KV heads; 4 for GPT-NeoX and Persimmon),
     no sliding window but a window of WINDOW in WINDOWED_FAMILIES. head_dim is set for every family: gemma and glm default to 256 and 128 whatever the hidden
@@ -62,6 +69,9 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
     installed transformers does not have (a release older than CI's pin: `make test-lower-bounds`)."""
     if family not in transformers.CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {family} models")
+    if family in BROKEN_BEFORE and Version(transformers.__version__) < BROKEN_BEFORE[family][0]:
+        fixed_in, what = BROKEN_BEFORE[family]
+        pytest.skip(f"transformers {transformers.__version__}'s {family}: {what} (fixed in {fixed_in})")
     if attn == "sdpa" and family in SDPA_REFUSED:
         attn = "eager"
     common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -549,6 +559,31 @@ def test_kv_sharing_without_the_config_property_is_derived_as_newer_configs_say(
     older = SimpleNamespace(model_type=config.model_type, num_hidden_layers=config.num_hidden_layers,
                             num_kv_shared_layers=shared)
     assert kv_shared_with(older, config.layer_types) == kv_shared_with(config, config.layer_types)
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "gemma4_unified_text"])
+@pytest.mark.parametrize("k_eq_v", [True, False])
+def test_gemma4_full_layer_shapes_without_per_layer_config_are_those_the_layers_have(family, k_eq_v):
+    """Guards against a cache for Gemma 4 on transformers 5.13-5.14 (configs without `per_layer_config`) giving its
+    full layers the sliding layers' KV heads and head size, which the op refused: the shapes derived from the
+    config's fields as those releases hold them (`global_head_dim`, `num_global_key_value_heads`,
+    `attention_k_eq_v`) equal those the installed transformers' config gives, and both are the shapes of the
+    model's own attention layers."""
+    from types import SimpleNamespace
+
+    from sbd_kernels.hf.model import layer_cache_shapes
+
+    overrides = {"num_kv_shared_layers": 0, "attention_k_eq_v": k_eq_v}
+    config = tiny_config(family, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    heads, dims, _ = layer_cache_shapes(model.config)
+    layers = [layer.self_attn for layer in model.model.layers]
+    assert dims == [attn.head_dim for attn in layers]
+    assert heads == [config.num_attention_heads // attn.num_key_value_groups for attn in layers]
+    assert dims[1] != dims[0], "the tiny config's full layers must differ from its sliding ones"
+    fields = {key: value for key, value in config.to_dict().items() if key != "per_layer_config"}
+    older = SimpleNamespace(**{**fields, "global_head_dim": 16, "num_global_key_value_heads": 1})
+    assert layer_cache_shapes(older) == (heads, dims, [None] * len(layers))
 
 
 def test_kv_sharing_that_leaves_no_producer_is_refused():
