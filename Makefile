@@ -68,11 +68,12 @@ $(BUILT): $(DEPS) $(BUILD_INPUTS)
 
 # The suite on the declared lower bounds (requirements-lower.txt; about 4 GB of downloads, not part of CI), in a
 # copy of the checkout's tracked files under $(LOWER)/src: the extension is built in place, so it cannot share a
-# folder with the .venv build.
+# folder with the .venv build. The code task's data goes beside it, as for .venv (its tests skip without it).
 LOWER := .venv-lower
 test-lower-bounds:
 	test -x $(LOWER)/bin/python || $(PYTHON) -m venv $(LOWER)
 	$(LOWER)/bin/pip install -q -r requirements-lower.txt
+	$(LOWER)/bin/pip install -q --no-deps --upgrade --target $(LOWER)/sbd-code-corpus -r requirements-corpus.txt
 	rm -rf $(LOWER)/src && mkdir -p $(LOWER)/src
 	git ls-files -z | tar --null -T - -cf - | tar -xf - -C $(LOWER)/src
 	git -C $(LOWER)/src init -q && git -C $(LOWER)/src add -A
