@@ -54,11 +54,13 @@ build: $(BUILT)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# The code task's data: sources read as text, never imported, so their release's Python floor (3.11 for
+# transformers 5.23) does not apply (--ignore-requires-python: `make test` on Python 3.10 installs them too).
 $(DEPS): $(BIN)/python requirements-dev.txt requirements-corpus.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -r requirements-dev.txt
-	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/sbd-code-corpus -r requirements-corpus.txt
+	$(BIN)/pip install -q --no-deps --ignore-requires-python --upgrade --target $(VENV)/sbd-code-corpus -r requirements-corpus.txt
 	touch $@
 
 # flock: one build at a time in this checkout (concurrent builds would overwrite each other's objects).
@@ -73,7 +75,7 @@ LOWER := .venv-lower
 test-lower-bounds:
 	test -x $(LOWER)/bin/python || $(PYTHON) -m venv $(LOWER)
 	$(LOWER)/bin/pip install -q -r requirements-lower.txt
-	$(LOWER)/bin/pip install -q --no-deps --upgrade --target $(LOWER)/sbd-code-corpus -r requirements-corpus.txt
+	$(LOWER)/bin/pip install -q --no-deps --ignore-requires-python --upgrade --target $(LOWER)/sbd-code-corpus -r requirements-corpus.txt
 	rm -rf $(LOWER)/src && mkdir -p $(LOWER)/src
 	git ls-files -z | tar --null -T - -cf - | tar -xf - -C $(LOWER)/src
 	git -C $(LOWER)/src init -q && git -C $(LOWER)/src add -A

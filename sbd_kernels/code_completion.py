@@ -2,14 +2,14 @@
 
 Data. The `.py` files of transformers 5.23.0 as installed from its wheel: the same bytes on every machine, and every
 file is checked against the wheel's RECORD (sha256) before use. They are read from a copy of the package installed
-beside the environment, in `corpus_folder()` (`pip install --no-deps --target <folder> transformers==5.23.0`, which
-`make` runs from requirements-corpus.txt), so the environment's own transformers can be any release; or from the
-environment's transformers where it is 5.23.0
-(2860 files, 52.8 MB). Files are split by file name: a file is held out when crc32 of its path (relative to
-site-packages) is 0 mod 10 (258 files, 5.4 MB). `corpus()` returns both splits and a sha256 of the corpus and of
-each split (over path and bytes of every file, in path order), printed by `python -m sbd_kernels.code_models
-corpus`, the training runs and the curve. Transformers copies code between models ("Copied from", modular and
-generated files), so a held-out line often has a near-copy in the training files: `duplicate_rate` measures it.
+beside the environment, in `corpus_folder()` (`pip install --no-deps --ignore-requires-python --target <folder>
+transformers==5.23.0`, which `make` runs from requirements-corpus.txt), so the environment's own transformers, and
+its Python, can be any release; or from the environment's transformers where it is 5.23.0 (2860 files, 52.8 MB).
+Files are split by file name: a file is held out when crc32 of its path (relative to site-packages) is 0 mod 10 (258
+files, 5.4 MB). `corpus()` returns both splits and a sha256 of the corpus and of each split (over path and bytes of
+every file, in path order), printed by `python -m sbd_kernels.code_models corpus`, the training runs and the curve.
+Transformers copies code between models ("Copied from", modular and generated files), so a held-out line often has a
+near-copy in the training files: `duplicate_rate` measures it.
 
 Tokens. Bytes 0..255 plus PAD, BOS and the mask token (vocabulary of 264, a multiple of 8). BOS starts every prompt
 and every training window; the newline byte ends a one-line answer.
@@ -101,7 +101,7 @@ def corpus_folder() -> Path:
 
 
 def install_command() -> str:
-    return f"pip install --no-deps --target {corpus_folder()} {PACKAGE}=={VERSION}"
+    return f"pip install --no-deps --ignore-requires-python --target {corpus_folder()} {PACKAGE}=={VERSION}"
 
 
 def pinned_distribution() -> importlib.metadata.Distribution:
