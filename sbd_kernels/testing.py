@@ -15,6 +15,8 @@ import functools
 import importlib
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
@@ -385,6 +387,14 @@ def gpu_run_order(items: list, file_of: Callable[[Any], str], cuda_only: Callabl
     queues = list(by_file.values())
     turns = [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
     return first + turns + rest
+
+
+def run_torchrun(args: list[str], folder: str | os.PathLike, timeout: float) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node 2 ARGS` with this interpreter, one torch thread per rank, its output
+    captured as text. `folder` is its temporary directory: torchrun's agent leaves a torchelastic_* folder there."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(folder)}
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def on_device(fn: Callable, device: str) -> Callable:

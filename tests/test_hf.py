@@ -17,7 +17,13 @@ from sbd_kernels import hf
 from sbd_kernels.generate import DecodeConfig, generate, naive_ops, oracle_decode
 from sbd_kernels.hf.model import cache_argument_name
 from sbd_kernels.model import ModelConfig, Transformer
-from sbd_kernels.testing import assert_close, cuda_graph_mode_params, rehearse_cuda_graphs, triton_test_device
+from sbd_kernels.testing import (
+    assert_close,
+    cuda_graph_mode_params,
+    rehearse_cuda_graphs,
+    run_torchrun,
+    triton_test_device,
+)
 from sbd_kernels.train import sbd_loss
 
 DEVICE = triton_test_device()
@@ -1960,17 +1966,10 @@ def test_two_process_training(tmp_path, mode, wrapper):
     """Guards against the SBD collator and loss breaking under data parallelism: 2 gloo processes on the CPU, HF
     Trainer with DDP, and FSDP2 (fully_shard) in a plain loop; the loss is finite and falls over 3 steps."""
     import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     worker = Path(__file__).with_name("hf_distributed_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker), mode,
-           str(tmp_path)]
-    # TMPDIR: torchrun's agent leaves a torchelastic_* folder in the temporary directory it is given.
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
+    proc = run_torchrun([str(worker), mode, str(tmp_path)], tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert result["world"] == 2 and result["wrapper"] == wrapper

@@ -4,7 +4,6 @@ import dataclasses
 import math
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 import sbd_kernels.train as train_module
 from sbd_kernels.model import ModelConfig, Transformer, load_checkpoint, save_checkpoint
 from sbd_kernels.tasks import TOKENIZER
+from sbd_kernels.testing import run_torchrun
 from sbd_kernels.train import (
     IGNORE,
     TrainConfig,
@@ -670,12 +670,8 @@ def test_torchrun_two_processes(tmp_path):
     averaged over the ranks, per-rank data, rank-0-only checkpointing): 2 gloo processes on the CPU, 3 SBD
     steps."""
     out = str(tmp_path / "ddp.pt")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "sbd_kernels.train", "--preset", "tiny", "--steps", "3", "--batch-size", "2",
-           "--eval-examples", "1", "--out", out]
-    # TMPDIR: torchrun's agent leaves a torchelastic_* folder in the temporary directory it is given.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=env)
+    proc = run_torchrun(["-m", "sbd_kernels.train", "--preset", "tiny", "--steps", "3", "--batch-size", "2",
+                         "--eval-examples", "1", "--out", out], tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world 2" in proc.stderr
     _, meta = load_checkpoint(out)
