@@ -61,6 +61,8 @@ SINK_FAMILIES = ("gpt_oss", "granite_swa", "granitemoe_swa")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+# The tiny Gemma 4 configs' full layers: another head size and KV head count than the sliding ones (8 and 2).
+GEMMA4_FULL_LAYERS = {"global_head_dim": 16, "num_global_key_value_heads": 1}
 # Families whose own forward fails on older transformers releases, with or without SBD: (fixed in, what fails).
 BROKEN_BEFORE = {
     "dbrx": (Version("5.15"), ("its router and experts take ffn_hidden_size inputs instead of d_model, so HF's "
@@ -148,8 +150,8 @@ def tiny_config(family: str, attn: str = "sdpa", **overrides):
         # Gemma 4: full layers with another head size and KV head count (global_head_dim, num_global_key_value_heads)
         # whose values are their keys (attention_k_eq_v), and the last two layers attending to the keys and values of
         # the last earlier layer of their type (num_kv_shared_layers); gemma4_text adds per-layer token inputs.
-        common.update(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, global_head_dim=16,
-                      num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2)
+        common.update(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                      **GEMMA4_FULL_LAYERS, attention_k_eq_v=True, num_kv_shared_layers=2)
     if family == "gemma4_text":
         common.update(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)
     if family == "gemma3n_text":
@@ -588,7 +590,7 @@ def test_gemma4_full_layer_shapes_without_per_layer_config_are_those_the_layers_
     assert heads == [config.num_attention_heads // attn.num_key_value_groups for attn in layers]
     assert dims[1] != dims[0], "the tiny config's full layers must differ from its sliding ones"
     fields = {key: value for key, value in config.to_dict().items() if key != "per_layer_config"}
-    older = SimpleNamespace(**{**fields, "global_head_dim": 16, "num_global_key_value_heads": 1})
+    older = SimpleNamespace(**{**fields, **GEMMA4_FULL_LAYERS})
     assert layer_cache_shapes(older) == (heads, dims, [None] * len(layers))
 
 

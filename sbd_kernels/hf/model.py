@@ -371,9 +371,9 @@ def layer_cache_shapes(config: Any) -> tuple[list[int], list[int], list[int | No
     """Per layer of `config`: (KV heads, head size, the earlier layer whose keys and values it attends to or None).
 
     One size for every layer, except in configs with per-layer settings (`per_layer_config`: Gemma 4's full layers
-    take `global_head_dim` and `num_global_key_value_heads`; `global_layer_overrides` on releases before it); a
-    layer HF marks "reuse" in `kv_sharing_modes` reads the keys and values that the "store" layer of its layer type
-    computed in the same pass (the last `num_kv_shared_layers` of Gemma 4 and Gemma 3n)."""
+    take `global_head_dim` and `num_global_key_value_heads`; `shape_before_per_layer_config` on releases before
+    it); a layer HF marks "reuse" in `kv_sharing_modes` reads the keys and values that the "store" layer of its
+    layer type computed in the same pass (the last `num_kv_shared_layers` of Gemma 4 and Gemma 3n)."""
     layers = config.num_hidden_layers
     types = getattr(config, "layer_types", None) or ["full_attention"] * layers
     # Each layer's view of the config: a config with per-layer values refuses to read them globally.
@@ -383,11 +383,11 @@ def layer_cache_shapes(config: Any) -> tuple[list[int], list[int], list[int | No
     shapes = [(getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
                getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads) for c in layer_configs]
     if per_layer is None:
-        shapes = [global_layer_overrides(config, types[i], shapes[i]) for i in range(layers)]
+        shapes = [shape_before_per_layer_config(config, types[i], shapes[i]) for i in range(layers)]
     return [heads for heads, _ in shapes], [dim for _, dim in shapes], kv_shared_with(config, types)
 
 
-def global_layer_overrides(config: Any, layer_type: str, shape: tuple[int, int]) -> tuple[int, int]:
+def shape_before_per_layer_config(config: Any, layer_type: str, shape: tuple[int, int]) -> tuple[int, int]:
     """(KV heads, head size) of one layer of a Gemma 4 config from before `per_layer_config` (transformers 5.13 and
     5.14), as that release's modeling code reads them: a layer that is not "sliding_attention" takes
     `global_head_dim` when set, and `num_global_key_value_heads` when `attention_k_eq_v`. Read as one size for
